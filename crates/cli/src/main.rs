@@ -1,0 +1,4 @@
+fn main() {
+    eprintln!("ferroprof: not yet implemented");
+    std::process::exit(2);
+}

@@ -1,0 +1,372 @@
+//! Reading pprof files: a `prost` model of `profile.proto` (written from the published schema,
+//! independent of ferroprof's own streaming encoder, so tests can check one against the other)
+//! plus helpers to resolve strings, stacks and labels.
+
+use std::collections::HashMap;
+use std::io::Read;
+
+use prost::Message;
+use thiserror::Error;
+
+/// Errors reading a pprof file.
+#[derive(Debug, Error)]
+pub enum ReadError {
+    #[error("not a pprof profile: gzip data is corrupt ({0})")]
+    Gzip(std::io::Error),
+    #[error("not a pprof profile: zstd data is corrupt ({0})")]
+    Zstd(String),
+    #[error("zstd-compressed profile, but this build has no zstd support")]
+    ZstdUnsupported,
+    #[error("not a pprof profile: protobuf decoding failed ({0})")]
+    Decode(#[from] prost::DecodeError),
+    #[error("not a pprof profile: {0}")]
+    Invalid(String),
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Profile {
+    #[prost(message, repeated, tag = "1")]
+    pub sample_type: Vec<ValueType>,
+    #[prost(message, repeated, tag = "2")]
+    pub sample: Vec<Sample>,
+    #[prost(message, repeated, tag = "3")]
+    pub mapping: Vec<Mapping>,
+    #[prost(message, repeated, tag = "4")]
+    pub location: Vec<Location>,
+    #[prost(message, repeated, tag = "5")]
+    pub function: Vec<Function>,
+    #[prost(string, repeated, tag = "6")]
+    pub string_table: Vec<String>,
+    #[prost(int64, tag = "7")]
+    pub drop_frames: i64,
+    #[prost(int64, tag = "8")]
+    pub keep_frames: i64,
+    #[prost(int64, tag = "9")]
+    pub time_nanos: i64,
+    #[prost(int64, tag = "10")]
+    pub duration_nanos: i64,
+    #[prost(message, optional, tag = "11")]
+    pub period_type: Option<ValueType>,
+    #[prost(int64, tag = "12")]
+    pub period: i64,
+    #[prost(int64, repeated, tag = "13")]
+    pub comment: Vec<i64>,
+    #[prost(int64, tag = "14")]
+    pub default_sample_type: i64,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct ValueType {
+    #[prost(int64, tag = "1")]
+    pub r#type: i64,
+    #[prost(int64, tag = "2")]
+    pub unit: i64,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Sample {
+    #[prost(uint64, repeated, tag = "1")]
+    pub location_id: Vec<u64>,
+    #[prost(int64, repeated, tag = "2")]
+    pub value: Vec<i64>,
+    #[prost(message, repeated, tag = "3")]
+    pub label: Vec<Label>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Label {
+    #[prost(int64, tag = "1")]
+    pub key: i64,
+    #[prost(int64, tag = "2")]
+    pub str: i64,
+    #[prost(int64, tag = "3")]
+    pub num: i64,
+    #[prost(int64, tag = "4")]
+    pub num_unit: i64,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Mapping {
+    #[prost(uint64, tag = "1")]
+    pub id: u64,
+    #[prost(uint64, tag = "2")]
+    pub memory_start: u64,
+    #[prost(uint64, tag = "3")]
+    pub memory_limit: u64,
+    #[prost(uint64, tag = "4")]
+    pub file_offset: u64,
+    #[prost(int64, tag = "5")]
+    pub filename: i64,
+    #[prost(int64, tag = "6")]
+    pub build_id: i64,
+    #[prost(bool, tag = "7")]
+    pub has_functions: bool,
+    #[prost(bool, tag = "8")]
+    pub has_filenames: bool,
+    #[prost(bool, tag = "9")]
+    pub has_line_numbers: bool,
+    #[prost(bool, tag = "10")]
+    pub has_inline_frames: bool,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Location {
+    #[prost(uint64, tag = "1")]
+    pub id: u64,
+    #[prost(uint64, tag = "2")]
+    pub mapping_id: u64,
+    #[prost(uint64, tag = "3")]
+    pub address: u64,
+    #[prost(message, repeated, tag = "4")]
+    pub line: Vec<Line>,
+    #[prost(bool, tag = "5")]
+    pub is_folded: bool,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Line {
+    #[prost(uint64, tag = "1")]
+    pub function_id: u64,
+    #[prost(int64, tag = "2")]
+    pub line: i64,
+    #[prost(int64, tag = "3")]
+    pub column: i64,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Function {
+    #[prost(uint64, tag = "1")]
+    pub id: u64,
+    #[prost(int64, tag = "2")]
+    pub name: i64,
+    #[prost(int64, tag = "3")]
+    pub system_name: i64,
+    #[prost(int64, tag = "4")]
+    pub filename: i64,
+    #[prost(int64, tag = "5")]
+    pub start_line: i64,
+}
+
+/// Decompresses (gzip, zstd or none, detected by magic bytes) and decodes a pprof profile.
+pub fn decode(bytes: &[u8]) -> Result<Profile, ReadError> {
+    let raw = decompress(bytes)?;
+    let p = Profile::decode(raw.as_slice())?;
+    p.validate()?;
+    Ok(p)
+}
+
+/// Undoes gzip or zstd compression, detected by magic bytes; other input is returned as is.
+pub fn decompress(bytes: &[u8]) -> Result<Vec<u8>, ReadError> {
+    if bytes.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        flate2::read::MultiGzDecoder::new(bytes)
+            .read_to_end(&mut out)
+            .map_err(ReadError::Gzip)?;
+        Ok(out)
+    } else if bytes.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        #[cfg(feature = "zstd")]
+        {
+            zstd::stream::decode_all(bytes).map_err(|e| ReadError::Zstd(e.to_string()))
+        }
+        #[cfg(not(feature = "zstd"))]
+        {
+            Err(ReadError::ZstdUnsupported)
+        }
+    } else {
+        Ok(bytes.to_vec())
+    }
+}
+
+/// One frame of a resolved stack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedLine {
+    pub function: String,
+    pub filename: String,
+    pub line: i64,
+    pub address: u64,
+}
+
+impl Profile {
+    /// Checks the cross references a reader relies on (string indexes, ids).
+    pub fn validate(&self) -> Result<(), ReadError> {
+        let nstr = self.string_table.len() as i64;
+        if nstr == 0 {
+            if self.sample_type.is_empty() && self.sample.is_empty() {
+                return Err(ReadError::Invalid("empty message".into()));
+            }
+            return Err(ReadError::Invalid("string table is empty".into()));
+        }
+        if !self.string_table[0].is_empty() {
+            return Err(ReadError::Invalid(format!(
+                "string_table[0] must be \"\", got {:?}",
+                self.string_table[0]
+            )));
+        }
+        let s_ok = |i: i64| (0..nstr).contains(&i);
+        for vt in &self.sample_type {
+            if !s_ok(vt.r#type) || !s_ok(vt.unit) {
+                return Err(ReadError::Invalid("sample_type string index out of range".into()));
+            }
+        }
+        let locs: HashMap<u64, &Location> = self.location.iter().map(|l| (l.id, l)).collect();
+        let funcs: HashMap<u64, &Function> = self.function.iter().map(|f| (f.id, f)).collect();
+        for f in &self.function {
+            if !s_ok(f.name) || !s_ok(f.system_name) || !s_ok(f.filename) {
+                return Err(ReadError::Invalid(format!("function {} has a bad string index", f.id)));
+            }
+        }
+        for l in &self.location {
+            for line in &l.line {
+                if !funcs.contains_key(&line.function_id) {
+                    return Err(ReadError::Invalid(format!(
+                        "location {} names unknown function {}",
+                        l.id, line.function_id
+                    )));
+                }
+            }
+        }
+        for (i, s) in self.sample.iter().enumerate() {
+            if s.value.len() != self.sample_type.len() {
+                return Err(ReadError::Invalid(format!(
+                    "sample {i} has {} values for {} sample types",
+                    s.value.len(),
+                    self.sample_type.len()
+                )));
+            }
+            for id in &s.location_id {
+                if !locs.contains_key(id) {
+                    return Err(ReadError::Invalid(format!("sample {i} names unknown location {id}")));
+                }
+            }
+            for l in &s.label {
+                if !s_ok(l.key) || !s_ok(l.str) || !s_ok(l.num_unit) {
+                    return Err(ReadError::Invalid(format!("sample {i} has a bad label string index")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// String at `i` (empty for out-of-range).
+    pub fn str(&self, i: i64) -> &str {
+        usize::try_from(i)
+            .ok()
+            .and_then(|i| self.string_table.get(i))
+            .map(String::as_str)
+            .unwrap_or("")
+    }
+
+    /// (type, unit) of every sample type, in order.
+    pub fn sample_types(&self) -> Vec<(String, String)> {
+        self.sample_type
+            .iter()
+            .map(|v| (self.str(v.r#type).to_owned(), self.str(v.unit).to_owned()))
+            .collect()
+    }
+
+    /// Index of the sample type named `name`.
+    pub fn value_index(&self, name: &str) -> Option<usize> {
+        self.sample_type.iter().position(|v| self.str(v.r#type) == name)
+    }
+
+    /// The frames of `sample`, innermost first, inlined frames expanded.
+    pub fn stack(&self, sample: &Sample) -> Vec<ResolvedLine> {
+        let locs: HashMap<u64, &Location> = self.location.iter().map(|l| (l.id, l)).collect();
+        let funcs: HashMap<u64, &Function> = self.function.iter().map(|f| (f.id, f)).collect();
+        let mut out = Vec::new();
+        for id in &sample.location_id {
+            let Some(loc) = locs.get(id) else { continue };
+            if loc.line.is_empty() {
+                out.push(ResolvedLine {
+                    function: format!("{:#x}", loc.address),
+                    filename: String::new(),
+                    line: 0,
+                    address: loc.address,
+                });
+            }
+            for line in &loc.line {
+                let (function, filename) = funcs
+                    .get(&line.function_id)
+                    .map(|f| (self.str(f.name).to_owned(), self.str(f.filename).to_owned()))
+                    .unwrap_or_default();
+                out.push(ResolvedLine {
+                    function,
+                    filename,
+                    line: line.line,
+                    address: loc.address,
+                });
+            }
+        }
+        out
+    }
+
+    /// Function names of `sample`'s stack, innermost first.
+    pub fn stack_names(&self, sample: &Sample) -> Vec<String> {
+        self.stack(sample).into_iter().map(|l| l.function).collect()
+    }
+
+    /// String value of the label `key` on `sample`.
+    pub fn label_str<'a>(&'a self, sample: &Sample, key: &str) -> Option<&'a str> {
+        sample
+            .label
+            .iter()
+            .find(|l| self.str(l.key) == key && l.str != 0)
+            .map(|l| self.str(l.str))
+    }
+
+    /// Numeric value of the label `key` on `sample`.
+    pub fn label_num(&self, sample: &Sample, key: &str) -> Option<i64> {
+        sample
+            .label
+            .iter()
+            .find(|l| self.str(l.key) == key && l.str == 0)
+            .map(|l| l.num)
+    }
+
+    /// Sum of the values of sample type `name` over all samples.
+    pub fn total(&self, name: &str) -> Option<i64> {
+        let i = self.value_index(name)?;
+        Some(self.sample.iter().map(|s| s.value[i]).sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_a_hand_built_profile() {
+        let p = Profile {
+            sample_type: vec![ValueType { r#type: 1, unit: 2 }],
+            sample: vec![Sample {
+                location_id: vec![1],
+                value: vec![42],
+                label: vec![Label { key: 3, str: 4, num: 0, num_unit: 0 }],
+            }],
+            location: vec![Location {
+                id: 1,
+                line: vec![Line { function_id: 1, line: 7, column: 0 }],
+                ..Default::default()
+            }],
+            function: vec![Function { id: 1, name: 5, system_name: 5, filename: 6, start_line: 0 }],
+            string_table: ["", "cpu-time", "nanoseconds", "thread name", "main", "f", "f.rs"]
+                .map(String::from)
+                .to_vec(),
+            ..Default::default()
+        };
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, &p.encode_to_vec()).unwrap();
+        let back = decode(&gz.finish().unwrap()).unwrap();
+        assert_eq!(back, p);
+        assert_eq!(back.stack_names(&back.sample[0]), vec!["f"]);
+        assert_eq!(back.label_str(&back.sample[0], "thread name"), Some("main"));
+        assert_eq!(back.total("cpu-time"), Some(42));
+    }
+
+    #[test]
+    fn rejects_garbage() {
+        assert!(decode(b"definitely not a profile").is_err());
+        assert!(decode(&[0x1f, 0x8b, 0, 1, 2]).is_err());
+        assert!(decode(&[]).is_err());
+    }
+}

@@ -1,0 +1,77 @@
+//! Typed errors of the recording core. Every message names the offending value.
+
+use thiserror::Error;
+
+/// Errors of the [`crate::strings::StringStorage`].
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum StringError {
+    #[error("string id {0} is not interned (never was, or was released by a generation advance)")]
+    UnknownId(u32),
+    #[error("string id {0} was uninterned more times than it was interned")]
+    Underflow(u32),
+    #[error("string of {len} bytes is longer than the limit of {limit} bytes")]
+    TooLong { len: usize, limit: usize },
+    #[error("string storage is full ({0} live strings)")]
+    Full(usize),
+}
+
+/// Errors of a [`crate::profile::Profile`].
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ProfileError {
+    #[error("sample has {got} values but the profile has {expected} sample types")]
+    WrongValueCount { expected: usize, got: usize },
+    #[error("label key {0:?} appears more than once in one sample")]
+    DuplicateLabelKey(String),
+    #[error("label \"local root span id\" must be numeric, got the string {0:?}")]
+    StringLocalRootSpanId(String),
+    #[error("sample has {got} frames, more than the limit of {limit}")]
+    TooManyFrames { got: usize, limit: usize },
+    #[error("label key must not be empty")]
+    EmptyLabelKey,
+    #[error("end timestamp {0} ns is negative")]
+    NegativeTimestamp(i64),
+    #[error(transparent)]
+    String(#[from] StringError),
+    #[error("encoding failed: {0}")]
+    Encode(String),
+}
+
+/// Errors of the [`crate::heap::HeapRecorder`].
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum HeapError {
+    #[error("heap sample_every must be a positive integer value but was {0}")]
+    InvalidSampleEvery(i64),
+    #[error("Detected consecutive heap allocation recording starts without end.")]
+    StartWithoutEnd,
+    #[error("Ended a heap recording that was not started")]
+    EndWithoutStart,
+    #[error("Object ids are supposed to be unique. We got 2 allocation recordings with the same id. previous={{{previous}}} new={{{new}}}")]
+    DuplicateId { previous: String, new: String },
+    #[error("New heap recorder iteration prepared without the previous one having been finished.")]
+    PrepareTwice,
+    #[error("Heap recorder iteration finished without having been prepared.")]
+    FinishWithoutPrepare,
+    #[error("stack has {got} frames, more than the limit of {limit}")]
+    TooManyFrames { got: usize, limit: usize },
+    #[error("heap record reached the maximum number of tracked objects ({0})")]
+    TooManyObjects(u32),
+    #[error(transparent)]
+    String(#[from] StringError),
+}
+
+/// Errors of the [`crate::stack_recorder::StackRecorder`].
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum RecorderError {
+    #[error("failed to grab either profile slot in two rounds (active slot {active_slot}); sample dropped")]
+    NoActiveSlot { active_slot: u8 },
+    #[error("a serialization is already running; only one may run at a time")]
+    ConcurrentSerialization,
+    #[error("failed to record sample: {0}")]
+    Profile(#[from] ProfileError),
+    #[error("heap recorder: {0}")]
+    Heap(#[from] HeapError),
+    #[error("heap profiling is disabled in this recorder's configuration")]
+    HeapDisabled,
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}

@@ -1,0 +1,24 @@
+//! The recording core of ferroprof.
+//!
+//! Pure Rust, no signals, no OS specifics: string interning ([`strings`]), the sample-type layout
+//! ([`sample_types`]), profile aggregation and pprof encoding ([`profile`], [`pprof`]), the
+//! two-slot [`stack_recorder`] that lets samplers record without ever waiting for a serialization,
+//! and the [`heap`] recorder that tracks sampled live objects.
+
+pub mod error;
+pub mod heap;
+pub mod pprof;
+pub mod profile;
+pub mod sample_types;
+pub mod stack_recorder;
+pub mod strings;
+
+pub use error::{HeapError, ProfileError, RecorderError, StringError};
+pub use heap::{HeapConfig, HeapRecorder, HeapStats, Liveness, LivenessSource};
+pub use pprof::{Compression, EncodedProfile, ResolvedFrame, Symbolizer};
+pub use profile::{Frame, Label, LabelValue, Profile, Sample, Str};
+pub use sample_types::{SampleLayout, SampleType, SampleTypeConfig, SampleValues};
+pub use stack_recorder::{
+    LifetimeStats, ProfileStats, RecorderConfig, RecorderStats, SerializedProfile, StackRecorder,
+};
+pub use strings::{StringId, StringStorage};
