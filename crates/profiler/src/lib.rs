@@ -1,2 +1,4 @@
 //! ferroprof: profile a running Rust process (see the README).
+pub mod export;
+
 pub use ferroprof_recorder as recorder;

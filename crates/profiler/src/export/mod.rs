@@ -1,0 +1,83 @@
+//! Where finished profiles go.
+//!
+//! The export loop hands every serialized profile to each configured [`Exporter`]. Exporters that
+//! talk to a network wrap themselves in a bounded background queue so `export` returns at once:
+//! a backend being down never blocks the application nor grows memory without bound.
+
+use std::time::{Duration, SystemTime};
+
+use ferroprof_recorder::{EncodedProfile, ProfileStats};
+
+/// One profile on its way out, with the metadata backends want.
+#[derive(Debug, Clone)]
+pub struct ExportedProfile {
+    pub encoded: EncodedProfile,
+    pub stats: ProfileStats,
+    /// Service name (`service` tag).
+    pub service: String,
+    /// Extra tags (`env`, `version`, user tags...), in the order given.
+    pub tags: Vec<(String, String)>,
+    /// Names of the sample types present, in profile order (e.g. "cpu-time").
+    pub sample_types: Vec<String>,
+    /// Process start, for backends that want it.
+    pub process_start: SystemTime,
+}
+
+impl ExportedProfile {
+    pub fn start(&self) -> SystemTime {
+        self.encoded.start
+    }
+
+    pub fn end(&self) -> SystemTime {
+        self.encoded.end
+    }
+}
+
+/// Errors of an exporter.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("cannot write profile to {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("backend {backend} rejected the profile: HTTP {status}: {body}")]
+    Rejected {
+        backend: String,
+        status: u16,
+        body: String,
+    },
+    #[error("cannot reach backend {backend} at {target}: {reason}")]
+    Unreachable {
+        backend: String,
+        target: String,
+        reason: String,
+    },
+    #[error("backend {backend} timed out after {after:?}")]
+    Timeout { backend: String, after: Duration },
+    #[error("invalid exporter configuration: {0}")]
+    Config(String),
+}
+
+/// A destination for profiles. Called from the export thread, never from application threads.
+pub trait Exporter: Send + 'static {
+    /// Short name for logs ("dir", "datadog", "pyroscope").
+    fn name(&self) -> &str;
+    /// Hands one profile over. Network exporters enqueue and return at once.
+    fn export(&mut self, profile: &ExportedProfile) -> Result<(), ExportError>;
+    /// Called once when profiling stops, after the last profile: flush what can be flushed
+    /// within `deadline`.
+    fn shutdown(&mut self, _deadline: Duration) {}
+}
+
+/// On-demand profiles, as served by `/debug/pprof/*`. Implemented by the running profiler.
+pub trait ProfileSource: Send + Sync + 'static {
+    /// CPU and wall samples taken during the next `duration` (blocks that long); gzip pprof.
+    /// Does not take samples away from the periodic export.
+    fn cpu_profile(&self, duration: Duration) -> Result<Vec<u8>, String>;
+    /// Live heap right now; gzip pprof.
+    fn heap_profile(&self) -> Result<Vec<u8>, String>;
+    /// Allocation samples taken during the next `duration`; gzip pprof.
+    fn allocs_profile(&self, duration: Duration) -> Result<Vec<u8>, String>;
+}
