@@ -370,3 +370,130 @@ mod tests {
         assert!(decode(&[]).is_err());
     }
 }
+
+/// Builds small profiles from function names, for tests and tools that need real pprof bytes
+/// without running a recorder. Each distinct function gets one location.
+#[derive(Debug, Default)]
+pub struct ProfileBuilder {
+    profile: Profile,
+    strings: HashMap<String, i64>,
+    functions: HashMap<String, u64>,
+}
+
+impl ProfileBuilder {
+    /// A profile with the given `(type, unit)` sample types, in order.
+    pub fn new(sample_types: &[(&str, &str)]) -> Self {
+        let mut b = ProfileBuilder::default();
+        b.intern("");
+        for (t, u) in sample_types {
+            let vt = ValueType {
+                r#type: b.intern(t),
+                unit: b.intern(u),
+            };
+            b.profile.sample_type.push(vt);
+        }
+        b
+    }
+
+    fn intern(&mut self, s: &str) -> i64 {
+        if let Some(&i) = self.strings.get(s) {
+            return i;
+        }
+        let i = self.profile.string_table.len() as i64;
+        self.profile.string_table.push(s.to_owned());
+        self.strings.insert(s.to_owned(), i);
+        i
+    }
+
+    fn location_for(&mut self, function: &str) -> u64 {
+        if let Some(&id) = self.functions.get(function) {
+            return id;
+        }
+        let id = self.profile.function.len() as u64 + 1;
+        let name = self.intern(function);
+        let filename = self.intern("src/lib.rs");
+        self.profile.function.push(Function {
+            id,
+            name,
+            system_name: name,
+            filename,
+            start_line: 0,
+        });
+        self.profile.location.push(Location {
+            id,
+            line: vec![Line {
+                function_id: id,
+                line: 1,
+                column: 0,
+            }],
+            ..Default::default()
+        });
+        self.functions.insert(function.to_owned(), id);
+        id
+    }
+
+    /// Start time and duration (`time_nanos`, `duration_nanos`).
+    pub fn time(mut self, time_nanos: i64, duration_nanos: i64) -> Self {
+        self.profile.time_nanos = time_nanos;
+        self.profile.duration_nanos = duration_nanos;
+        self
+    }
+
+    /// Adds a sample; `stack` is innermost first, `labels` are string labels.
+    pub fn sample(mut self, stack: &[&str], values: &[i64], labels: &[(&str, &str)]) -> Self {
+        let location_id = stack.iter().map(|f| self.location_for(f)).collect();
+        let label = labels
+            .iter()
+            .map(|(k, v)| Label {
+                key: self.intern(k),
+                str: self.intern(v),
+                num: 0,
+                num_unit: 0,
+            })
+            .collect();
+        self.profile.sample.push(Sample {
+            location_id,
+            value: values.to_vec(),
+            label,
+        });
+        self
+    }
+
+    pub fn build(self) -> Profile {
+        self.profile
+    }
+
+    /// The profile encoded and gzip-compressed, as profilers write it.
+    pub fn gzip(self) -> Vec<u8> {
+        self.profile.encode_gzip()
+    }
+}
+
+impl Profile {
+    /// Encodes and gzip-compresses this profile.
+    pub fn encode_gzip(&self) -> Vec<u8> {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        // Writing into a Vec cannot fail.
+        let _ = std::io::Write::write_all(&mut gz, &self.encode_to_vec());
+        gz.finish().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod builder_tests {
+    use super::*;
+
+    #[test]
+    fn builder_output_decodes() {
+        let bytes = ProfileBuilder::new(&[("cpu-time", "nanoseconds"), ("cpu-samples", "count")])
+            .time(1_000, 2_000)
+            .sample(&["leaf", "main"], &[30, 3], &[("thread name", "main")])
+            .sample(&["other", "main"], &[10, 1], &[])
+            .gzip();
+        let p = decode(&bytes).unwrap();
+        assert_eq!(p.total("cpu-time"), Some(40));
+        assert_eq!(p.stack_names(&p.sample[0]), vec!["leaf", "main"]);
+        assert_eq!(p.label_str(&p.sample[0], "thread name"), Some("main"));
+        assert_eq!(p.function.len(), 3);
+    }
+}
