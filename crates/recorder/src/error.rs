@@ -55,6 +55,10 @@ pub enum HeapError {
     TooManyFrames { got: usize, limit: usize },
     #[error("heap record reached the maximum number of tracked objects ({0})")]
     TooManyObjects(u32),
+    #[error("heap recorder holds the maximum number of distinct stacks ({limit})")]
+    TooManyStacks { limit: usize },
+    #[error("heap recorder iteration was not prepared (call prepare_iteration first)")]
+    NotPrepared,
     #[error(transparent)]
     String(#[from] StringError),
 }

@@ -1,14 +1,32 @@
 //! The heap recorder: sampled live objects and where they were allocated.
 //!
-//! CONTRACT (implementation pending, see issue 3). Object records (id -> weight, size, class,
-//! allocation generation, age, frozen) point at deduplicated, refcounted heap records (stacks).
-//! Two liveness models: managed (a [`LivenessSource`] answers "is object N alive") and native
-//! (the allocator calls [`HeapRecorder::untrack`] on free).
+//! Object records (id -> weight, size, class, allocation generation, frozen) point at
+//! deduplicated, refcounted heap records (stacks). Two liveness models: managed (a
+//! [`LivenessSource`] answers "is object N alive") and native (the allocator calls
+//! [`HeapRecorder::untrack`] on free).
+//!
+//! Layout, chosen for many allocating threads and a small per-object footprint:
+//! - Object records are 32 bytes, kept densely in 16 shards selected by a mix of the id. Each shard
+//!   has its own open-addressed index of `u32` positions, so a tracked object costs its record plus
+//!   a few index bytes, and a serialization snapshot is one `memcpy` per shard.
+//! - Stacks live in 16 shards selected by the stack hash. A stack is stored once as words
+//!   (`[hash, frame0.a, frame0.b, ...]`), compared and hashed as a whole; objects refer to it by a
+//!   `u32` (shard + slot).
+//! - Iteration works on a point-in-time snapshot taken by [`HeapRecorder::prepare_iteration`],
+//!   outside every lock. While a snapshot exists, stacks whose last object goes away keep their slot
+//!   and strings ("pinned"), and class strings are released only at
+//!   [`HeapRecorder::finish_iteration`], so everything the snapshot refers to stays valid.
 
+use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use crate::error::HeapError;
-use crate::profile::Frame;
+use parking_lot::Mutex;
+
+use crate::error::{HeapError, StringError};
+use crate::profile::{Frame, Str, MAX_FRAMES};
 use crate::strings::{StringId, StringStorage};
 
 /// Objects younger than this many generations are left out of iterations (managed default).
@@ -30,11 +48,29 @@ pub struct ObjectInfo {
 }
 
 /// A managed runtime's view of its heap.
+///
+/// `lookup` is called without any recorder lock held, so it may allocate or take the runtime's
+/// own locks. Allocations reported while an update runs are skipped (see
+/// [`HeapRecorder::start_recording`]).
 pub trait LivenessSource: Send + Sync {
     /// Monotonic collection counter.
     fn gc_generation(&self) -> u64;
     /// `None` when object `id` is dead.
     fn lookup(&self, id: u64) -> Option<ObjectInfo>;
+
+    /// Deferred mode: `true` when ids cannot be computed while an allocation is being reported.
+    /// [`HeapRecorder::start_recording`] then receives a *handle* instead of an id, and the
+    /// recording is committed by [`HeapRecorder::finalize_pending_recordings`], which maps each
+    /// handle to its id with [`Self::resolve_handle`].
+    fn defers_ids(&self) -> bool {
+        false
+    }
+
+    /// Deferred mode: the id of the object behind `handle`, or `None` when it can no longer be
+    /// resolved (the recording is then dropped).
+    fn resolve_handle(&self, handle: u64) -> Option<u64> {
+        Some(handle)
+    }
 }
 
 /// How records leave the recorder.
@@ -80,6 +116,28 @@ impl Default for HeapConfig {
     }
 }
 
+impl HeapConfig {
+    /// Native model (frees observed via `untrack`): every tracked allocation shows up, from the
+    /// first serialization on.
+    pub fn native() -> Self {
+        HeapConfig {
+            min_iteration_age: 0,
+            liveness: Liveness::Native,
+            ..HeapConfig::default()
+        }
+    }
+
+    /// Managed model: liveness pulled from `source`; objects show up once they survived a
+    /// collection.
+    pub fn managed(source: Arc<dyn LivenessSource>) -> Self {
+        HeapConfig {
+            min_iteration_age: DEFAULT_MIN_ITERATION_AGE,
+            liveness: Liveness::Managed(source),
+            ..HeapConfig::default()
+        }
+    }
+}
+
 /// One live object as seen during iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LiveObject {
@@ -117,80 +175,1342 @@ pub struct HeapStats {
     pub lifetime_deferred_recordings_finalized: u64,
 }
 
+// ---------------------------------------------------------------------------------------------
+// Compact records
+// ---------------------------------------------------------------------------------------------
+
+const OBJ_SHARDS: usize = 16;
+const STACK_SHARDS: usize = 16;
+/// Stack references: slot in the low 27 bits, shard in the next 4, bit 31 free for `FROZEN_BIT`.
+const STACK_SLOT_BITS: u32 = 27;
+const STACK_SLOT_LIMIT: usize = 1 << STACK_SLOT_BITS;
+const STACK_REF_MASK: u32 = !FROZEN_BIT;
+const FROZEN_BIT: u32 = 1 << 31;
+/// Second word of an address frame; symbol frames keep the top half of that word zero.
+const ADDRESS_TAG: u64 = 1 << 32;
+/// Stacks up to this many frames are encoded in a stack buffer (no allocation on the hot path).
+const INLINE_FRAMES: usize = 64;
+const STACK_HASH: foldhash::fast::FixedState =
+    foldhash::fast::FixedState::with_seed(0x6865_6170_7374_6b31);
+
+/// One tracked object: 32 bytes, the whole per-object cost apart from a few index bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ObjRecord {
+    id: u64,
+    size: u64,
+    weight: u32,
+    /// Stack reference in the low 31 bits, frozen flag in the top bit.
+    stack_and_frozen: u32,
+    class: u32,
+    /// Low 32 bits of the allocation generation. Ages are computed with wrapping arithmetic,
+    /// exact as long as an object is younger than 2^31 generations.
+    alloc_gen: u32,
+}
+
+impl ObjRecord {
+    const EMPTY: ObjRecord = ObjRecord {
+        id: 0,
+        size: 0,
+        weight: 0,
+        stack_and_frozen: 0,
+        class: 0,
+        alloc_gen: 0,
+    };
+
+    fn stack(&self) -> u32 {
+        self.stack_and_frozen & STACK_REF_MASK
+    }
+
+    fn frozen(&self) -> bool {
+        self.stack_and_frozen & FROZEN_BIT != 0
+    }
+
+    fn set_frozen(&mut self, frozen: bool) {
+        if frozen {
+            self.stack_and_frozen |= FROZEN_BIT;
+        } else {
+            self.stack_and_frozen &= STACK_REF_MASK;
+        }
+    }
+
+    fn class(&self) -> StringId {
+        StringId(self.class)
+    }
+}
+
+/// Generations between `alloc_gen` (low 32 bits) and `current`, negative when the object was
+/// recorded after `current` was read.
+fn gen_delta(current: u64, alloc_gen: u32) -> i64 {
+    i64::from((current as u32).wrapping_sub(alloc_gen) as i32)
+}
+
+fn gen_age(current: u64, alloc_gen: u32) -> u64 {
+    gen_delta(current, alloc_gen).max(0) as u64
+}
+
+/// splitmix64 finalizer: object ids (often aligned addresses) need their bits spread before they
+/// pick a shard and an index slot.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Shard choice uses bits 32.. of a hash; in-shard positions use the low bits, so they stay
+/// independent.
+fn shard_of(hash: u64, shards: usize) -> usize {
+    (hash >> 32) as usize & (shards - 1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Object shards: dense records + open-addressed index
+// ---------------------------------------------------------------------------------------------
+
+const MIN_INDEX_SLOTS: usize = 16;
+
+#[derive(Default)]
+struct ObjShard {
+    /// Dense, unordered; removal swaps the last record into the hole.
+    recs: Vec<ObjRecord>,
+    /// Linear-probing index, a power of two long, at most half full: 0 is empty, otherwise the
+    /// position in `recs` plus one.
+    slots: Vec<u32>,
+}
+
+impl ObjShard {
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// Index slot holding `id`.
+    fn find(&self, id: u64, hash: u64) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.mask();
+        let mut i = hash as usize & mask;
+        loop {
+            let s = self.slots[i];
+            if s == 0 {
+                return None;
+            }
+            if self.recs[s as usize - 1].id == id {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn get(&self, id: u64, hash: u64) -> Option<&ObjRecord> {
+        self.find(id, hash)
+            .map(|i| &self.recs[self.slots[i] as usize - 1])
+    }
+
+    fn get_mut(&mut self, id: u64, hash: u64) -> Option<&mut ObjRecord> {
+        let i = self.find(id, hash)?;
+        let pos = self.slots[i] as usize - 1;
+        Some(&mut self.recs[pos])
+    }
+
+    fn place(&mut self, hash: u64, value: u32) {
+        let mask = self.mask();
+        let mut i = hash as usize & mask;
+        while self.slots[i] != 0 {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = value;
+    }
+
+    fn rebuild_index(&mut self, len: usize) {
+        self.slots.clear();
+        self.slots.resize(len, 0);
+        self.slots.shrink_to(len);
+        for pos in 0..self.recs.len() {
+            let hash = mix64(self.recs[pos].id);
+            self.place(hash, pos as u32 + 1);
+        }
+    }
+
+    /// Inserts `rec`, or returns the record already holding its id.
+    fn insert(&mut self, rec: ObjRecord, hash: u64) -> Result<(), ObjRecord> {
+        if let Some(i) = self.find(rec.id, hash) {
+            return Err(self.recs[self.slots[i] as usize - 1]);
+        }
+        if (self.recs.len() + 1) * 2 > self.slots.len() {
+            self.rebuild_index((self.slots.len() * 2).max(MIN_INDEX_SLOTS));
+        }
+        if self.recs.len() == self.recs.capacity() {
+            // Grow by a quarter rather than doubling: the records are the per-object budget.
+            self.recs.reserve_exact((self.recs.capacity() / 4).max(16));
+        }
+        let pos = self.recs.len();
+        self.recs.push(rec);
+        self.place(hash, pos as u32 + 1);
+        Ok(())
+    }
+
+    fn remove(&mut self, id: u64, hash: u64) -> Option<ObjRecord> {
+        let i = self.find(id, hash)?;
+        let pos = self.slots[i] as usize - 1;
+        self.delete_slot(i);
+        let last = self.recs.len() - 1;
+        if pos != last {
+            // The last record moves into `pos`: repoint its index slot (found by value, since
+            // `recs[last]` is about to go away).
+            let mask = self.mask();
+            let mut j = mix64(self.recs[last].id) as usize & mask;
+            loop {
+                let s = self.slots[j];
+                if s as usize == last + 1 {
+                    self.slots[j] = pos as u32 + 1;
+                    break;
+                }
+                if s == 0 {
+                    debug_assert!(false, "heap index lost a record");
+                    break;
+                }
+                j = (j + 1) & mask;
+            }
+        }
+        let rec = self.recs.swap_remove(pos);
+        self.maybe_shrink();
+        Some(rec)
+    }
+
+    /// Backward-shift deletion: keeps every probe chain gap-free without tombstones.
+    fn delete_slot(&mut self, slot: usize) {
+        let mask = self.mask();
+        let mut hole = slot;
+        let mut j = slot;
+        loop {
+            j = (j + 1) & mask;
+            let s = self.slots[j];
+            if s == 0 {
+                break;
+            }
+            let home = mix64(self.recs[s as usize - 1].id) as usize & mask;
+            // The entry may fill the hole when the hole lies on its probe path [home, j).
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = s;
+                hole = j;
+            }
+        }
+        self.slots[hole] = 0;
+    }
+
+    /// Gives memory back once most objects died (with hysteresis so churn does not thrash).
+    fn maybe_shrink(&mut self) {
+        if self.slots.len() > MIN_INDEX_SLOTS && self.recs.len() * 8 < self.slots.len() {
+            let len = (self.slots.len() / 2).max(MIN_INDEX_SLOTS);
+            self.rebuild_index(len);
+        }
+        let cap = self.recs.capacity();
+        if cap > 64 && self.recs.len() < cap / 2 {
+            let len = self.recs.len();
+            self.recs.shrink_to(len + len / 4 + 16);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stack shards
+// ---------------------------------------------------------------------------------------------
+
+/// Hasher for stack keys, whose first word already is the stack's hash: hashing a key is reading
+/// that word, so the whole stack is hashed exactly once per lookup.
+#[derive(Default)]
+struct PrehashedHasher(Option<u64>);
+
+impl Hasher for PrehashedHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        if self.0.is_none() {
+            if let Some(first) = bytes.first_chunk::<8>() {
+                self.0 = Some(u64::from_ne_bytes(*first));
+            }
+        }
+    }
+
+    // The slice length prefix carries no information here.
+    fn write_usize(&mut self, _: usize) {}
+
+    fn finish(&self) -> u64 {
+        self.0.unwrap_or(0)
+    }
+}
+
+struct StackSlot {
+    /// `[hash, frame0.a, frame0.b, ...]`, shared with the dedup map's key.
+    words: Option<Arc<[u64]>>,
+    /// Objects (committed, pending or being committed) using this stack.
+    refs: u32,
+}
+
+#[derive(Default)]
+struct StackShard {
+    by_words: HashMap<Arc<[u64]>, u32, BuildHasherDefault<PrehashedHasher>>,
+    slots: Vec<StackSlot>,
+    free: Vec<u32>,
+    /// Set while a snapshot exists: released stacks keep their slot and strings until
+    /// `finish_iteration`, as the snapshot may refer to them.
+    pinned: bool,
+    quarantine: Vec<u32>,
+}
+
+impl StackShard {
+    /// Drops one reference; returns the words whose strings must now be released.
+    fn release(&mut self, slot: usize) -> Option<Arc<[u64]>> {
+        let s = self.slots.get_mut(slot)?;
+        if s.refs == 0 {
+            debug_assert!(false, "heap record released more often than acquired");
+            return None;
+        }
+        s.refs -= 1;
+        if s.refs > 0 {
+            return None;
+        }
+        let words = s.words.clone()?;
+        self.by_words.remove(&words[..]);
+        if self.pinned {
+            self.quarantine.push(slot as u32);
+            return None;
+        }
+        self.slots[slot].words = None;
+        self.free.push(slot as u32);
+        Some(words)
+    }
+}
+
+fn stack_ref(shard: usize, slot: usize) -> u32 {
+    ((shard as u32) << STACK_SLOT_BITS) | slot as u32
+}
+
+fn split_stack_ref(r: u32) -> (usize, usize) {
+    let r = r & STACK_REF_MASK;
+    (
+        (r >> STACK_SLOT_BITS) as usize,
+        (r as usize) & (STACK_SLOT_LIMIT - 1),
+    )
+}
+
+fn frame_count(words: &[u64]) -> usize {
+    words.len().saturating_sub(1) / 2
+}
+
+fn decode_frame(a: u64, b: u64) -> Frame<'static> {
+    if b & ADDRESS_TAG != 0 {
+        Frame::Address(a)
+    } else {
+        Frame::Symbol {
+            name: Str::Id(StringId(a as u32)),
+            filename: Str::Id(StringId((a >> 32) as u32)),
+            line: i64::from(b as u32 as i32),
+        }
+    }
+}
+
+/// Appends the interned ids a stack holds (empty strings are not counted, so not listed).
+fn push_string_ids(words: &[u64], out: &mut Vec<StringId>) {
+    for f in words.get(1..).unwrap_or(&[]).chunks_exact(2) {
+        if f[1] & ADDRESS_TAG == 0 {
+            for id in [f[0] as u32, (f[0] >> 32) as u32] {
+                if id != 0 {
+                    out.push(StringId(id));
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recorder state
+// ---------------------------------------------------------------------------------------------
+
+/// The managed model's in-flight recording (between `start_recording` and `end_recording`).
+#[derive(Debug, Clone, Copy)]
+enum Active {
+    Idle,
+    /// Not sampled (or skipped): `end_recording` just clears it.
+    Skipped,
+    /// `rec.id` is a handle when `deferred`; `rec.stack_and_frozen` is filled in at the end.
+    Started { rec: ObjRecord, deferred: bool },
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct UpdateCounts {
+    alive: u64,
+    dead: u64,
+    skipped: u64,
+    frozen: u64,
+}
+
+#[derive(Debug, Default)]
+struct UpdateStats {
+    last_gen: Option<u64>,
+    last_time: Option<Instant>,
+    last: UpdateCounts,
+    successful: u64,
+    skipped_concurrent: u64,
+    skipped_gcgen: u64,
+    skipped_time: u64,
+    ewma_young: [f64; 3],
+    ewma_full: [f64; 3],
+}
+
+struct Snapshot {
+    /// Generation ages are computed against (the full update's for managed heaps).
+    gen: u64,
+    records: Vec<ObjRecord>,
+    /// Per stack shard, slot -> words (every stack a snapshot record refers to is present: stacks
+    /// are pinned before records are copied).
+    stacks: Vec<Vec<Option<Arc<[u64]>>>>,
+}
+
+#[derive(Default)]
+struct IterState {
+    active: bool,
+    snapshot: Option<Arc<Snapshot>>,
+}
+
+/// Holds the update "lock" (an atomic flag, which `after_fork` can clear) until dropped.
+struct UpdateGuard<'a>(&'a AtomicBool);
+
+impl Drop for UpdateGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 /// Tracks sampled live objects. `Send + Sync`; all methods take `&self`.
 pub struct HeapRecorder {
-    _todo: (),
+    strings: Arc<StringStorage>,
+    source: Option<Arc<dyn LivenessSource>>,
+    deferred_ids: bool,
+    size_enabled: bool,
+    clean_after_gc: bool,
+    min_iteration_age: u32,
+
+    sample_every: AtomicU32,
+    /// Starts since the last sampled one (every Nth is kept).
+    skip_counter: AtomicU32,
+    /// Serializations so far: the native model's generation.
+    native_gen: AtomicU64,
+
+    objs: Box<[Mutex<ObjShard>]>,
+    stacks: Box<[Mutex<StackShard>]>,
+
+    active: Mutex<Active>,
+    pending: Mutex<Vec<ObjRecord>>,
+    deferred_skipped_full: AtomicU64,
+    deferred_finalized: AtomicU64,
+
+    /// Set while an update runs; allocations reported meanwhile are skipped.
+    updating: AtomicBool,
+    /// Set from `prepare_iteration` to `finish_iteration`: no young update may run.
+    iterating: AtomicBool,
+    update_stats: Mutex<UpdateStats>,
+
+    iter: Mutex<IterState>,
+    /// `Some` while iterating: class strings of objects dropped meanwhile, released at finish.
+    deferred_classes: Mutex<Option<Vec<StringId>>>,
+}
+
+impl std::fmt::Debug for HeapRecorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeapRecorder")
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
 }
 
 impl HeapRecorder {
-    pub fn new(_config: HeapConfig, _strings: Arc<StringStorage>) -> Result<Self, HeapError> {
-        todo!("issue 3")
+    pub fn new(config: HeapConfig, strings: Arc<StringStorage>) -> Result<Self, HeapError> {
+        if config.sample_every == 0 {
+            return Err(HeapError::InvalidSampleEvery(0));
+        }
+        let source = match &config.liveness {
+            Liveness::Managed(s) => Some(Arc::clone(s)),
+            Liveness::Native => None,
+        };
+        let deferred_ids = source.as_ref().is_some_and(|s| s.defers_ids());
+        Ok(HeapRecorder {
+            strings,
+            source,
+            deferred_ids,
+            size_enabled: config.size_enabled,
+            clean_after_gc: config.clean_after_gc,
+            min_iteration_age: config.min_iteration_age,
+            sample_every: AtomicU32::new(config.sample_every),
+            skip_counter: AtomicU32::new(0),
+            native_gen: AtomicU64::new(0),
+            objs: (0..OBJ_SHARDS).map(|_| Mutex::default()).collect(),
+            stacks: (0..STACK_SHARDS).map(|_| Mutex::default()).collect(),
+            active: Mutex::new(Active::Idle),
+            pending: Mutex::new(Vec::with_capacity(if deferred_ids {
+                MAX_PENDING_RECORDINGS
+            } else {
+                0
+            })),
+            deferred_skipped_full: AtomicU64::new(0),
+            deferred_finalized: AtomicU64::new(0),
+            updating: AtomicBool::new(false),
+            iterating: AtomicBool::new(false),
+            update_stats: Mutex::new(UpdateStats::default()),
+            iter: Mutex::new(IterState::default()),
+            deferred_classes: Mutex::new(None),
+        })
     }
 
-    pub fn set_sample_every(&self, _n: i64) -> Result<(), HeapError> {
-        todo!("issue 3")
+    pub fn set_sample_every(&self, n: i64) -> Result<(), HeapError> {
+        let every = u32::try_from(n)
+            .ok()
+            .filter(|&v| v > 0)
+            .ok_or(HeapError::InvalidSampleEvery(n))?;
+        self.sample_every.store(every, Ordering::Relaxed);
+        self.skip_counter.store(0, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether `after_gc_step` should run young updates (`HeapConfig::clean_after_gc`).
+    pub fn clean_after_gc(&self) -> bool {
+        self.clean_after_gc
+    }
+
+    /// Minimum age of the objects [`Self::for_each_live_object`] visits.
+    pub fn min_iteration_age(&self) -> u32 {
+        self.min_iteration_age
+    }
+
+    /// The string storage the recorder interns into.
+    pub fn strings(&self) -> &Arc<StringStorage> {
+        &self.strings
+    }
+
+    /// Returns the multiplier to apply when this start is sampled, `None` when it is skipped.
+    /// Keeps exactly every Nth start, also under concurrent callers.
+    fn sample_tick(&self) -> Option<u32> {
+        let every = self.sample_every.load(Ordering::Relaxed);
+        if every <= 1 {
+            return Some(1);
+        }
+        let mut cur = self.skip_counter.load(Ordering::Relaxed);
+        loop {
+            let next = cur.saturating_add(1);
+            let (store, keep) = if next >= every {
+                (0, true)
+            } else {
+                (next, false)
+            };
+            match self.skip_counter.compare_exchange_weak(
+                cur,
+                store,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return keep.then_some(every),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    fn current_gen(&self) -> u64 {
+        match &self.source {
+            Some(s) => s.gc_generation(),
+            None => self.native_gen.load(Ordering::Acquire),
+        }
+    }
+
+    fn intern_class(&self, class: Option<&str>) -> Result<StringId, HeapError> {
+        match class {
+            Some(c) if !c.is_empty() => Ok(self.strings.intern(c)?),
+            _ => Ok(StringId::EMPTY),
+        }
     }
 
     /// Managed model: begins recording a new object. Returns whether the caller should schedule
     /// an after-allocation callback ([`Self::finalize_pending_recordings`]) in deferred mode.
-    pub fn start_recording(&self, _obj_id: u64, _weight: u32, _class: Option<&str>) -> Result<bool, HeapError> {
-        todo!("issue 3")
+    ///
+    /// One recording may be in flight at a time (as under a runtime's global lock); `obj_id` is
+    /// a handle for [`LivenessSource::resolve_handle`] when the source defers ids.
+    pub fn start_recording(
+        &self,
+        obj_id: u64,
+        weight: u32,
+        class: Option<&str>,
+    ) -> Result<bool, HeapError> {
+        let mut active = self.active.lock();
+        if !matches!(*active, Active::Idle) {
+            return Err(HeapError::StartWithoutEnd);
+        }
+        // An allocation made by an update (e.g. inside `lookup`) must not touch the records the
+        // update is walking.
+        let every = match self.sample_tick() {
+            Some(every) if !self.updating.load(Ordering::Acquire) => every,
+            _ => {
+                *active = Active::Skipped;
+                return Ok(false);
+            }
+        };
+        let mut needs_callback = false;
+        if self.deferred_ids {
+            let count = self.pending.lock().len();
+            if count >= MAX_PENDING_RECORDINGS {
+                self.deferred_skipped_full.fetch_add(1, Ordering::Relaxed);
+                *active = Active::Skipped;
+                // Keep asking: the buffer only drains through the callback.
+                return Ok(true);
+            }
+            // Ask once when the buffer starts filling, and again on every start once it is half
+            // full, in case the first callback was lost.
+            needs_callback = count == 0 || count >= MAX_PENDING_RECORDINGS / 2;
+        }
+        let class = self.intern_class(class)?;
+        *active = Active::Started {
+            rec: ObjRecord {
+                id: obj_id,
+                size: 0,
+                weight: weight.saturating_mul(every),
+                stack_and_frozen: 0,
+                class: class.0,
+                alloc_gen: self.current_gen() as u32,
+            },
+            deferred: self.deferred_ids,
+        };
+        Ok(needs_callback)
     }
 
     /// Commits the started recording with its allocation stack.
-    pub fn end_recording(&self, _frames: &[Frame<'_>]) -> Result<(), HeapError> {
-        todo!("issue 3")
+    pub fn end_recording(&self, frames: &[Frame<'_>]) -> Result<(), HeapError> {
+        // Cleared up front: whatever fails below, the next start finds the recorder idle.
+        let state = std::mem::replace(&mut *self.active.lock(), Active::Idle);
+        let (mut rec, deferred) = match state {
+            Active::Idle => return Err(HeapError::EndWithoutStart),
+            Active::Skipped => return Ok(()),
+            Active::Started { rec, deferred } => (rec, deferred),
+        };
+        match self.acquire_stack(frames) {
+            Ok(stack) => rec.stack_and_frozen = stack,
+            Err(e) => {
+                self.release_class(rec.class());
+                return Err(e);
+            }
+        }
+        if !deferred {
+            return self.commit(rec);
+        }
+        let mut pending = self.pending.lock();
+        if pending.len() < MAX_PENDING_RECORDINGS {
+            pending.push(rec);
+            return Ok(());
+        }
+        drop(pending);
+        // Only reachable if the buffer filled between start and end (concurrent misuse).
+        self.deferred_skipped_full.fetch_add(1, Ordering::Relaxed);
+        self.release_record(&rec);
+        Ok(())
     }
 
+    /// Deferred mode: commits every pending recording, mapping handles to ids. Recordings whose
+    /// handle no longer resolves are dropped. Returns the first commit error, after processing
+    /// all of them.
     pub fn finalize_pending_recordings(&self) -> Result<(), HeapError> {
-        todo!("issue 3")
+        let mut batch = [ObjRecord::EMPTY; MAX_PENDING_RECORDINGS];
+        let n = {
+            let mut pending = self.pending.lock();
+            let n = pending.len().min(MAX_PENDING_RECORDINGS);
+            batch[..n].copy_from_slice(&pending[..n]);
+            pending.clear();
+            n
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        self.deferred_finalized
+            .fetch_add(n as u64, Ordering::Relaxed);
+        let mut first_err = None;
+        for rec in &mut batch[..n] {
+            let id = match &self.source {
+                Some(s) => s.resolve_handle(rec.id),
+                None => Some(rec.id),
+            };
+            match id {
+                Some(id) => {
+                    rec.id = id;
+                    if let Err(e) = self.commit(*rec) {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                None => self.release_record(rec),
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Deferred mode: calls `f` with the handle of every recording awaiting finalization, e.g. so
+    /// a runtime keeps those objects alive.
+    pub fn for_each_pending_handle(&self, mut f: impl FnMut(u64)) {
+        let mut active_handle = None;
+        if let Active::Started {
+            rec,
+            deferred: true,
+        } = *self.active.lock()
+        {
+            active_handle = Some(rec.id);
+        }
+        for rec in self.pending.lock().iter() {
+            f(rec.id);
+        }
+        if let Some(h) = active_handle {
+            f(h);
+        }
     }
 
     /// Young update (after a collection), subject to the update policy.
     pub fn update_young_objects(&self) {
-        todo!("issue 3")
+        self.update(false);
     }
 
     /// Native model: records a sampled live allocation in one step.
-    pub fn track(&self, _id: u64, _weight: u32, _size: u64, _class: Option<&str>, _frames: &[Frame<'_>]) -> Result<(), HeapError> {
-        todo!("issue 3")
+    pub fn track(
+        &self,
+        id: u64,
+        weight: u32,
+        size: u64,
+        class: Option<&str>,
+        frames: &[Frame<'_>],
+    ) -> Result<(), HeapError> {
+        let Some(every) = self.sample_tick() else {
+            return Ok(());
+        };
+        if frames.len() > MAX_FRAMES {
+            return Err(HeapError::TooManyFrames {
+                got: frames.len(),
+                limit: MAX_FRAMES,
+            });
+        }
+        let class = self.intern_class(class)?;
+        let stack = match self.acquire_stack(frames) {
+            Ok(s) => s,
+            Err(e) => {
+                self.release_class(class);
+                return Err(e);
+            }
+        };
+        self.commit(ObjRecord {
+            id,
+            size,
+            weight: weight.saturating_mul(every),
+            stack_and_frozen: stack,
+            class: class.0,
+            alloc_gen: self.current_gen() as u32,
+        })
     }
 
     /// Native model: the allocation `id` was freed. Returns whether it was tracked.
-    pub fn untrack(&self, _id: u64) -> bool {
-        todo!("issue 3")
+    pub fn untrack(&self, id: u64) -> bool {
+        let hash = mix64(id);
+        let removed = self.objs[shard_of(hash, OBJ_SHARDS)]
+            .lock()
+            .remove(id, hash);
+        match removed {
+            Some(rec) => {
+                self.release_record(&rec);
+                true
+            }
+            None => false,
+        }
     }
+
+    pub fn is_object_recorded(&self, id: u64) -> bool {
+        let hash = mix64(id);
+        self.objs[shard_of(hash, OBJ_SHARDS)]
+            .lock()
+            .get(id, hash)
+            .is_some()
+    }
+
+    // --- stacks --------------------------------------------------------------------------------
+
+    /// Finds or creates the heap record for `frames` and takes one reference on it.
+    fn acquire_stack(&self, frames: &[Frame<'_>]) -> Result<u32, HeapError> {
+        if frames.len() > MAX_FRAMES {
+            return Err(HeapError::TooManyFrames {
+                got: frames.len(),
+                limit: MAX_FRAMES,
+            });
+        }
+        let len = 1 + 2 * frames.len();
+        let mut inline = [0u64; 1 + 2 * INLINE_FRAMES];
+        let mut spilled = Vec::new();
+        let words: &mut [u64] = if frames.len() <= INLINE_FRAMES {
+            &mut inline[..len]
+        } else {
+            spilled.resize(len, 0);
+            &mut spilled
+        };
+        let interned = self.encode_stack(frames, words)?;
+        let result = self.acquire_words(words);
+        let extra_refs = match result {
+            // The record already holds references to these strings: drop the ones just taken.
+            Ok((_, existed)) => interned && existed,
+            Err(_) => interned,
+        };
+        if extra_refs {
+            let mut ids = Vec::with_capacity(2 * frames.len());
+            push_string_ids(words, &mut ids);
+            self.strings.unintern_all(&ids)?;
+        }
+        result.map(|(r, _)| r)
+    }
+
+    /// Fills `words` (`1 + 2 * frames.len()` long) with the compact stack and its hash. Returns
+    /// whether strings were interned (one reference each, owned by the caller now).
+    fn encode_stack(&self, frames: &[Frame<'_>], words: &mut [u64]) -> Result<bool, HeapError> {
+        let symbols = frames
+            .iter()
+            .filter(|f| matches!(f, Frame::Symbol { .. }))
+            .count();
+        let mut ids = Vec::new();
+        if symbols > 0 {
+            // Ids handed in by the caller are turned back into text: the record needs references
+            // of its own, and interning is the only way to take one.
+            let mut owned = Vec::new();
+            for f in frames {
+                if let Frame::Symbol { name, filename, .. } = f {
+                    for s in [name, filename] {
+                        if let Str::Id(id) = s {
+                            owned.push(self.strings.get(*id)?);
+                        }
+                    }
+                }
+            }
+            let mut owned_iter = owned.iter();
+            let mut strs: Vec<&str> = Vec::with_capacity(2 * symbols);
+            for f in frames {
+                if let Frame::Symbol { name, filename, .. } = f {
+                    for s in [name, filename] {
+                        strs.push(match s {
+                            Str::Lit(t) => t,
+                            Str::Id(_) => owned_iter.next().map_or("", String::as_str),
+                        });
+                    }
+                }
+            }
+            self.strings.intern_all(&strs, &mut ids)?;
+        }
+        let mut ids = ids.into_iter();
+        for (i, f) in frames.iter().enumerate() {
+            let (a, b) = match f {
+                Frame::Symbol { line, .. } => {
+                    let name = ids.next().unwrap_or_default();
+                    let file = ids.next().unwrap_or_default();
+                    // Lines are kept as i32 (saturated): no source file gets near 2^31 lines.
+                    let line = (*line).clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32;
+                    (
+                        u64::from(name.0) | (u64::from(file.0) << 32),
+                        u64::from(line as u32),
+                    )
+                }
+                Frame::Address(addr) => (*addr, ADDRESS_TAG),
+            };
+            words[1 + 2 * i] = a;
+            words[2 + 2 * i] = b;
+        }
+        words[0] = STACK_HASH.hash_one(&words[1..]);
+        Ok(symbols > 0)
+    }
+
+    /// Returns the stack reference and whether the stack was already known.
+    fn acquire_words(&self, words: &[u64]) -> Result<(u32, bool), HeapError> {
+        let shard_idx = shard_of(words[0], STACK_SHARDS);
+        let mut shard = self.stacks[shard_idx].lock();
+        if let Some(&slot) = shard.by_words.get(words) {
+            let s = &mut shard.slots[slot as usize];
+            if s.refs == u32::MAX {
+                return Err(HeapError::TooManyObjects(u32::MAX));
+            }
+            s.refs += 1;
+            return Ok((stack_ref(shard_idx, slot as usize), true));
+        }
+        let slot = match shard.free.pop() {
+            Some(slot) => slot as usize,
+            None if shard.slots.len() < STACK_SLOT_LIMIT => {
+                shard.slots.push(StackSlot {
+                    words: None,
+                    refs: 0,
+                });
+                shard.slots.len() - 1
+            }
+            None => {
+                return Err(HeapError::TooManyStacks {
+                    limit: STACK_SLOT_LIMIT * STACK_SHARDS,
+                })
+            }
+        };
+        let words: Arc<[u64]> = Arc::from(words);
+        shard.slots[slot] = StackSlot {
+            words: Some(Arc::clone(&words)),
+            refs: 1,
+        };
+        shard.by_words.insert(words, slot as u32);
+        Ok((stack_ref(shard_idx, slot), false))
+    }
+
+    fn stack_words(&self, stack: u32) -> Option<Arc<[u64]>> {
+        let (shard, slot) = split_stack_ref(stack);
+        self.stacks[shard].lock().slots.get(slot)?.words.clone()
+    }
+
+    fn release_stack(&self, stack: u32) -> Result<(), StringError> {
+        let (shard, slot) = split_stack_ref(stack);
+        let freed = self.stacks[shard].lock().release(slot);
+        if let Some(words) = freed {
+            let mut ids = Vec::with_capacity(words.len());
+            push_string_ids(&words, &mut ids);
+            self.strings.unintern_all(&ids)?;
+        }
+        Ok(())
+    }
+
+    fn release_class(&self, class: StringId) {
+        if class == StringId::EMPTY {
+            return;
+        }
+        {
+            let mut deferred = self.deferred_classes.lock();
+            if let Some(list) = deferred.as_mut() {
+                list.push(class);
+                return;
+            }
+        }
+        // A failure means the id was already released elsewhere: nothing left to free.
+        let _ = self.strings.unintern(class);
+    }
+
+    /// Drops what one record references (its stack and class).
+    fn release_record(&self, rec: &ObjRecord) {
+        // Errors can only come from an internal refcount mistake; the record is gone either way.
+        let _ = self.release_stack(rec.stack());
+        self.release_class(rec.class());
+    }
+
+    /// Inserts a fully built record; a duplicate id is an error describing both records (the
+    /// new one is dropped, the existing one kept).
+    fn commit(&self, rec: ObjRecord) -> Result<(), HeapError> {
+        let hash = mix64(rec.id);
+        let existing = self.objs[shard_of(hash, OBJ_SHARDS)]
+            .lock()
+            .insert(rec, hash)
+            .err();
+        let Some(previous) = existing else {
+            return Ok(());
+        };
+        let err = HeapError::DuplicateId {
+            previous: self.describe(&previous),
+            new: self.describe(&rec),
+        };
+        self.release_record(&rec);
+        Err(err)
+    }
+
+    fn describe(&self, rec: &ObjRecord) -> String {
+        let location = match self.stack_words(rec.stack()) {
+            Some(words) if frame_count(&words) > 0 => match decode_frame(words[1], words[2]) {
+                Frame::Address(a) => format!("{a:#x}"),
+                Frame::Symbol { filename, line, .. } => {
+                    let file = match filename {
+                        Str::Id(id) => self.strings.get(id).unwrap_or_default(),
+                        Str::Lit(s) => s.to_owned(),
+                    };
+                    format!("{file}:{line}")
+                }
+            },
+            _ => "(empty stack)".to_owned(),
+        };
+        let gen = self.current_gen();
+        let mut s = format!(
+            "id={} weight={} size={} location={} alloc_gen={} gen_age={} frozen={}",
+            rec.id,
+            rec.weight,
+            rec.size,
+            location,
+            gen.wrapping_sub(gen_delta(gen, rec.alloc_gen) as u64),
+            gen_age(gen, rec.alloc_gen),
+            rec.frozen(),
+        );
+        if rec.class != 0 {
+            if let Ok(class) = self.strings.get(rec.class()) {
+                s.push_str(" class=");
+                s.push_str(&class);
+            }
+        }
+        s
+    }
+
+    // --- updates -------------------------------------------------------------------------------
+
+    /// Runs an update (managed model only). Returns the generation it used, or `None` when it
+    /// was skipped.
+    fn update(&self, full: bool) -> Option<u64> {
+        let source = self.source.as_ref()?;
+        if full {
+            // A young update may be running: wait for it, full updates are not optional.
+            while self
+                .updating
+                .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                std::thread::yield_now();
+            }
+        } else if self
+            .updating
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            self.update_stats.lock().skipped_concurrent += 1;
+            return None;
+        }
+        let _guard = UpdateGuard(&self.updating);
+
+        // Updates would invalidate what a snapshot refers to and break its point-in-time view.
+        if !full && self.iterating.load(Ordering::Acquire) {
+            return None;
+        }
+        let gen = source.gc_generation();
+        let now = Instant::now();
+        if !full {
+            let mut st = self.update_stats.lock();
+            if st.last_gen == Some(gen) {
+                // Nothing was collected since the last update: liveness cannot have changed much.
+                st.skipped_gcgen += 1;
+                return None;
+            }
+            if st.last_time.is_some_and(|t| {
+                now.saturating_duration_since(t)
+                    < Duration::from_nanos(MIN_TIME_BETWEEN_YOUNG_UPDATES_NS)
+            }) {
+                st.skipped_time += 1;
+                return None;
+            }
+        }
+
+        let mut counts = UpdateCounts::default();
+        let mut todo: Vec<(u64, bool)> = Vec::new();
+        let mut results: Vec<Option<ObjectInfo>> = Vec::new();
+        let mut dead: Vec<ObjRecord> = Vec::new();
+        for shard in self.objs.iter() {
+            // Collect under the lock, ask the runtime without it, apply under it again: lookups
+            // may be slow or re-enter the runtime, and allocating threads must not wait on them.
+            todo.clear();
+            {
+                let g = shard.lock();
+                for rec in &g.recs {
+                    let age = gen_age(gen, rec.alloc_gen);
+                    // Age 0: not collected even once, would not be iterated anyway.
+                    if age == 0 || (!full && age >= u64::from(OLD_AGE)) {
+                        counts.skipped += 1;
+                        continue;
+                    }
+                    todo.push((rec.id, rec.frozen()));
+                }
+            }
+            if todo.is_empty() {
+                continue;
+            }
+            results.clear();
+            results.extend(todo.iter().map(|&(id, _)| source.lookup(id)));
+            {
+                let mut g = shard.lock();
+                for (&(id, _), info) in todo.iter().zip(&results) {
+                    let hash = mix64(id);
+                    match info {
+                        None => {
+                            if let Some(rec) = g.remove(id, hash) {
+                                counts.dead += 1;
+                                dead.push(rec);
+                            }
+                        }
+                        Some(info) => {
+                            if let Some(rec) = g.get_mut(id, hash) {
+                                // Frozen objects cannot change size: skip re-measuring them.
+                                if self.size_enabled && !rec.frozen() {
+                                    rec.size = info.size;
+                                    rec.set_frozen(info.frozen);
+                                }
+                                counts.alive += 1;
+                                if rec.frozen() {
+                                    counts.frozen += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            for rec in dead.drain(..) {
+                self.release_record(&rec);
+            }
+        }
+
+        let mut st = self.update_stats.lock();
+        st.last = counts;
+        st.last_gen = Some(gen);
+        st.last_time = Some(now);
+        st.successful += 1;
+        let ewma = if full {
+            &mut st.ewma_full
+        } else {
+            &mut st.ewma_young
+        };
+        for (avg, value) in ewma
+            .iter_mut()
+            .zip([counts.alive, counts.dead, counts.skipped])
+        {
+            *avg = (1.0 - EWMA_ALPHA) * *avg + EWMA_ALPHA * value as f64;
+        }
+        Some(gen)
+    }
+
+    // --- iteration -----------------------------------------------------------------------------
 
     /// Full update plus a point-in-time snapshot for [`Self::for_each_live_object`].
     pub fn prepare_iteration(&self) -> Result<(), HeapError> {
-        todo!("issue 3")
+        {
+            let mut it = self.iter.lock();
+            if it.active {
+                return Err(HeapError::PrepareTwice);
+            }
+            it.active = true;
+            // From here on young updates stand down (a running one is waited for below).
+            self.iterating.store(true, Ordering::Release);
+        }
+        let gen = match self.update(true) {
+            Some(gen) => gen,
+            None => self.current_gen(),
+        };
+
+        // Pin before copying records, so every stack a copied record refers to outlives the
+        // snapshot even if its objects go away meanwhile.
+        for shard in self.stacks.iter() {
+            shard.lock().pinned = true;
+        }
+        *self.deferred_classes.lock() = Some(Vec::new());
+
+        let total: usize = self.objs.iter().map(|s| s.lock().recs.len()).sum();
+        let mut records: Vec<ObjRecord> = Vec::with_capacity(total + total / 8 + 16);
+        for shard in self.objs.iter() {
+            loop {
+                let g = shard.lock();
+                let n = g.recs.len();
+                if records.capacity() - records.len() >= n {
+                    records.extend_from_slice(&g.recs);
+                    break;
+                }
+                // Grow outside the lock: allocating threads only ever wait for a memcpy.
+                drop(g);
+                records.reserve(n + n / 8 + 16);
+            }
+        }
+        let stacks = self
+            .stacks
+            .iter()
+            .map(|s| s.lock().slots.iter().map(|slot| slot.words.clone()).collect())
+            .collect();
+        if self.source.is_none() {
+            // Native ages count serializations survived: later ones see these objects older.
+            self.native_gen.fetch_add(1, Ordering::AcqRel);
+        }
+        self.iter.lock().snapshot = Some(Arc::new(Snapshot {
+            gen,
+            records,
+            stacks,
+        }));
+        Ok(())
     }
 
     /// Visits every snapshotted object of age >= min age with its stack; `f` returns false to
     /// stop. Returns Ok(false) when stopped early.
-    pub fn for_each_live_object(&self, _f: &mut dyn FnMut(&LiveObject, &[Frame<'_>]) -> bool) -> Result<bool, HeapError> {
-        todo!("issue 3")
+    ///
+    /// Runs without holding any recorder lock: tracking, untracking and even `f` calling back
+    /// into the recorder proceed normally.
+    pub fn for_each_live_object(
+        &self,
+        f: &mut dyn FnMut(&LiveObject, &[Frame<'_>]) -> bool,
+    ) -> Result<bool, HeapError> {
+        let snapshot = self
+            .iter
+            .lock()
+            .snapshot
+            .clone()
+            .ok_or(HeapError::NotPrepared)?;
+        let min_age = u64::from(self.min_iteration_age);
+        // Flyweight: one frame buffer for the whole iteration, rebuilt only when the stack
+        // changes.
+        let mut frames: Vec<Frame<'static>> = Vec::new();
+        let mut current_stack = None;
+        for rec in &snapshot.records {
+            let delta = gen_delta(snapshot.gen, rec.alloc_gen);
+            let age = delta.max(0) as u64;
+            if age < min_age {
+                continue;
+            }
+            if current_stack != Some(rec.stack()) {
+                frames.clear();
+                let (shard, slot) = split_stack_ref(rec.stack());
+                if let Some(Some(words)) = snapshot.stacks.get(shard).and_then(|s| s.get(slot)) {
+                    frames.extend(
+                        words[1..]
+                            .chunks_exact(2)
+                            .map(|w| decode_frame(w[0], w[1])),
+                    );
+                }
+                current_stack = Some(rec.stack());
+            }
+            let live = LiveObject {
+                id: rec.id,
+                weight: rec.weight,
+                size: rec.size,
+                class: rec.class(),
+                alloc_gen: snapshot.gen.wrapping_sub(delta as u64),
+                gen_age: age,
+                frozen: rec.frozen(),
+            };
+            if !f(&live, &frames) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     pub fn finish_iteration(&self) -> Result<(), HeapError> {
-        todo!("issue 3")
+        let mut to_release = Vec::new();
+        let snapshot = {
+            let mut it = self.iter.lock();
+            if !it.active {
+                return Err(HeapError::FinishWithoutPrepare);
+            }
+            // Unpinning happens under the iteration lock so a next prepare cannot interleave.
+            for shard in self.stacks.iter() {
+                let mut g = shard.lock();
+                g.pinned = false;
+                let quarantined = std::mem::take(&mut g.quarantine);
+                for slot in quarantined {
+                    let slot = slot as usize;
+                    if g.slots[slot].refs == 0 {
+                        if let Some(words) = g.slots[slot].words.take() {
+                            push_string_ids(&words, &mut to_release);
+                        }
+                        g.free.push(slot as u32);
+                    }
+                }
+            }
+            if let Some(classes) = self.deferred_classes.lock().take() {
+                to_release.extend(classes);
+            }
+            it.active = false;
+            self.iterating.store(false, Ordering::Release);
+            it.snapshot.take()
+        };
+        drop(snapshot);
+        self.strings.unintern_all(&to_release)?;
+        Ok(())
     }
 
     pub fn stats(&self) -> HeapStats {
-        todo!("issue 3")
+        let num_object_records = self.objs.iter().map(|s| s.lock().recs.len() as u64).sum();
+        let num_heap_records = self
+            .stacks
+            .iter()
+            .map(|s| s.lock().by_words.len() as u64)
+            .sum();
+        let pending_recordings_count = self.pending.lock().len() as u64;
+        let st = self.update_stats.lock();
+        HeapStats {
+            num_object_records,
+            num_heap_records,
+            pending_recordings_count,
+            last_update_objects_alive: st.last.alive,
+            last_update_objects_dead: st.last.dead,
+            last_update_objects_skipped: st.last.skipped,
+            last_update_objects_frozen: st.last.frozen,
+            lifetime_updates_successful: st.successful,
+            lifetime_updates_skipped_concurrent: st.skipped_concurrent,
+            lifetime_updates_skipped_gcgen: st.skipped_gcgen,
+            lifetime_updates_skipped_time: st.skipped_time,
+            lifetime_ewma_young_objects_alive: st.ewma_young[0],
+            lifetime_ewma_young_objects_dead: st.ewma_young[1],
+            lifetime_ewma_young_objects_skipped: st.ewma_young[2],
+            lifetime_ewma_objects_alive: st.ewma_full[0],
+            lifetime_ewma_objects_dead: st.ewma_full[1],
+            lifetime_ewma_objects_skipped: st.ewma_full[2],
+            lifetime_deferred_recordings_skipped_buffer_full: self
+                .deferred_skipped_full
+                .load(Ordering::Relaxed),
+            lifetime_deferred_recordings_finalized: self.deferred_finalized.load(Ordering::Relaxed),
+        }
     }
 
     /// Called in a forked child: finishes any iteration left behind and resets the lifetime stats.
+    ///
+    /// Records are kept (the child's heap is a copy of the parent's). An update that was running
+    /// in another parent thread never finishes in the child, so its flag is cleared.
     pub fn after_fork(&self) {
-        todo!("issue 3")
-    }
-
-    pub fn is_object_recorded(&self, _id: u64) -> bool {
-        todo!("issue 3")
+        if self.iter.lock().active {
+            let _ = self.finish_iteration();
+        }
+        self.updating.store(false, Ordering::Release);
+        let mut st = self.update_stats.lock();
+        let (last_gen, last_time, last) = (st.last_gen, st.last_time, st.last);
+        *st = UpdateStats {
+            last_gen,
+            last_time,
+            last,
+            ..UpdateStats::default()
+        };
+        drop(st);
+        self.deferred_skipped_full.store(0, Ordering::Relaxed);
+        self.deferred_finalized.store(0, Ordering::Relaxed);
     }
 
     /// Testing aid: forget when the last update ran so the 2 s rule lets the next one through.
     pub fn reset_last_update(&self) {
-        todo!("issue 3")
+        self.update_stats.lock().last_time = None;
+    }
+}
+
+impl Drop for HeapRecorder {
+    /// Gives back every string reference the recorder still holds: the storage is shared and may
+    /// outlive the recorder.
+    fn drop(&mut self) {
+        let mut ids = Vec::new();
+        for shard in self.objs.iter_mut() {
+            ids.extend(
+                shard
+                    .get_mut()
+                    .recs
+                    .iter()
+                    .filter(|r| r.class != 0)
+                    .map(|r| r.class()),
+            );
+        }
+        for rec in self.pending.get_mut().iter() {
+            if rec.class != 0 {
+                ids.push(rec.class());
+            }
+        }
+        if let Active::Started { rec, .. } = *self.active.get_mut() {
+            if rec.class != 0 {
+                ids.push(rec.class());
+            }
+        }
+        if let Some(classes) = self.deferred_classes.get_mut().take() {
+            ids.extend(classes);
+        }
+        for shard in self.stacks.iter_mut() {
+            for slot in shard.get_mut().slots.iter() {
+                if let Some(words) = &slot.words {
+                    push_string_ids(words, &mut ids);
+                }
+            }
+        }
+        let _ = self.strings.unintern_all(&ids);
     }
 }
