@@ -1,3 +1,28 @@
 # Sourced by scripts/test.sh: installs what the tests need, when it is missing.
 # Each step is idempotent and quiet when there is nothing to do.
 if ! rustup component list --installed 2>/dev/null | grep -q '^clippy'; then rustup component add clippy rustfmt; fi
+
+# `go tool pprof` reads what /debug/pprof serves (crates/profiler/tests/http_*.rs).
+if ! command -v go >/dev/null 2>&1; then
+    echo "test-deps: installing golang-go (for go tool pprof)"
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go >/dev/null
+    else
+        echo "test-deps: not root, cannot apt-get install golang-go" >&2
+    fi
+fi
+
+# The Datadog test agent (PyPI ddapm-test-agent) receives uploads in crates/profiler/tests/export_datadog.rs.
+# It lives in its own venv so it never touches the system Python; the test finds it through
+# FERROPROF_DDAPM_TEST_AGENT.
+FERROPROF_TOOLS_DIR="${FERROPROF_TOOLS_DIR:-$HOME/.cache/ferroprof-test-tools}"
+FERROPROF_DDAPM_VERSION="1.69.1"
+if [ ! -x "$FERROPROF_TOOLS_DIR/venv/bin/ddapm-test-agent" ] \
+    || ! "$FERROPROF_TOOLS_DIR/venv/bin/pip" show ddapm-test-agent 2>/dev/null | grep -q "^Version: $FERROPROF_DDAPM_VERSION\$"; then
+    echo "test-deps: installing ddapm-test-agent $FERROPROF_DDAPM_VERSION into $FERROPROF_TOOLS_DIR/venv"
+    mkdir -p "$FERROPROF_TOOLS_DIR"
+    python3 -m venv "$FERROPROF_TOOLS_DIR/venv"
+    "$FERROPROF_TOOLS_DIR/venv/bin/pip" install -q --disable-pip-version-check \
+        "ddapm-test-agent==$FERROPROF_DDAPM_VERSION"
+fi
+export FERROPROF_DDAPM_TEST_AGENT="$FERROPROF_TOOLS_DIR/venv/bin/ddapm-test-agent"

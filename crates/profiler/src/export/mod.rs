@@ -4,6 +4,11 @@
 //! talk to a network wrap themselves in a bounded background queue so `export` returns at once:
 //! a backend being down never blocks the application nor grows memory without bound.
 
+pub mod datadog;
+pub mod pyroscope;
+pub mod queue;
+pub mod transport;
+
 use std::time::{Duration, SystemTime};
 
 use ferroprof_recorder::{EncodedProfile, ProfileStats};
