@@ -532,7 +532,10 @@ enum Active {
     /// Not sampled (or skipped): `end_recording` just clears it.
     Skipped,
     /// `rec.id` is a handle when `deferred`; `rec.stack_and_frozen` is filled in at the end.
-    Started { rec: ObjRecord, deferred: bool },
+    Started {
+        rec: ObjRecord,
+        deferred: bool,
+    },
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -1312,7 +1315,13 @@ impl HeapRecorder {
         let stacks = self
             .stacks
             .iter()
-            .map(|s| s.lock().slots.iter().map(|slot| slot.words.clone()).collect())
+            .map(|s| {
+                s.lock()
+                    .slots
+                    .iter()
+                    .map(|slot| slot.words.clone())
+                    .collect()
+            })
             .collect();
         if self.source.is_none() {
             // Native ages count serializations survived: later ones see these objects older.
@@ -1356,11 +1365,7 @@ impl HeapRecorder {
                 frames.clear();
                 let (shard, slot) = split_stack_ref(rec.stack());
                 if let Some(Some(words)) = snapshot.stacks.get(shard).and_then(|s| s.get(slot)) {
-                    frames.extend(
-                        words[1..]
-                            .chunks_exact(2)
-                            .map(|w| decode_frame(w[0], w[1])),
-                    );
+                    frames.extend(words[1..].chunks_exact(2).map(|w| decode_frame(w[0], w[1])));
                 }
                 current_stack = Some(rec.stack());
             }
@@ -1512,5 +1517,750 @@ impl Drop for HeapRecorder {
             }
         }
         let _ = self.strings.unintern_all(&ids);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap as StdHashMap;
+    use std::sync::Weak;
+
+    /// A managed heap made of real Rust objects: an id is alive while some `Arc` to its object
+    /// exists; a "collection" just advances the generation.
+    #[derive(Default)]
+    struct ArcHeap {
+        gen: AtomicU64,
+        next_id: AtomicU64,
+        objects: Mutex<StdHashMap<u64, Weak<Obj>>>,
+        lookups: AtomicU64,
+        deferred: bool,
+        /// Deferred mode: handle -> id, filled when an object is "given" an id.
+        handles: Mutex<StdHashMap<u64, u64>>,
+    }
+
+    struct Obj {
+        size: AtomicU64,
+        frozen: AtomicBool,
+    }
+
+    impl ArcHeap {
+        fn alloc(&self, size: u64) -> (u64, Arc<Obj>) {
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+            let obj = Arc::new(Obj {
+                size: AtomicU64::new(size),
+                frozen: AtomicBool::new(false),
+            });
+            self.objects.lock().insert(id, Arc::downgrade(&obj));
+            (id, obj)
+        }
+
+        fn gc(&self) {
+            self.gen.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    impl LivenessSource for ArcHeap {
+        fn gc_generation(&self) -> u64 {
+            self.gen.load(Ordering::Relaxed)
+        }
+
+        fn lookup(&self, id: u64) -> Option<ObjectInfo> {
+            self.lookups.fetch_add(1, Ordering::Relaxed);
+            let obj = self.objects.lock().get(&id)?.upgrade()?;
+            Some(ObjectInfo {
+                size: obj.size.load(Ordering::Relaxed),
+                frozen: obj.frozen.load(Ordering::Relaxed),
+            })
+        }
+
+        fn defers_ids(&self) -> bool {
+            self.deferred
+        }
+
+        fn resolve_handle(&self, handle: u64) -> Option<u64> {
+            self.handles.lock().get(&handle).copied()
+        }
+    }
+
+    fn storage() -> Arc<StringStorage> {
+        Arc::new(StringStorage::new())
+    }
+
+    fn managed(heap: &Arc<ArcHeap>) -> (HeapRecorder, Arc<StringStorage>) {
+        let strings = storage();
+        let src: Arc<dyn LivenessSource> = heap.clone();
+        let rec = HeapRecorder::new(HeapConfig::managed(src), Arc::clone(&strings)).unwrap();
+        (rec, strings)
+    }
+
+    fn native() -> (HeapRecorder, Arc<StringStorage>) {
+        let strings = storage();
+        let rec = HeapRecorder::new(HeapConfig::native(), Arc::clone(&strings)).unwrap();
+        (rec, strings)
+    }
+
+    fn stack(tag: &str) -> Vec<Frame<'_>> {
+        vec![
+            Frame::sym("alloc_here", tag, 10),
+            Frame::sym("caller", "main.rs", 20),
+        ]
+    }
+
+    /// Collects what an iteration shows, with frames resolved to text.
+    fn collect(rec: &HeapRecorder, strings: &StringStorage) -> Vec<(LiveObject, Vec<String>)> {
+        let mut out = Vec::new();
+        let done = rec
+            .for_each_live_object(&mut |o, frames| {
+                let names = frames
+                    .iter()
+                    .map(|f| match f {
+                        Frame::Symbol {
+                            name: Str::Id(n),
+                            filename: Str::Id(file),
+                            line,
+                        } => format!(
+                            "{}@{}:{}",
+                            strings.get(*n).unwrap(),
+                            strings.get(*file).unwrap(),
+                            line
+                        ),
+                        Frame::Address(a) => format!("{a:#x}"),
+                        other => panic!("unexpected frame {other:?}"),
+                    })
+                    .collect();
+                out.push((*o, names));
+                true
+            })
+            .unwrap();
+        assert!(done);
+        out.sort_by_key(|(o, _)| o.id);
+        out
+    }
+
+    fn serialize(rec: &HeapRecorder, strings: &StringStorage) -> Vec<(LiveObject, Vec<String>)> {
+        rec.prepare_iteration().unwrap();
+        let out = collect(rec, strings);
+        rec.finish_iteration().unwrap();
+        out
+    }
+
+    #[test]
+    fn object_record_is_32_bytes() {
+        assert_eq!(std::mem::size_of::<ObjRecord>(), 32);
+    }
+
+    #[test]
+    fn sample_every_must_be_positive() {
+        let cfg = HeapConfig {
+            sample_every: 0,
+            ..HeapConfig::native()
+        };
+        let err = HeapRecorder::new(cfg, storage()).unwrap_err();
+        assert_eq!(err, HeapError::InvalidSampleEvery(0));
+        let (rec, _) = native();
+        for bad in [0, -3, i64::from(u32::MAX) + 1] {
+            let err = rec.set_sample_every(bad).unwrap_err();
+            assert!(err.to_string().contains(&bad.to_string()), "{err}");
+        }
+        rec.set_sample_every(5).unwrap();
+    }
+
+    #[test]
+    fn start_end_protocol() {
+        let heap = Arc::new(ArcHeap::default());
+        let (rec, _) = managed(&heap);
+        let err = rec.end_recording(&stack("a.rs")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "Ended a heap recording that was not started"
+        );
+
+        let (id, _obj) = heap.alloc(8);
+        assert!(!rec.start_recording(id, 1, Some("Foo")).unwrap());
+        assert_eq!(
+            rec.start_recording(id + 1, 1, None).unwrap_err(),
+            HeapError::StartWithoutEnd
+        );
+        rec.end_recording(&stack("a.rs")).unwrap();
+        assert!(rec.is_object_recorded(id));
+        assert!(!rec.is_object_recorded(id + 1));
+        assert_eq!(
+            rec.end_recording(&[]).unwrap_err(),
+            HeapError::EndWithoutStart
+        );
+    }
+
+    #[test]
+    fn error_at_end_leaves_recorder_usable_and_balanced() {
+        let heap = Arc::new(ArcHeap::default());
+        let (rec, strings) = managed(&heap);
+        rec.start_recording(1, 1, Some("Foo")).unwrap();
+        let too_many = vec![Frame::Address(1); MAX_FRAMES + 1];
+        let err = rec.end_recording(&too_many).unwrap_err();
+        assert!(matches!(err, HeapError::TooManyFrames { got, .. } if got == MAX_FRAMES + 1));
+        strings.advance_generation();
+        assert_eq!(strings.len(), 0, "class reference released on error");
+        rec.start_recording(1, 1, Some("Foo")).unwrap();
+        rec.end_recording(&stack("a.rs")).unwrap();
+        assert!(rec.is_object_recorded(1));
+    }
+
+    #[test]
+    fn duplicate_id_describes_both_records() {
+        let (rec, strings) = native();
+        rec.track(7, 1, 100, Some("First"), &stack("first.rs"))
+            .unwrap();
+        let before = strings.len();
+        let err = rec
+            .track(7, 2, 200, Some("Second"), &stack("second.rs"))
+            .unwrap_err();
+        let HeapError::DuplicateId { previous, new } = &err else {
+            panic!("unexpected {err:?}");
+        };
+        assert!(
+            previous.contains("id=7") && previous.contains("size=100"),
+            "{previous}"
+        );
+        assert!(previous.contains("first.rs:10") && previous.contains("class=First"));
+        assert!(
+            new.contains("weight=2") && new.contains("second.rs:10"),
+            "{new}"
+        );
+        assert!(new.contains("class=Second"), "{new}");
+        // The rejected record's strings were given back.
+        strings.advance_generation();
+        assert_eq!(strings.len(), before);
+        assert_eq!(rec.stats().num_object_records, 1);
+        assert_eq!(rec.stats().num_heap_records, 1);
+    }
+
+    #[test]
+    fn stacks_are_deduplicated_and_freed_with_their_last_object() {
+        let (rec, strings) = native();
+        for id in 1..=1000 {
+            rec.track(id, 1, 16, None, &stack("shared.rs")).unwrap();
+        }
+        rec.track(5000, 1, 16, None, &stack("other.rs")).unwrap();
+        let addr = [Frame::Address(0x1000), Frame::Address(0x2000)];
+        rec.track(6000, 1, 16, None, &addr).unwrap();
+        rec.track(6001, 1, 16, None, &addr).unwrap();
+        let st = rec.stats();
+        assert_eq!(st.num_object_records, 1003);
+        assert_eq!(st.num_heap_records, 3);
+        // alloc_here, caller, main.rs, shared.rs, other.rs
+        assert_eq!(strings.len(), 5);
+        let shared = strings.intern("shared.rs").unwrap();
+        assert_eq!(
+            strings.refcount(shared),
+            Some(2),
+            "one for the record, one for us"
+        );
+        strings.unintern(shared).unwrap();
+
+        for id in 1..=999 {
+            assert!(rec.untrack(id));
+        }
+        assert!(!rec.untrack(1), "already untracked");
+        assert_eq!(rec.stats().num_heap_records, 3);
+        assert!(rec.untrack(1000));
+        assert_eq!(rec.stats().num_heap_records, 2);
+        assert!(rec.untrack(5000) && rec.untrack(6000) && rec.untrack(6001));
+        assert_eq!(rec.stats().num_heap_records, 0);
+        assert_eq!(rec.stats().num_object_records, 0);
+        strings.advance_generation();
+        assert_eq!(strings.len(), 0);
+    }
+
+    #[test]
+    fn frames_given_as_ids_are_referenced_by_the_record() {
+        let (rec, strings) = native();
+        let name = strings.intern("by_id").unwrap();
+        let frames = [Frame::Symbol {
+            name: Str::Id(name),
+            filename: Str::Lit("f.rs"),
+            line: 3,
+        }];
+        rec.track(1, 1, 1, None, &frames).unwrap();
+        strings.unintern(name).unwrap();
+        strings.advance_generation();
+        let out = serialize(&rec, &strings);
+        assert_eq!(out[0].1, vec!["by_id@f.rs:3".to_owned()]);
+    }
+
+    #[test]
+    fn sample_every_keeps_every_nth_with_scaled_weight() {
+        let (rec, strings) = native();
+        rec.set_sample_every(2).unwrap();
+        for id in 1..=10 {
+            rec.track(id, 3, 8, None, &stack("a.rs")).unwrap();
+        }
+        let out = serialize(&rec, &strings);
+        let ids: Vec<u64> = out.iter().map(|(o, _)| o.id).collect();
+        assert_eq!(ids, vec![2, 4, 6, 8, 10]);
+        assert!(out.iter().all(|(o, _)| o.weight == 6));
+    }
+
+    #[test]
+    fn native_ages_count_serializations_survived() {
+        let (rec, strings) = native();
+        rec.track(1, 1, 10, Some("Old"), &stack("a.rs")).unwrap();
+        let out = serialize(&rec, &strings);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0.gen_age, 0);
+        assert_eq!(strings.get(out[0].0.class).unwrap(), "Old");
+        rec.track(2, 1, 20, None, &[Frame::Address(0xabc)]).unwrap();
+        let out = serialize(&rec, &strings);
+        assert_eq!(
+            out.iter()
+                .map(|(o, _)| (o.id, o.gen_age, o.alloc_gen))
+                .collect::<Vec<_>>(),
+            vec![(1, 1, 0), (2, 0, 1)]
+        );
+        assert_eq!(out[1].1, vec!["0xabc".to_owned()]);
+        assert_eq!(out[1].0.class, StringId::EMPTY);
+
+        // With a minimum age of 1, fresh allocations are left out.
+        let cfg = HeapConfig {
+            min_iteration_age: 1,
+            ..HeapConfig::native()
+        };
+        let rec = HeapRecorder::new(cfg, Arc::clone(&strings)).unwrap();
+        rec.track(1, 1, 10, None, &stack("a.rs")).unwrap();
+        assert!(serialize(&rec, &strings).is_empty());
+        assert_eq!(serialize(&rec, &strings).len(), 1);
+    }
+
+    #[test]
+    fn iteration_misuse_is_an_error() {
+        let (rec, _) = native();
+        assert_eq!(
+            rec.finish_iteration().unwrap_err(),
+            HeapError::FinishWithoutPrepare
+        );
+        assert_eq!(
+            rec.for_each_live_object(&mut |_, _| true).unwrap_err(),
+            HeapError::NotPrepared
+        );
+        rec.prepare_iteration().unwrap();
+        assert_eq!(
+            rec.prepare_iteration().unwrap_err(),
+            HeapError::PrepareTwice
+        );
+        rec.finish_iteration().unwrap();
+        rec.prepare_iteration().unwrap();
+        rec.finish_iteration().unwrap();
+    }
+
+    #[test]
+    fn iteration_can_stop_early() {
+        let (rec, _) = native();
+        for id in 1..=5 {
+            rec.track(id, 1, 1, None, &[]).unwrap();
+        }
+        rec.prepare_iteration().unwrap();
+        let mut seen = 0;
+        let done = rec
+            .for_each_live_object(&mut |_, frames| {
+                assert!(frames.is_empty());
+                seen += 1;
+                seen < 2
+            })
+            .unwrap();
+        assert!(!done);
+        assert_eq!(seen, 2);
+        rec.finish_iteration().unwrap();
+    }
+
+    #[test]
+    fn snapshot_stays_valid_while_objects_go_away() {
+        let (rec, strings) = native();
+        rec.track(1, 1, 10, Some("Gone"), &stack("gone.rs"))
+            .unwrap();
+        rec.prepare_iteration().unwrap();
+        // Untracked and a new, different stack tracked while the snapshot exists: the snapshot
+        // must still show the old stack and class, and the strings stay interned.
+        assert!(rec.untrack(1));
+        rec.track(2, 1, 10, None, &stack("new.rs")).unwrap();
+        strings.advance_generation();
+        let out = collect(&rec, &strings);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0.id, 1);
+        assert_eq!(strings.get(out[0].0.class).unwrap(), "Gone");
+        assert_eq!(out[0].1[0], "alloc_here@gone.rs:10");
+        rec.finish_iteration().unwrap();
+        strings.advance_generation();
+        assert!(
+            strings.get(out[0].0.class).is_err(),
+            "released after finish"
+        );
+        let out = serialize(&rec, &strings);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].1[0], "alloc_here@new.rs:10");
+    }
+
+    #[test]
+    fn strings_return_to_initial_size() {
+        let (rec, strings) = native();
+        let initial = strings.len();
+        for id in 0..200u64 {
+            let file = format!("file_{}.rs", id % 7);
+            let class = format!("Class{}", id % 3);
+            let frames = [
+                Frame::sym("a", &file, id as i64 % 5),
+                Frame::Address(id % 11),
+            ];
+            rec.track(id, 1, 1, Some(&class), &frames).unwrap();
+        }
+        serialize(&rec, &strings);
+        rec.prepare_iteration().unwrap();
+        for id in 0..200u64 {
+            assert!(rec.untrack(id));
+        }
+        rec.finish_iteration().unwrap();
+        strings.advance_generation();
+        assert_eq!(strings.len(), initial);
+    }
+
+    #[test]
+    fn dropping_the_recorder_gives_strings_back() {
+        let strings = storage();
+        {
+            let rec = HeapRecorder::new(HeapConfig::native(), Arc::clone(&strings)).unwrap();
+            rec.track(1, 1, 1, Some("K"), &stack("x.rs")).unwrap();
+            rec.prepare_iteration().unwrap();
+            rec.untrack(1);
+        }
+        strings.advance_generation();
+        assert_eq!(strings.len(), 0);
+    }
+
+    #[test]
+    fn managed_full_update_removes_dead_and_measures_sizes() {
+        let heap = Arc::new(ArcHeap::default());
+        let (rec, strings) = managed(&heap);
+        let mut keep = Vec::new();
+        let mut ids = Vec::new();
+        for i in 0..6u64 {
+            let (id, obj) = heap.alloc(100 + i);
+            rec.start_recording(id, 1, Some("Thing")).unwrap();
+            rec.end_recording(&stack("m.rs")).unwrap();
+            ids.push(id);
+            keep.push(Some(obj));
+        }
+        // Age 0 objects are left out: nothing was collected yet.
+        assert!(serialize(&rec, &strings).is_empty());
+        heap.gc();
+        keep[1] = None;
+        keep[4] = None;
+        keep[2]
+            .as_ref()
+            .unwrap()
+            .frozen
+            .store(true, Ordering::Relaxed);
+        let out = serialize(&rec, &strings);
+        let seen: Vec<(u64, u64, bool)> =
+            out.iter().map(|(o, _)| (o.id, o.size, o.frozen)).collect();
+        assert_eq!(
+            seen,
+            vec![
+                (ids[0], 100, false),
+                (ids[2], 102, true),
+                (ids[3], 103, false),
+                (ids[5], 105, false)
+            ]
+        );
+        assert!(out.iter().all(|(o, _)| o.gen_age == 1));
+        let st = rec.stats();
+        assert_eq!(st.num_object_records, 4);
+        assert_eq!(
+            (st.last_update_objects_alive, st.last_update_objects_dead),
+            (4, 2)
+        );
+        assert_eq!(st.last_update_objects_frozen, 1);
+
+        // Frozen objects keep their size; others are re-measured.
+        keep[2].as_ref().unwrap().size.store(999, Ordering::Relaxed);
+        keep[3].as_ref().unwrap().size.store(555, Ordering::Relaxed);
+        heap.gc();
+        let out = serialize(&rec, &strings);
+        let sizes: Vec<u64> = out.iter().map(|(o, _)| o.size).collect();
+        assert_eq!(sizes, vec![100, 102, 555, 105]);
+        assert!(out.iter().all(|(o, _)| o.gen_age == 2 && o.alloc_gen == 0));
+        assert_eq!(strings.get(out[0].0.class).unwrap(), "Thing");
+    }
+
+    #[test]
+    fn size_disabled_keeps_sizes_at_zero() {
+        let heap = Arc::new(ArcHeap::default());
+        let strings = storage();
+        let src: Arc<dyn LivenessSource> = heap.clone();
+        let cfg = HeapConfig {
+            size_enabled: false,
+            ..HeapConfig::managed(src)
+        };
+        let rec = HeapRecorder::new(cfg, Arc::clone(&strings)).unwrap();
+        let (id, _obj) = heap.alloc(64);
+        rec.start_recording(id, 1, None).unwrap();
+        rec.end_recording(&[]).unwrap();
+        heap.gc();
+        let out = serialize(&rec, &strings);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0.size, 0);
+    }
+
+    #[test]
+    fn young_update_policy() {
+        let heap = Arc::new(ArcHeap::default());
+        let (rec, strings) = managed(&heap);
+        let track = |size| {
+            let (id, obj) = heap.alloc(size);
+            rec.start_recording(id, 1, None).unwrap();
+            rec.end_recording(&stack("y.rs")).unwrap();
+            (id, obj)
+        };
+        // Three old objects (age 3 at the update below) and a young and a brand-new one.
+        let old: Vec<_> = (0..3).map(|_| track(1)).collect();
+        heap.gc();
+        heap.gc();
+        let (young_id, young) = track(2);
+        heap.gc();
+        let (new_id, new) = track(3);
+        drop(old);
+        drop(young);
+        drop(new);
+
+        rec.update_young_objects();
+        let st = rec.stats();
+        assert_eq!(st.lifetime_updates_successful, 1);
+        // Only the young object (age 1) was looked at; age 0 and age >= 3 were skipped.
+        assert_eq!(st.last_update_objects_dead, 1);
+        assert_eq!(st.last_update_objects_skipped, 4);
+        assert!(!rec.is_object_recorded(young_id));
+        assert!(rec.is_object_recorded(new_id));
+        assert_eq!(st.num_object_records, 4);
+        assert!((st.lifetime_ewma_young_objects_dead - EWMA_ALPHA).abs() < 1e-9);
+        assert!((st.lifetime_ewma_young_objects_skipped - 4.0 * EWMA_ALPHA).abs() < 1e-9);
+
+        // Same generation: skipped.
+        rec.update_young_objects();
+        assert_eq!(rec.stats().lifetime_updates_skipped_gcgen, 1);
+        // New generation but under 2 s since the last update: skipped.
+        heap.gc();
+        rec.update_young_objects();
+        assert_eq!(rec.stats().lifetime_updates_skipped_time, 1);
+        // No young update while an iteration snapshot exists.
+        rec.reset_last_update();
+        rec.prepare_iteration().unwrap();
+        let successful = rec.stats().lifetime_updates_successful;
+        rec.update_young_objects();
+        assert_eq!(rec.stats().lifetime_updates_successful, successful);
+        rec.finish_iteration().unwrap();
+        // The full update at prepare already removed every dead object.
+        assert_eq!(rec.stats().num_object_records, 0);
+        let _ = strings;
+    }
+
+    #[test]
+    fn allocations_during_an_update_are_skipped() {
+        /// Reports an allocation from inside `lookup`, as a runtime whose lookups allocate would.
+        struct Reentrant {
+            rec: Mutex<Option<Weak<HeapRecorder>>>,
+            inner: ArcHeap,
+            skipped_ok: AtomicBool,
+        }
+        impl LivenessSource for Reentrant {
+            fn gc_generation(&self) -> u64 {
+                self.inner.gc_generation()
+            }
+            fn lookup(&self, id: u64) -> Option<ObjectInfo> {
+                let rec = self.rec.lock().as_ref().and_then(Weak::upgrade);
+                if let Some(rec) = rec {
+                    let ok = rec.start_recording(9999, 1, None) == Ok(false)
+                        && rec.end_recording(&[]).is_ok();
+                    self.skipped_ok.store(ok, Ordering::Relaxed);
+                }
+                self.inner.lookup(id)
+            }
+        }
+        let src = Arc::new(Reentrant {
+            rec: Mutex::new(None),
+            inner: ArcHeap::default(),
+            skipped_ok: AtomicBool::new(false),
+        });
+        let dyn_src: Arc<dyn LivenessSource> = src.clone();
+        let rec = Arc::new(HeapRecorder::new(HeapConfig::managed(dyn_src), storage()).unwrap());
+        *src.rec.lock() = Some(Arc::downgrade(&rec));
+        let (id, _obj) = src.inner.alloc(1);
+        rec.start_recording(id, 1, None).unwrap();
+        rec.end_recording(&[]).unwrap();
+        src.inner.gc();
+        rec.prepare_iteration().unwrap();
+        rec.finish_iteration().unwrap();
+        assert!(src.skipped_ok.load(Ordering::Relaxed));
+        assert!(!rec.is_object_recorded(9999));
+        assert!(rec.is_object_recorded(id));
+    }
+
+    #[test]
+    fn deferred_recordings() {
+        let heap = Arc::new(ArcHeap {
+            deferred: true,
+            ..ArcHeap::default()
+        });
+        let (rec, strings) = managed(&heap);
+        let mut objs = Vec::new();
+        let mut signals = Vec::new();
+        for handle in 0..(MAX_PENDING_RECORDINGS as u64 + 3) {
+            signals.push(rec.start_recording(handle, 1, Some("D")).unwrap());
+            rec.end_recording(&stack("d.rs")).unwrap();
+        }
+        // Asked when the buffer goes from empty to non-empty, then from half full on, and
+        // always once it is full.
+        assert!(signals[0]);
+        assert!(!signals[1] && !signals[MAX_PENDING_RECORDINGS / 2 - 1]);
+        assert!(signals[MAX_PENDING_RECORDINGS / 2..].iter().all(|&s| s));
+        let st = rec.stats();
+        assert_eq!(st.pending_recordings_count, MAX_PENDING_RECORDINGS as u64);
+        assert_eq!(st.lifetime_deferred_recordings_skipped_buffer_full, 3);
+        assert_eq!(st.num_object_records, 0);
+        let mut handles = Vec::new();
+        rec.for_each_pending_handle(|h| handles.push(h));
+        assert_eq!(handles.len(), MAX_PENDING_RECORDINGS);
+
+        // Handle h becomes an id; odd handles died before they got one.
+        for h in (0..MAX_PENDING_RECORDINGS as u64).step_by(2) {
+            let (id, obj) = heap.alloc(1);
+            heap.handles.lock().insert(h, id);
+            objs.push(obj);
+        }
+        rec.finalize_pending_recordings().unwrap();
+        let st = rec.stats();
+        assert_eq!(st.pending_recordings_count, 0);
+        assert_eq!(
+            st.lifetime_deferred_recordings_finalized,
+            MAX_PENDING_RECORDINGS as u64
+        );
+        assert_eq!(st.num_object_records, MAX_PENDING_RECORDINGS as u64 / 2);
+        heap.gc();
+        let out = serialize(&rec, &strings);
+        assert_eq!(out.len(), MAX_PENDING_RECORDINGS / 2);
+        assert!(
+            rec.start_recording(1000, 1, None).unwrap(),
+            "empty again: ask"
+        );
+        rec.end_recording(&[]).unwrap();
+        rec.finalize_pending_recordings().unwrap();
+        // Nothing resolves handle 1000: dropped, nothing leaked.
+        assert_eq!(
+            rec.stats().num_object_records,
+            MAX_PENDING_RECORDINGS as u64 / 2
+        );
+        rec.after_fork();
+        let st = rec.stats();
+        assert_eq!(st.lifetime_deferred_recordings_finalized, 0);
+        assert_eq!(st.lifetime_updates_successful, 0);
+        assert_eq!(st.num_object_records, MAX_PENDING_RECORDINGS as u64 / 2);
+    }
+
+    #[test]
+    fn after_fork_finishes_a_left_over_iteration() {
+        let (rec, _) = native();
+        rec.track(1, 1, 1, None, &[]).unwrap();
+        rec.prepare_iteration().unwrap();
+        rec.after_fork();
+        rec.prepare_iteration().unwrap();
+        rec.finish_iteration().unwrap();
+    }
+
+    #[test]
+    fn object_index_matches_a_model() {
+        // Deterministic pseudo-random churn against std's HashMap.
+        let mut shard = ObjShard::default();
+        let mut model: StdHashMap<u64, ObjRecord> = StdHashMap::new();
+        let mut x = 0x1234_5678_9abc_def0u64;
+        for step in 0..200_000u32 {
+            x = mix64(x.wrapping_add(step as u64));
+            // Aligned "addresses" from a small range so ids repeat often.
+            let id = (x % 4096) * 16;
+            let hash = mix64(id);
+            if x & (1 << 40) != 0 || model.len() < 50 {
+                let rec = ObjRecord {
+                    id,
+                    size: step as u64,
+                    ..ObjRecord::EMPTY
+                };
+                match (shard.insert(rec, hash), model.get(&id)) {
+                    (Ok(()), None) => {
+                        model.insert(id, rec);
+                    }
+                    (Err(existing), Some(m)) => assert_eq!(existing, *m),
+                    other => panic!("mismatch {other:?}"),
+                }
+            } else {
+                assert_eq!(shard.remove(id, hash), model.remove(&id));
+            }
+            if step % 10_000 == 0 {
+                for (id, m) in &model {
+                    assert_eq!(shard.get(*id, mix64(*id)), Some(m));
+                }
+                assert_eq!(shard.recs.len(), model.len());
+            }
+        }
+        for id in model.keys().copied().collect::<Vec<_>>() {
+            assert!(shard.remove(id, mix64(id)).is_some());
+        }
+        assert!(shard.recs.is_empty());
+        assert!(shard.slots.len() <= 4 * MIN_INDEX_SLOTS);
+    }
+
+    #[test]
+    fn concurrent_tracking_while_serializing() {
+        let rec = Arc::new(HeapRecorder::new(HeapConfig::native(), storage()).unwrap());
+        let stop = Arc::new(AtomicBool::new(false));
+        let serializer = {
+            let rec = Arc::clone(&rec);
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut rounds = 0;
+                while !stop.load(Ordering::Relaxed) || rounds < 3 {
+                    rec.prepare_iteration().unwrap();
+                    rec.for_each_live_object(&mut |o, frames| {
+                        assert_eq!(frames.len(), 2);
+                        assert_eq!(frames[0], Frame::Address(o.size));
+                        true
+                    })
+                    .unwrap();
+                    rec.finish_iteration().unwrap();
+                    rounds += 1;
+                }
+                rounds
+            })
+        };
+        let workers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let rec = Arc::clone(&rec);
+                std::thread::spawn(move || {
+                    for i in 0..20_000u64 {
+                        let id = (t << 32) | i;
+                        let site = i % 50;
+                        // The size names the stack so the iteration can check the pairing.
+                        let frames = [Frame::Address(site), Frame::Address(t)];
+                        rec.track(id, 1, site, None, &frames).unwrap();
+                        if i >= 100 {
+                            assert!(rec.untrack(id - 100));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        assert!(serializer.join().unwrap() >= 3);
+        let st = rec.stats();
+        assert_eq!(st.num_object_records, 400);
+        assert_eq!(st.num_heap_records, 200);
     }
 }
