@@ -34,6 +34,12 @@ pub enum ProfileError {
     String(#[from] StringError),
     #[error("encoding failed: {0}")]
     Encode(String),
+    #[error("string id {0} used but this profile has no string storage to resolve it")]
+    NoStringStorage(u32),
+    #[error("label key {0:?} is reserved for timestamped samples; pass the timestamp instead")]
+    ReservedLabelKey(String),
+    #[error("compression {0:?} is not available in this build (enable the `zstd` feature)")]
+    CompressionUnavailable(crate::pprof::Compression),
 }
 
 /// Errors of the [`crate::heap::HeapRecorder`].

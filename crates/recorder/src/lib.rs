@@ -6,12 +6,14 @@
 //! and the [`heap`] recorder that tracks sampled live objects.
 
 pub mod error;
+mod gate;
 pub mod heap;
 pub mod pprof;
 pub mod profile;
 pub mod sample_types;
 pub mod stack_recorder;
 pub mod strings;
+mod sync;
 
 pub use error::{HeapError, ProfileError, RecorderError, StringError};
 pub use heap::{HeapConfig, HeapRecorder, HeapStats, Liveness, LivenessSource};

@@ -5,15 +5,27 @@
 //! `set_endpoint` attaches a `trace endpoint` label at encoding time to every sample whose numeric
 //! `local root span id` label matches, including samples recorded before the call.
 //!
-//! CONTRACT (implementation pending, see issue 2).
+//! ## How `add` stays cheap for a stack seen before
+//! Strings, functions, locations, stacks and label sets are deduplicated into tables local to the
+//! profile (what pprof needs anyway). In front of them sits a *sample-key index*: one hash over
+//! the raw sample (every frame and label as given) leads to the (stack, label set) it resolved to
+//! last time. A hit is verified against the stored tables, field by field, so a hash collision
+//! can never merge two different samples; a verified hit costs no table lookup, no allocation and
+//! no [`StringStorage`] lock. Interned ids are mapped to the profile's own string ids through a
+//! per-profile cache that is dropped whenever the storage's generation moves (ids may be reused
+//! after a generation advance).
 
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
-use crate::error::ProfileError;
-use crate::pprof::{EncodeOptions, EncodedProfile, Symbolizer};
+use crate::error::{ProfileError, StringError};
+use crate::pprof::{
+    field, len_field_len, varint_field_len, varint_len, EncodeOptions, EncodedProfile, PbWriter,
+    ResolvedFrame, Symbolizer,
+};
 use crate::sample_types::SampleType;
-use crate::strings::{StringId, StringStorage};
+use crate::strings::{StringId, StringStorage, Table as StorageTable};
 
 /// Most frames one sample may carry.
 pub const MAX_FRAMES: usize = 3000;
@@ -67,6 +79,15 @@ impl<'a> Frame<'a> {
             line,
         }
     }
+
+    /// A frame whose strings are ids of the profile's [`StringStorage`].
+    pub fn ids(name: StringId, filename: StringId, line: i64) -> Self {
+        Frame::Symbol {
+            name: Str::Id(name),
+            filename: Str::Id(filename),
+            line,
+        }
+    }
 }
 
 /// A label value: a string or a number.
@@ -111,57 +132,1672 @@ pub struct Sample<'a> {
     pub end_timestamp_ns: i64,
 }
 
+// ---------------------------------------------------------------------------------------------
+// Hashing and the id index
+
+/// Fixed-seed foldhash: deterministic, and the data is the process's own (no flooding concern).
+fn hasher() -> foldhash::fast::FoldHasher<'static> {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x5eed_f0f0_cafe_d00d).build_hasher()
+}
+
+const NONE: u32 = u32::MAX;
+const EMPTY_SLOT: u64 = u64::MAX;
+
+/// An open-addressing index from a 64-bit hash to dense ids `0..len`. The caller keeps the
+/// entries in its own vectors (indexed by id) and decides equality, so one structure serves
+/// strings, functions, locations, stacks, label sets and sample keys without storing keys twice.
+/// Each slot holds the hash's upper half next to the id, so most mismatches are rejected without
+/// touching the entry.
+#[derive(Default)]
+struct IdIndex {
+    slots: Vec<u64>,
+    /// Full hash of every id, for rehashing on growth.
+    hashes: Vec<u64>,
+}
+
+impl IdIndex {
+    fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    #[inline]
+    fn find(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let tag = hash >> 32;
+        let mut i = hash as usize & mask;
+        loop {
+            let s = self.slots[i];
+            if s == EMPTY_SLOT {
+                return None;
+            }
+            if s >> 32 == tag && eq(s as u32) {
+                return Some(s as u32);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Adds a new id (the next dense one) under `hash`; the caller checked it is absent.
+    fn insert(&mut self, hash: u64) -> u32 {
+        if (self.len() + 1) * 2 > self.slots.len() {
+            self.grow();
+        }
+        let id = self.len() as u32;
+        self.hashes.push(hash);
+        self.place(hash, id);
+        id
+    }
+
+    fn place(&mut self, hash: u64, id: u32) {
+        let mask = self.slots.len() - 1;
+        let mut i = hash as usize & mask;
+        while self.slots[i] != EMPTY_SLOT {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = (hash & !0xffff_ffff) | id as u64;
+    }
+
+    fn grow(&mut self) {
+        let n = (self.slots.len() * 2).max(16);
+        self.slots = vec![EMPTY_SLOT; n];
+        for id in 0..self.hashes.len() {
+            self.place(self.hashes[id], id as u32);
+        }
+    }
+
+    fn memory_bytes(&self) -> usize {
+        (self.slots.capacity() + self.hashes.capacity()) * 8
+    }
+}
+
+/// Ids must stay below `NONE` and fit the index's 32-bit id half.
+const MAX_TABLE_LEN: usize = (u32::MAX - 1) as usize;
+
+// ---------------------------------------------------------------------------------------------
+// Profile-local tables
+
+/// The profile's own string table (becomes the pprof string table as is). Id 0 is "".
+#[derive(Default)]
+struct LocalStrings {
+    bytes: String,
+    spans: Vec<(u32, u32)>,
+    index: IdIndex,
+}
+
+impl LocalStrings {
+    fn new() -> Self {
+        let mut s = LocalStrings::default();
+        s.intern("");
+        s
+    }
+
+    #[inline]
+    fn get(&self, id: u32) -> &str {
+        let (off, len) = self.spans[id as usize];
+        &self.bytes[off as usize..(off + len) as usize]
+    }
+
+    fn hash(s: &str) -> u64 {
+        use std::hash::Hasher;
+        let mut h = hasher();
+        h.write(s.as_bytes());
+        h.finish()
+    }
+
+    fn find(&self, s: &str) -> Option<u32> {
+        self.index.find(Self::hash(s), |id| self.get(id) == s)
+    }
+
+    fn intern(&mut self, s: &str) -> u32 {
+        let hash = Self::hash(s);
+        if let Some(id) = self.index.find(hash, |id| {
+            let (off, len) = self.spans[id as usize];
+            &self.bytes[off as usize..(off + len) as usize] == s
+        }) {
+            return id;
+        }
+        let off = self.bytes.len() as u32;
+        self.bytes.push_str(s);
+        self.spans.push((off, s.len() as u32));
+        self.index.insert(hash)
+    }
+
+    fn len(&self) -> usize {
+        self.spans.len()
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Function {
+    name: u32,
+    filename: u32,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Location {
+    Symbol { function: u32, line: i64 },
+    Address(u64),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct LabelRec {
+    key: u32,
+    /// String value id, or `NONE` for a numeric label.
+    str: u32,
+    num: i64,
+}
+
+/// Slices of ids stored back to back (stacks of location ids, sets of label ids).
+#[derive(Default)]
+struct SliceSet {
+    items: Vec<u32>,
+    spans: Vec<(u32, u32)>,
+    index: IdIndex,
+}
+
+impl SliceSet {
+    #[inline]
+    fn get(&self, id: u32) -> &[u32] {
+        let (off, len) = self.spans[id as usize];
+        &self.items[off as usize..(off + len) as usize]
+    }
+
+    fn intern(&mut self, ids: &[u32]) -> Result<u32, ProfileError> {
+        use std::hash::Hasher;
+        let mut h = hasher();
+        h.write_usize(ids.len());
+        for &x in ids {
+            h.write_u32(x);
+        }
+        let hash = h.finish();
+        let (items, spans) = (&self.items, &self.spans);
+        if let Some(id) = self.index.find(hash, |id| {
+            let (off, len) = spans[id as usize];
+            &items[off as usize..(off + len) as usize] == ids
+        }) {
+            return Ok(id);
+        }
+        check_table_len(self.spans.len(), "slice")?;
+        if self.items.len() + ids.len() > u32::MAX as usize {
+            return Err(ProfileError::Encode(format!(
+                "profile holds too many stack/label entries ({})",
+                self.items.len()
+            )));
+        }
+        let off = self.items.len() as u32;
+        self.items.extend_from_slice(ids);
+        self.spans.push((off, ids.len() as u32));
+        Ok(self.index.insert(hash))
+    }
+}
+
+/// A generic dedup table of small `Copy` records.
+struct Dedup<T> {
+    items: Vec<T>,
+    index: IdIndex,
+}
+
+impl<T> Default for Dedup<T> {
+    fn default() -> Self {
+        Dedup {
+            items: Vec::new(),
+            index: IdIndex::default(),
+        }
+    }
+}
+
+impl<T: Copy + PartialEq> Dedup<T> {
+    fn intern(&mut self, item: T, hash: u64, what: &str) -> Result<u32, ProfileError> {
+        let items = &self.items;
+        if let Some(id) = self.index.find(hash, |id| items[id as usize] == item) {
+            return Ok(id);
+        }
+        check_table_len(self.items.len(), what)?;
+        self.items.push(item);
+        Ok(self.index.insert(hash))
+    }
+
+    fn find(&self, item: T, hash: u64) -> Option<u32> {
+        self.index.find(hash, |id| self.items[id as usize] == item)
+    }
+}
+
+fn check_table_len(len: usize, what: &str) -> Result<(), ProfileError> {
+    if len >= MAX_TABLE_LEN {
+        return Err(ProfileError::Encode(format!(
+            "profile holds the maximum number of {what} entries ({len})"
+        )));
+    }
+    Ok(())
+}
+
+fn hash_function(f: Function) -> u64 {
+    use std::hash::Hasher;
+    let mut h = hasher();
+    h.write_u64(((f.name as u64) << 32) | f.filename as u64);
+    h.finish()
+}
+
+fn hash_location(l: Location) -> u64 {
+    use std::hash::Hasher;
+    let mut h = hasher();
+    match l {
+        Location::Symbol { function, line } => {
+            h.write_u32(function);
+            h.write_u64(line as u64);
+        }
+        Location::Address(a) => {
+            h.write_u32(NONE);
+            h.write_u64(a);
+        }
+    }
+    h.finish()
+}
+
+fn hash_label(l: LabelRec) -> u64 {
+    use std::hash::Hasher;
+    let mut h = hasher();
+    h.write_u64(((l.key as u64) << 32) | l.str as u64);
+    h.write_u64(l.num as u64);
+    h.finish()
+}
+
+fn hash_pair(a: u32, b: u32) -> u64 {
+    use std::hash::Hasher;
+    let mut h = hasher();
+    h.write_u64(((a as u64) << 32) | b as u64);
+    h.finish()
+}
+
+/// A raw sample shape seen before, and what it resolved to.
+#[derive(Clone, Copy)]
+struct KeyRec {
+    stack: u32,
+    labels: u32,
+    /// Row in the aggregated table, or `NONE` until an untimestamped sample used this key.
+    agg: u32,
+}
+
+#[derive(Clone, Copy)]
+struct TimedRec {
+    stack: u32,
+    labels: u32,
+    ts: i64,
+}
+
+/// Ids of the strings every profile carries, interned first in this order.
+struct Preset {
+    end_timestamp: u32,
+    trace_endpoint: u32,
+    local_root_span_id: u32,
+    /// (type, unit) per sample type.
+    types: Vec<(u32, u32)>,
+}
+
+/// Everything `reset` throws away.
+struct Tables {
+    strings: LocalStrings,
+    functions: Dedup<Function>,
+    locations: Dedup<Location>,
+    stacks: SliceSet,
+    labels: Dedup<LabelRec>,
+    label_sets: SliceSet,
+    keys: Vec<KeyRec>,
+    key_index: IdIndex,
+    /// (stack, label set) per aggregated row.
+    agg: Vec<(u32, u32)>,
+    agg_index: IdIndex,
+    agg_values: Vec<i64>,
+    timed: Vec<TimedRec>,
+    timed_values: Vec<i64>,
+    /// Local root span id -> endpoint string id.
+    endpoints: HashMap<u64, u32, foldhash::fast::RandomState>,
+    endpoint_counts: HashMap<String, i64, foldhash::fast::RandomState>,
+    /// Storage id -> local string id + 1 (0: not cached). Valid for `cache_generation` only.
+    id_cache: Vec<u32>,
+    cache_generation: u64,
+    preset: Preset,
+    /// Reused by the slow path so it does not allocate per sample.
+    scratch: Vec<u32>,
+}
+
+impl Tables {
+    fn new(types: &[SampleType], generation: u64) -> Tables {
+        let mut strings = LocalStrings::new();
+        let end_timestamp = strings.intern(END_TIMESTAMP_LABEL);
+        let trace_endpoint = strings.intern(TRACE_ENDPOINT_LABEL);
+        let local_root_span_id = strings.intern(LOCAL_ROOT_SPAN_ID_LABEL);
+        let types = types
+            .iter()
+            .map(|t| (strings.intern(t.name()), strings.intern(t.unit())))
+            .collect();
+        Tables {
+            strings,
+            functions: Dedup::default(),
+            locations: Dedup::default(),
+            stacks: SliceSet::default(),
+            labels: Dedup::default(),
+            label_sets: SliceSet::default(),
+            keys: Vec::new(),
+            key_index: IdIndex::default(),
+            agg: Vec::new(),
+            agg_index: IdIndex::default(),
+            agg_values: Vec::new(),
+            timed: Vec::new(),
+            timed_values: Vec::new(),
+            endpoints: HashMap::default(),
+            endpoint_counts: HashMap::default(),
+            id_cache: Vec::new(),
+            cache_generation: generation,
+            preset: Preset {
+                end_timestamp,
+                trace_endpoint,
+                local_root_span_id,
+                types,
+            },
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Local id of the storage string `id`, if cached.
+    #[inline]
+    fn cached(&self, id: StringId) -> Option<u32> {
+        if id == StringId::EMPTY {
+            return Some(0);
+        }
+        match self.id_cache.get(id.0 as usize) {
+            Some(&v) if v != 0 => Some(v - 1),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn str_matches(&self, s: Str<'_>, local: u32) -> bool {
+        match s {
+            Str::Lit(s) => str_eq(self.strings.get(local), s),
+            Str::Id(id) => self.cached(id) == Some(local),
+        }
+    }
+
+    /// Whether the raw sample is exactly what `key` resolved to.
+    #[inline]
+    fn key_matches(&self, key: &KeyRec, frames: &[Frame<'_>], labels: &[Label<'_>]) -> bool {
+        let stack = self.stacks.get(key.stack);
+        let set = self.label_sets.get(key.labels);
+        if stack.len() != frames.len() || set.len() != labels.len() {
+            return false;
+        }
+        for (f, &loc) in frames.iter().zip(stack) {
+            let ok = match (f, self.locations.items[loc as usize]) {
+                (Frame::Address(a), Location::Address(b)) => *a == b,
+                (
+                    Frame::Symbol {
+                        name,
+                        filename,
+                        line,
+                    },
+                    Location::Symbol { function, line: l },
+                ) => {
+                    let func = self.functions.items[function as usize];
+                    *line == l
+                        && self.str_matches(*name, func.name)
+                        && self.str_matches(*filename, func.filename)
+                }
+                _ => false,
+            };
+            if !ok {
+                return false;
+            }
+        }
+        for (l, &lid) in labels.iter().zip(set) {
+            let rec = self.labels.items[lid as usize];
+            let ok = self.str_matches(l.key, rec.key)
+                && match l.value {
+                    LabelValue::Num(n) => rec.str == NONE && rec.num == n,
+                    LabelValue::Str(s) => rec.str != NONE && self.str_matches(s, rec.str),
+                };
+            if !ok {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.strings.bytes.capacity()
+            + self.strings.spans.capacity() * 8
+            + self.strings.index.memory_bytes()
+            + self.functions.items.capacity() * std::mem::size_of::<Function>()
+            + self.functions.index.memory_bytes()
+            + self.locations.items.capacity() * std::mem::size_of::<Location>()
+            + self.locations.index.memory_bytes()
+            + (self.stacks.items.capacity() + self.stacks.spans.capacity() * 2) * 4
+            + self.stacks.index.memory_bytes()
+            + self.labels.items.capacity() * std::mem::size_of::<LabelRec>()
+            + self.labels.index.memory_bytes()
+            + (self.label_sets.items.capacity() + self.label_sets.spans.capacity() * 2) * 4
+            + self.label_sets.index.memory_bytes()
+            + self.keys.capacity() * std::mem::size_of::<KeyRec>()
+            + self.key_index.memory_bytes()
+            + self.agg.capacity() * 8
+            + self.agg_index.memory_bytes()
+            + self.agg_values.capacity() * 8
+            + self.timed.capacity() * std::mem::size_of::<TimedRec>()
+            + self.timed_values.capacity() * 8
+            + self.id_cache.capacity() * 4
+    }
+}
+
+/// String equality tuned for the short strings of symbol names: compares 8-byte words inline
+/// instead of calling `memcmp` per string.
+#[inline]
+fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let n = a.len();
+    if n < 8 {
+        return a == b;
+    }
+    let word = |s: &[u8], i: usize| -> u64 {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&s[i..i + 8]);
+        u64::from_ne_bytes(w)
+    };
+    let mut i = 0;
+    while i + 8 <= n {
+        if word(a, i) != word(b, i) {
+            return false;
+        }
+        i += 8;
+    }
+    // The tail re-reads up to 7 already compared bytes rather than looping byte by byte.
+    i == n || word(a, n - 8) == word(b, n - 8)
+}
+
+/// Folds a literal string into the sample-key hash. Only the length and up to 32 bytes at the
+/// ends are hashed: the hash merely picks candidates, equality is always verified in full, and
+/// symbol names that differ only in their middle still differ in line or in another frame.
+#[inline]
+fn hash_lit(h: &mut foldhash::fast::FoldHasher<'static>, s: &str) {
+    use std::hash::Hasher;
+    let b = s.as_bytes();
+    let n = b.len();
+    let word = |i: usize| -> u64 {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[i..i + 8]);
+        u64::from_le_bytes(w)
+    };
+    let (x, y) = if n >= 16 {
+        let (a, c) = (word(0), word(n - 8));
+        let (p, q) = if n >= 32 {
+            (word(8), word(n - 16))
+        } else {
+            (0, 0)
+        };
+        (a ^ p.rotate_left(23), c ^ q.rotate_left(41))
+    } else if n >= 8 {
+        (word(0), word(n - 8))
+    } else {
+        let mut w = [0u8; 8];
+        w[..n].copy_from_slice(b);
+        (u64::from_le_bytes(w), 0)
+    };
+    h.write_u128(((x as u128) << 64) | (y ^ ((n as u64) << 56)) as u128);
+}
+
+#[inline]
+fn hash_str(h: &mut foldhash::fast::FoldHasher<'static>, s: Str<'_>) {
+    use std::hash::Hasher;
+    match s {
+        Str::Lit(s) => hash_lit(h, s),
+        // Ids hash apart from literals; a literal and an id of the same text are two keys that
+        // resolve to the same aggregated row.
+        Str::Id(id) => h.write_u64(0x1d00_0000_0000_0000 | id.0 as u64),
+    }
+}
+
+fn sample_key_hash(frames: &[Frame<'_>], labels: &[Label<'_>]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = hasher();
+    h.write_u64(((frames.len() as u64) << 32) | labels.len() as u64);
+    for f in frames {
+        match *f {
+            Frame::Address(a) => h.write_u64(a),
+            Frame::Symbol {
+                name,
+                filename,
+                line,
+            } => {
+                hash_str(&mut h, name);
+                hash_str(&mut h, filename);
+                h.write_u64(line as u64);
+            }
+        }
+    }
+    for l in labels {
+        hash_str(&mut h, l.key);
+        match l.value {
+            LabelValue::Num(n) => h.write_u64(n as u64),
+            LabelValue::Str(s) => hash_str(&mut h, s),
+        }
+    }
+    h.finish()
+}
+
+// ---------------------------------------------------------------------------------------------
+// String resolution for the slow path
+
+/// Resolves storage ids for the slow path. The storage is locked once, up front, and only when
+/// the sample names an id the profile has not cached.
+struct Resolver<'s> {
+    has_storage: bool,
+    guard: Option<parking_lot::MutexGuard<'s, StorageTable>>,
+}
+
+impl<'s> Resolver<'s> {
+    fn new(storage: Option<&'s StringStorage>, t: &Tables, sample: &Sample<'_>) -> Self {
+        let uncached = |s: Str<'_>| matches!(s, Str::Id(id) if t.cached(id).is_none());
+        let needs_lock = sample.frames.iter().any(|f| match *f {
+            Frame::Symbol { name, filename, .. } => uncached(name) || uncached(filename),
+            Frame::Address(_) => false,
+        }) || sample
+            .labels
+            .iter()
+            .any(|l| uncached(l.key) || matches!(l.value, LabelValue::Str(s) if uncached(s)));
+        Resolver {
+            has_storage: storage.is_some(),
+            guard: storage.filter(|_| needs_lock).map(|s| s.lock()),
+        }
+    }
+
+    /// Text of a storage id that is not in the profile's cache.
+    fn storage_text(&self, id: StringId) -> Result<&str, ProfileError> {
+        match &self.guard {
+            Some(g) => Ok(g.get(id)?),
+            None if self.has_storage => Err(StringError::UnknownId(id.0).into()),
+            None => Err(ProfileError::NoStringStorage(id.0)),
+        }
+    }
+}
+
+/// Text of `s`, from the literal, the profile's table (cached ids) or the storage.
+fn text<'a>(t: &'a Tables, r: &'a Resolver<'_>, s: Str<'a>) -> Result<&'a str, ProfileError> {
+    match s {
+        Str::Lit(s) => Ok(s),
+        Str::Id(id) => match t.cached(id) {
+            Some(local) => Ok(t.strings.get(local)),
+            None => r.storage_text(id),
+        },
+    }
+}
+
+/// Interns `s` into the profile's table, caching the id mapping.
+fn intern_str(t: &mut Tables, r: &Resolver<'_>, s: Str<'_>) -> Result<u32, ProfileError> {
+    match s {
+        Str::Lit(s) => {
+            check_table_len(t.strings.len(), "string")?;
+            Ok(t.strings.intern(s))
+        }
+        Str::Id(id) => {
+            if let Some(local) = t.cached(id) {
+                return Ok(local);
+            }
+            check_table_len(t.strings.len(), "string")?;
+            let local = t.strings.intern(r.storage_text(id)?);
+            let i = id.0 as usize;
+            if t.id_cache.len() <= i {
+                t.id_cache.resize(i + 1, 0);
+            }
+            t.id_cache[i] = local + 1;
+            Ok(local)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Profile
+
 /// A profile being recorded.
 pub struct Profile {
-    _todo: (),
+    types: Box<[SampleType]>,
+    storage: Option<Arc<StringStorage>>,
+    start: SystemTime,
+    t: Tables,
 }
 
 impl Profile {
     /// `strings` resolves [`Str::Id`] values; without it, ids are an error.
-    pub fn new(_types: &[SampleType], _strings: Option<Arc<StringStorage>>, _start: SystemTime) -> Self {
-        todo!("issue 2")
+    pub fn new(
+        types: &[SampleType],
+        strings: Option<Arc<StringStorage>>,
+        start: SystemTime,
+    ) -> Self {
+        let generation = strings.as_ref().map_or(0, |s| s.generation());
+        Profile {
+            types: types.into(),
+            storage: strings,
+            start,
+            t: Tables::new(types, generation),
+        }
     }
 
     pub fn sample_types(&self) -> &[SampleType] {
-        todo!("issue 2")
+        &self.types
     }
 
     pub fn start(&self) -> SystemTime {
-        todo!("issue 2")
+        self.start
     }
 
     /// Adds one sample; validation errors leave the profile unchanged.
-    pub fn add(&mut self, _sample: &Sample<'_>) -> Result<(), ProfileError> {
-        todo!("issue 2")
+    pub fn add(&mut self, sample: &Sample<'_>) -> Result<(), ProfileError> {
+        if sample.values.len() != self.types.len() {
+            return Err(ProfileError::WrongValueCount {
+                expected: self.types.len(),
+                got: sample.values.len(),
+            });
+        }
+        if sample.frames.len() > MAX_FRAMES {
+            return Err(ProfileError::TooManyFrames {
+                got: sample.frames.len(),
+                limit: MAX_FRAMES,
+            });
+        }
+        if sample.end_timestamp_ns < 0 {
+            return Err(ProfileError::NegativeTimestamp(sample.end_timestamp_ns));
+        }
+        if let Some(storage) = &self.storage {
+            let g = storage.generation();
+            if g != self.t.cache_generation {
+                // Ids freed by the advance may now name other strings.
+                self.t.id_cache.clear();
+                self.t.cache_generation = g;
+            }
+        }
+
+        let hash = sample_key_hash(sample.frames, sample.labels);
+        let t = &self.t;
+        let key = match t.key_index.find(hash, |k| {
+            t.key_matches(&t.keys[k as usize], sample.frames, sample.labels)
+        }) {
+            Some(k) => k,
+            None => self.add_key(hash, sample)?,
+        };
+        self.record(key, sample)
+    }
+
+    /// Applies the values of a sample whose key is known.
+    #[inline]
+    fn record(&mut self, key: u32, sample: &Sample<'_>) -> Result<(), ProfileError> {
+        let t = &mut self.t;
+        let n = self.types.len();
+        let k = t.keys[key as usize];
+        if sample.end_timestamp_ns != 0 {
+            t.timed.push(TimedRec {
+                stack: k.stack,
+                labels: k.labels,
+                ts: sample.end_timestamp_ns,
+            });
+            t.timed_values.extend_from_slice(sample.values);
+            return Ok(());
+        }
+        let row = if k.agg != NONE {
+            k.agg
+        } else {
+            let hash = hash_pair(k.stack, k.labels);
+            let agg = &t.agg;
+            let row = match t
+                .agg_index
+                .find(hash, |r| agg[r as usize] == (k.stack, k.labels))
+            {
+                Some(r) => r,
+                None => {
+                    check_table_len(t.agg.len(), "aggregated sample")?;
+                    t.agg.push((k.stack, k.labels));
+                    t.agg_values.resize(t.agg_values.len() + n, 0);
+                    t.agg_index.insert(hash)
+                }
+            };
+            t.keys[key as usize].agg = row;
+            row
+        };
+        let start = row as usize * n;
+        for (acc, v) in t.agg_values[start..start + n].iter_mut().zip(sample.values) {
+            *acc = acc.saturating_add(*v);
+        }
+        Ok(())
+    }
+
+    /// Slow path: validates the sample, resolves it into the tables and indexes its key.
+    #[cold]
+    fn add_key(&mut self, hash: u64, sample: &Sample<'_>) -> Result<u32, ProfileError> {
+        let storage = self.storage.clone();
+        let r = Resolver::new(storage.as_deref(), &self.t, sample);
+        self.validate_labels(&r, sample)?;
+
+        let t = &mut self.t;
+        let mut locs = std::mem::take(&mut t.scratch);
+        locs.clear();
+        let result = (|| {
+            for f in sample.frames {
+                let loc = match *f {
+                    Frame::Address(a) => Location::Address(a),
+                    Frame::Symbol {
+                        name,
+                        filename,
+                        line,
+                    } => {
+                        let name = intern_str(t, &r, name)?;
+                        let filename = intern_str(t, &r, filename)?;
+                        let func = Function { name, filename };
+                        let function = t.functions.intern(func, hash_function(func), "function")?;
+                        Location::Symbol { function, line }
+                    }
+                };
+                locs.push(t.locations.intern(loc, hash_location(loc), "location")?);
+            }
+            let stack = t.stacks.intern(&locs)?;
+            locs.clear();
+            for l in sample.labels {
+                let key = intern_str(t, &r, l.key)?;
+                let rec = match l.value {
+                    LabelValue::Num(num) => LabelRec {
+                        key,
+                        str: NONE,
+                        num,
+                    },
+                    LabelValue::Str(s) => LabelRec {
+                        key,
+                        str: intern_str(t, &r, s)?,
+                        num: 0,
+                    },
+                };
+                locs.push(t.labels.intern(rec, hash_label(rec), "label")?);
+            }
+            let labels = t.label_sets.intern(&locs)?;
+            // The key may already be indexed under this hash, missed only because its ids were
+            // not cached yet; reuse it rather than indexing a twin.
+            let keys = &t.keys;
+            if let Some(k) = t.key_index.find(hash, |k| {
+                let k = keys[k as usize];
+                k.stack == stack && k.labels == labels
+            }) {
+                return Ok(k);
+            }
+            check_table_len(t.keys.len(), "sample key")?;
+            t.keys.push(KeyRec {
+                stack,
+                labels,
+                agg: NONE,
+            });
+            Ok(t.key_index.insert(hash))
+        })();
+        t.scratch = locs;
+        result
+    }
+
+    /// Label checks, done before anything is added so a bad sample leaves no trace.
+    fn validate_labels(&self, r: &Resolver<'_>, sample: &Sample<'_>) -> Result<(), ProfileError> {
+        let t = &self.t;
+        let labels = sample.labels;
+        for (i, l) in labels.iter().enumerate() {
+            let key = text(t, r, l.key)?;
+            if key.is_empty() {
+                return Err(ProfileError::EmptyLabelKey);
+            }
+            if key == LOCAL_ROOT_SPAN_ID_LABEL {
+                if let LabelValue::Str(v) = l.value {
+                    let v = text(t, r, v)?.to_owned();
+                    return Err(ProfileError::StringLocalRootSpanId(v));
+                }
+            }
+            if key == END_TIMESTAMP_LABEL && sample.end_timestamp_ns != 0 {
+                return Err(ProfileError::ReservedLabelKey(key.to_owned()));
+            }
+            for other in &labels[..i] {
+                if text(t, r, other.key)? == key {
+                    return Err(ProfileError::DuplicateLabelKey(key.to_owned()));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Associates an endpoint with a local root span id (last call wins) and counts it.
-    pub fn set_endpoint(&mut self, _local_root_span_id: u64, _endpoint: &str) -> Result<(), ProfileError> {
-        todo!("issue 2")
+    pub fn set_endpoint(
+        &mut self,
+        local_root_span_id: u64,
+        endpoint: &str,
+    ) -> Result<(), ProfileError> {
+        check_table_len(self.t.strings.len(), "string")?;
+        let id = self.t.strings.intern(endpoint);
+        self.t.endpoints.insert(local_root_span_id, id);
+        self.add_endpoint_count(endpoint, 1)
     }
 
     /// Adds `value` to the endpoint's count (reported in `EncodedProfile::endpoint_counts`).
-    pub fn add_endpoint_count(&mut self, _endpoint: &str, _value: i64) -> Result<(), ProfileError> {
-        todo!("issue 2")
+    pub fn add_endpoint_count(&mut self, endpoint: &str, value: i64) -> Result<(), ProfileError> {
+        match self.t.endpoint_counts.get_mut(endpoint) {
+            Some(c) => *c = c.saturating_add(value),
+            None => {
+                self.t.endpoint_counts.insert(endpoint.to_owned(), value);
+            }
+        }
+        Ok(())
     }
 
     /// Distinct aggregated samples plus timestamped samples held.
     pub fn sample_count(&self) -> usize {
-        todo!("issue 2")
+        self.t.agg.len() + self.t.timed.len()
+    }
+
+    /// Bytes held by the profile's tables, for memory reporting.
+    pub fn memory_bytes(&self) -> usize {
+        self.t.memory_bytes()
     }
 
     /// Drops all samples, endpoints and interned data; the profile restarts at `start`.
-    pub fn reset(&mut self, _start: SystemTime) {
-        todo!("issue 2")
+    pub fn reset(&mut self, start: SystemTime) {
+        let generation = self.storage.as_ref().map_or(0, |s| s.generation());
+        self.t = Tables::new(&self.types, generation);
+        self.start = start;
     }
 
     /// Encodes as pprof with `time_nanos` = start and `duration_nanos` = `end` - start.
     pub fn encode(
         &self,
-        _end: SystemTime,
-        _opts: &EncodeOptions,
-        _symbolizer: Option<&mut dyn Symbolizer>,
+        end: SystemTime,
+        opts: &EncodeOptions,
+        symbolizer: Option<&mut dyn Symbolizer>,
     ) -> Result<EncodedProfile, ProfileError> {
-        todo!("issue 2")
+        let mut w = PbWriter::new(opts.compression)?;
+        let t = &self.t;
+        let extras = Extras::build(t, symbolizer)?;
+        let label_bytes = encode_label_sets(t);
+
+        for &(ty, unit) in &t.preset.types {
+            let len = varint_field_len(ty as u64) + varint_field_len(unit as u64);
+            w.len_header(field::PROFILE_SAMPLE_TYPE, len);
+            w.uint_field(field::VALUE_TYPE_TYPE, ty as u64);
+            w.uint_field(field::VALUE_TYPE_UNIT, unit as u64);
+        }
+
+        let n = self.types.len();
+        for (row, &(stack, labels)) in t.agg.iter().enumerate() {
+            let values = &t.agg_values[row * n..row * n + n];
+            write_sample(&mut w, t, &label_bytes, stack, labels, values, None)?;
+        }
+        for (i, rec) in t.timed.iter().enumerate() {
+            let values = &t.timed_values[i * n..i * n + n];
+            let ts_label = (t.preset.end_timestamp, rec.ts);
+            write_sample(
+                &mut w,
+                t,
+                &label_bytes,
+                rec.stack,
+                rec.labels,
+                values,
+                Some(ts_label),
+            )?;
+        }
+
+        for (i, loc) in t.locations.items.iter().enumerate() {
+            let id = i as u64 + 1;
+            match *loc {
+                Location::Symbol { function, line } => {
+                    write_location(&mut w, id, 0, &[(function, line)]);
+                }
+                Location::Address(a) => {
+                    write_location(&mut w, id, a, extras.lines_of(i));
+                }
+            }
+            w.maybe_flush()?;
+        }
+
+        let functions = t.functions.items.iter().chain(&extras.functions);
+        for (i, f) in functions.enumerate() {
+            let id = i as u64 + 1;
+            let len = varint_field_len(id)
+                + varint_field_len(f.name as u64)
+                + varint_field_len(f.filename as u64);
+            w.len_header(field::PROFILE_FUNCTION, len);
+            w.uint_field(field::FUNCTION_ID, id);
+            w.uint_field(field::FUNCTION_NAME, f.name as u64);
+            w.uint_field(field::FUNCTION_FILENAME, f.filename as u64);
+            w.maybe_flush()?;
+        }
+
+        for i in 0..t.strings.len() {
+            w.bytes_field(
+                field::PROFILE_STRING_TABLE,
+                t.strings.get(i as u32).as_bytes(),
+            );
+            w.maybe_flush()?;
+        }
+        for s in &extras.strings {
+            w.bytes_field(field::PROFILE_STRING_TABLE, s.as_bytes());
+            w.maybe_flush()?;
+        }
+
+        let time_nanos = self
+            .start
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or(Duration::ZERO);
+        // A clock that went backwards gives a zero duration rather than a failed profile.
+        let duration = end.duration_since(self.start).unwrap_or(Duration::ZERO);
+        w.int_field(field::PROFILE_TIME_NANOS, saturating_nanos(time_nanos));
+        w.int_field(field::PROFILE_DURATION_NANOS, saturating_nanos(duration));
+
+        let bytes = w.finish()?;
+        let mut endpoint_counts: Vec<(String, i64)> = t
+            .endpoint_counts
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        endpoint_counts.sort();
+        Ok(EncodedProfile {
+            start: self.start,
+            end,
+            bytes,
+            compression: opts.compression,
+            endpoint_counts,
+        })
+    }
+}
+
+fn saturating_nanos(d: Duration) -> i64 {
+    i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
+}
+
+fn label_len(key: u32, str: u32, num: i64) -> usize {
+    varint_field_len(key as u64) + varint_field_len(str as u64) + varint_field_len(num as u64)
+}
+
+fn push_label(out: &mut Vec<u8>, key: u32, str: u32, num: i64) {
+    fn varint(out: &mut Vec<u8>, mut v: u64) {
+        while v >= 0x80 {
+            out.push((v as u8) | 0x80);
+            v >>= 7;
+        }
+        out.push(v as u8);
+    }
+    let len = label_len(key, str, num);
+    out.push((field::SAMPLE_LABEL << 3) | 2);
+    varint(out, len as u64);
+    for (f, v) in [
+        (field::LABEL_KEY, key as u64),
+        (field::LABEL_STR, str as u64),
+        (field::LABEL_NUM, num as u64),
+    ] {
+        if v != 0 {
+            out.push(f << 3);
+            varint(out, v);
+        }
+    }
+}
+
+/// Encoded `Sample.label` fields of every label set (endpoint label included), back to back.
+struct LabelBytes {
+    bytes: Vec<u8>,
+    spans: Vec<(u32, u32)>,
+}
+
+impl LabelBytes {
+    fn get(&self, set: u32) -> &[u8] {
+        let (off, len) = self.spans[set as usize];
+        &self.bytes[off as usize..(off + len) as usize]
+    }
+}
+
+fn encode_label_sets(t: &Tables) -> LabelBytes {
+    let mut out = LabelBytes {
+        bytes: Vec::new(),
+        spans: Vec::with_capacity(t.label_sets.spans.len()),
+    };
+    for set in 0..t.label_sets.spans.len() {
+        let start = out.bytes.len();
+        let mut span_id = None;
+        let mut has_endpoint = false;
+        for &lid in t.label_sets.get(set as u32) {
+            let l = t.labels.items[lid as usize];
+            let str = if l.str == NONE { 0 } else { l.str };
+            push_label(&mut out.bytes, l.key, str, l.num);
+            if l.key == t.preset.local_root_span_id && l.str == NONE {
+                span_id = Some(l.num as u64);
+            }
+            has_endpoint |= l.key == t.preset.trace_endpoint;
+        }
+        // A sample that already names its endpoint keeps it; never two `trace endpoint` labels.
+        if let (Some(span), false) = (span_id, has_endpoint) {
+            if let Some(&ep) = t.endpoints.get(&span) {
+                push_label(&mut out.bytes, t.preset.trace_endpoint, ep, 0);
+            }
+        }
+        out.spans
+            .push((start as u32, (out.bytes.len() - start) as u32));
+    }
+    out
+}
+
+fn write_sample(
+    w: &mut PbWriter,
+    t: &Tables,
+    label_bytes: &LabelBytes,
+    stack: u32,
+    labels: u32,
+    values: &[i64],
+    ts_label: Option<(u32, i64)>,
+) -> Result<(), ProfileError> {
+    let locs = t.stacks.get(stack);
+    let labels = label_bytes.get(labels);
+    let locs_len: usize = locs.iter().map(|&l| varint_len(l as u64 + 1)).sum();
+    let values_len: usize = values.iter().map(|&v| varint_len(v as u64)).sum();
+    let ts_len = ts_label.map_or(0, |(k, ts)| len_field_len(label_len(k, 0, ts)));
+    let mut len = labels.len() + ts_len;
+    if !locs.is_empty() {
+        len += len_field_len(locs_len);
+    }
+    if !values.is_empty() {
+        len += len_field_len(values_len);
+    }
+    w.len_header(field::PROFILE_SAMPLE, len);
+    if !locs.is_empty() {
+        w.len_header(field::SAMPLE_LOCATION_ID, locs_len);
+        for &l in locs {
+            w.varint(l as u64 + 1);
+        }
+    }
+    if !values.is_empty() {
+        w.len_header(field::SAMPLE_VALUE, values_len);
+        for &v in values {
+            w.varint(v as u64);
+        }
+    }
+    w.raw(labels);
+    if let Some((k, ts)) = ts_label {
+        w.len_header(field::SAMPLE_LABEL, label_len(k, 0, ts));
+        w.uint_field(field::LABEL_KEY, k as u64);
+        w.int_field(field::LABEL_NUM, ts);
+    }
+    w.maybe_flush()
+}
+
+fn write_location(w: &mut PbWriter, id: u64, address: u64, lines: &[(u32, i64)]) {
+    let line_len = |&(f, l): &(u32, i64)| -> usize {
+        varint_field_len(f as u64 + 1) + varint_field_len(l as u64)
+    };
+    let len = varint_field_len(id)
+        + varint_field_len(address)
+        + lines
+            .iter()
+            .map(|l| len_field_len(line_len(l)))
+            .sum::<usize>();
+    w.len_header(field::PROFILE_LOCATION, len);
+    w.uint_field(field::LOCATION_ID, id);
+    w.uint_field(field::LOCATION_ADDRESS, address);
+    for l in lines {
+        w.len_header(field::LOCATION_LINE, line_len(l));
+        w.uint_field(field::LINE_FUNCTION_ID, l.0 as u64 + 1);
+        w.int_field(field::LINE_LINE, l.1);
+    }
+}
+
+/// Functions and strings that only symbolization at encode time brings in. Their ids continue
+/// after the profile's own tables.
+#[derive(Default)]
+struct Extras {
+    strings: Vec<String>,
+    string_ids: HashMap<String, u32, foldhash::fast::RandomState>,
+    functions: Vec<Function>,
+    function_ids: HashMap<(u32, u32), u32, foldhash::fast::RandomState>,
+    /// (function id, line) of symbolized addresses, innermost first.
+    lines: Vec<(u32, i64)>,
+    /// Per location: span in `lines` (empty for symbol locations and unknown addresses).
+    spans: Vec<(u32, u32)>,
+}
+
+impl Extras {
+    fn build(t: &Tables, symbolizer: Option<&mut dyn Symbolizer>) -> Result<Extras, ProfileError> {
+        let mut x = Extras::default();
+        let Some(sym) = symbolizer else {
+            return Ok(x);
+        };
+        let mut out: Vec<ResolvedFrame> = Vec::new();
+        x.spans = vec![(0, 0); t.locations.items.len()];
+        for (i, loc) in t.locations.items.iter().enumerate() {
+            let Location::Address(addr) = *loc else {
+                continue;
+            };
+            out.clear();
+            sym.symbolize(addr, &mut out);
+            let start = x.lines.len();
+            for f in &out {
+                let name = x.string(t, &f.name)?;
+                let filename = x.string(t, &f.filename)?;
+                let function = x.function(t, Function { name, filename })?;
+                x.lines.push((function, f.line));
+            }
+            x.spans[i] = (start as u32, (x.lines.len() - start) as u32);
+        }
+        Ok(x)
+    }
+
+    fn string(&mut self, t: &Tables, s: &str) -> Result<u32, ProfileError> {
+        if let Some(id) = t.strings.find(s) {
+            return Ok(id);
+        }
+        if let Some(&id) = self.string_ids.get(s) {
+            return Ok(id);
+        }
+        let next = t.strings.len() + self.strings.len();
+        check_table_len(next, "string")?;
+        self.strings.push(s.to_owned());
+        self.string_ids.insert(s.to_owned(), next as u32);
+        Ok(next as u32)
+    }
+
+    fn function(&mut self, t: &Tables, f: Function) -> Result<u32, ProfileError> {
+        if let Some(id) = t.functions.find(f, hash_function(f)) {
+            return Ok(id);
+        }
+        if let Some(&id) = self.function_ids.get(&(f.name, f.filename)) {
+            return Ok(id);
+        }
+        let next = t.functions.items.len() + self.functions.len();
+        check_table_len(next, "function")?;
+        self.functions.push(f);
+        self.function_ids.insert((f.name, f.filename), next as u32);
+        Ok(next as u32)
+    }
+
+    fn lines_of(&self, location: usize) -> &[(u32, i64)] {
+        match self.spans.get(location) {
+            Some(&(off, len)) => &self.lines[off as usize..(off + len) as usize],
+            None => &[],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pprof::Compression;
+
+    const TYPES: [SampleType; 2] = [SampleType::CpuSamples, SampleType::WallTime];
+
+    fn t0() -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)
+    }
+
+    fn profile() -> Profile {
+        Profile::new(&TYPES, None, t0())
+    }
+
+    fn decode(p: &Profile) -> ferroprof_pprof::Profile {
+        let opts = EncodeOptions {
+            compression: Compression::None,
+        };
+        let enc = p
+            .encode(t0() + Duration::from_secs(60), &opts, None)
+            .unwrap();
+        ferroprof_pprof::decode(&enc.bytes).unwrap()
+    }
+
+    fn add(p: &mut Profile, frames: &[Frame<'_>], values: &[i64], labels: &[Label<'_>], ts: i64) {
+        p.add(&Sample {
+            frames,
+            values,
+            labels,
+            end_timestamp_ns: ts,
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn aggregates_by_stack_and_labels() {
+        let mut p = profile();
+        let a = [Frame::sym("leaf", "a.rs", 1), Frame::sym("main", "m.rs", 9)];
+        let b = [
+            Frame::sym("other", "a.rs", 2),
+            Frame::sym("main", "m.rs", 9),
+        ];
+        let l1 = [Label::num("thread id", 1)];
+        let l2 = [Label::num("thread id", 2)];
+        add(&mut p, &a, &[1, 10], &l1, 0);
+        add(&mut p, &a, &[2, 20], &l1, 0);
+        add(&mut p, &a, &[4, 40], &l2, 0);
+        add(&mut p, &b, &[8, 80], &l1, 0);
+        assert_eq!(p.sample_count(), 3);
+        let d = decode(&p);
+        assert_eq!(d.sample.len(), 3);
+        assert_eq!(d.total("cpu-samples"), Some(15));
+        assert_eq!(d.total("wall-time"), Some(150));
+        let s0 = &d.sample[0];
+        assert_eq!(d.stack_names(s0), vec!["leaf", "main"]);
+        assert_eq!(s0.value, vec![3, 30]);
+        assert_eq!(d.label_num(s0, "thread id"), Some(1));
+        // "main" is one function and one location shared by both stacks.
+        assert_eq!(d.function.len(), 3);
+        assert_eq!(d.location.len(), 3);
+        assert!(d.mapping.is_empty());
+    }
+
+    #[test]
+    fn timestamped_samples_stay_separate() {
+        let mut p = profile();
+        let f = [Frame::sym("f", "f.rs", 1)];
+        add(&mut p, &f, &[1, 1], &[], 100);
+        add(&mut p, &f, &[1, 1], &[], 200);
+        add(&mut p, &f, &[1, 1], &[], 0);
+        assert_eq!(p.sample_count(), 3);
+        let d = decode(&p);
+        let ts: Vec<Option<i64>> = d
+            .sample
+            .iter()
+            .map(|s| d.label_num(s, END_TIMESTAMP_LABEL))
+            .collect();
+        assert_eq!(ts, vec![None, Some(100), Some(200)]);
+    }
+
+    #[test]
+    fn validation_errors_leave_profile_unchanged() {
+        let mut p = profile();
+        let f = [Frame::sym("f", "f.rs", 1)];
+        add(&mut p, &f, &[1, 1], &[Label::str("k", "v")], 0);
+        let before = decode(&p);
+        let try_add = |p: &mut Profile, values: &[i64], labels: &[Label<'_>], ts: i64| {
+            p.add(&Sample {
+                frames: &f,
+                values,
+                labels,
+                end_timestamp_ns: ts,
+            })
+        };
+        assert_eq!(
+            try_add(&mut p, &[1], &[], 0),
+            Err(ProfileError::WrongValueCount {
+                expected: 2,
+                got: 1
+            })
+        );
+        assert_eq!(
+            try_add(
+                &mut p,
+                &[1, 1],
+                &[Label::str("k", "a"), Label::num("k", 2)],
+                0
+            ),
+            Err(ProfileError::DuplicateLabelKey("k".into()))
+        );
+        assert_eq!(
+            try_add(
+                &mut p,
+                &[1, 1],
+                &[Label::str(LOCAL_ROOT_SPAN_ID_LABEL, "12")],
+                0
+            ),
+            Err(ProfileError::StringLocalRootSpanId("12".into()))
+        );
+        assert_eq!(
+            try_add(&mut p, &[1, 1], &[Label::num("", 1)], 0),
+            Err(ProfileError::EmptyLabelKey)
+        );
+        assert_eq!(
+            try_add(&mut p, &[1, 1], &[], -5),
+            Err(ProfileError::NegativeTimestamp(-5))
+        );
+        assert_eq!(
+            try_add(&mut p, &[1, 1], &[Label::num(END_TIMESTAMP_LABEL, 1)], 7),
+            Err(ProfileError::ReservedLabelKey(END_TIMESTAMP_LABEL.into()))
+        );
+        let many = vec![Frame::Address(1); MAX_FRAMES + 1];
+        assert_eq!(
+            p.add(&Sample {
+                frames: &many,
+                values: &[1, 1],
+                labels: &[],
+                end_timestamp_ns: 0
+            }),
+            Err(ProfileError::TooManyFrames {
+                got: MAX_FRAMES + 1,
+                limit: MAX_FRAMES
+            })
+        );
+        assert_eq!(
+            p.add(&Sample {
+                frames: &[Frame::ids(StringId::from_raw(3), StringId::EMPTY, 1)],
+                values: &[1, 1],
+                labels: &[],
+                end_timestamp_ns: 0
+            }),
+            Err(ProfileError::NoStringStorage(3))
+        );
+        assert_eq!(p.sample_count(), 1);
+        assert_eq!(decode(&p), before);
+    }
+
+    #[test]
+    fn ids_resolve_through_storage_and_aggregate_with_literals() {
+        let st = Arc::new(StringStorage::new());
+        let mut p = Profile::new(&TYPES, Some(st.clone()), t0());
+        let name = st.intern("alloc_here").unwrap();
+        let file = st.intern("alloc.rs").unwrap();
+        let key = st.intern("thread name").unwrap();
+        let val = st.intern("worker").unwrap();
+        let id_frames = [Frame::ids(name, file, 3)];
+        let id_labels = [Label {
+            key: Str::Id(key),
+            value: LabelValue::Str(Str::Id(val)),
+        }];
+        add(&mut p, &id_frames, &[1, 1], &id_labels, 0);
+        add(&mut p, &id_frames, &[1, 1], &id_labels, 0);
+        add(
+            &mut p,
+            &[Frame::sym("alloc_here", "alloc.rs", 3)],
+            &[1, 1],
+            &[Label::str("thread name", "worker")],
+            0,
+        );
+        assert_eq!(p.sample_count(), 1);
+        let d = decode(&p);
+        assert_eq!(d.sample[0].value, vec![3, 3]);
+        assert_eq!(d.stack(&d.sample[0])[0].filename, "alloc.rs");
+        assert_eq!(d.label_str(&d.sample[0], "thread name"), Some("worker"));
+        // Unknown id: a typed error naming it.
+        let bad = [Frame::ids(StringId::from_raw(999), file, 1)];
+        assert_eq!(
+            p.add(&Sample {
+                frames: &bad,
+                values: &[1, 1],
+                labels: &[],
+                end_timestamp_ns: 0
+            }),
+            Err(ProfileError::String(StringError::UnknownId(999)))
+        );
+    }
+
+    #[test]
+    fn reused_ids_after_generation_advance_resolve_to_the_new_string() {
+        let st = Arc::new(StringStorage::new());
+        let mut p = Profile::new(&TYPES, Some(st.clone()), t0());
+        let old = st.intern("old_fn").unwrap();
+        add(
+            &mut p,
+            &[Frame::ids(old, StringId::EMPTY, 1)],
+            &[1, 0],
+            &[],
+            0,
+        );
+        st.unintern(old).unwrap();
+        st.advance_generation();
+        let new = st.intern("new_fn").unwrap();
+        assert_eq!(new, old, "the test relies on id reuse");
+        add(
+            &mut p,
+            &[Frame::ids(new, StringId::EMPTY, 1)],
+            &[2, 0],
+            &[],
+            0,
+        );
+        let d = decode(&p);
+        let mut got: Vec<(String, i64)> = d
+            .sample
+            .iter()
+            .map(|s| (d.stack_names(s)[0].clone(), s.value[0]))
+            .collect();
+        got.sort();
+        assert_eq!(got, vec![("new_fn".into(), 2), ("old_fn".into(), 1)]);
+    }
+
+    #[test]
+    fn hash_collisions_never_merge_samples() {
+        // Same length, same 16 bytes at both ends: the sample-key hash sees the same bytes.
+        let a = format!("{}AAAA{}", "p".repeat(20), "s".repeat(20));
+        let b = format!("{}BBBB{}", "p".repeat(20), "s".repeat(20));
+        let mut p = profile();
+        for _ in 0..3 {
+            add(&mut p, &[Frame::sym(&a, "x.rs", 1)], &[1, 0], &[], 0);
+            add(&mut p, &[Frame::sym(&b, "x.rs", 1)], &[10, 0], &[], 0);
+        }
+        let d = decode(&p);
+        assert_eq!(d.sample.len(), 2);
+        for s in &d.sample {
+            let name = &d.stack_names(s)[0];
+            assert_eq!(s.value[0], if *name == a { 3 } else { 30 });
+        }
+    }
+
+    #[test]
+    fn endpoints_apply_to_earlier_and_later_samples() {
+        let mut p = profile();
+        let f = [Frame::sym("handler", "h.rs", 1)];
+        add(
+            &mut p,
+            &f,
+            &[1, 0],
+            &[Label::num(LOCAL_ROOT_SPAN_ID_LABEL, 42)],
+            0,
+        );
+        add(
+            &mut p,
+            &f,
+            &[1, 0],
+            &[Label::num(LOCAL_ROOT_SPAN_ID_LABEL, 7)],
+            0,
+        );
+        p.set_endpoint(42, "GET /old").unwrap();
+        p.set_endpoint(42, "GET /users").unwrap();
+        add(
+            &mut p,
+            &f,
+            &[1, 0],
+            &[Label::num(LOCAL_ROOT_SPAN_ID_LABEL, 42)],
+            5,
+        );
+        // A sample that already names its endpoint keeps its own.
+        add(
+            &mut p,
+            &f,
+            &[1, 0],
+            &[
+                Label::num(LOCAL_ROOT_SPAN_ID_LABEL, 42),
+                Label::str(TRACE_ENDPOINT_LABEL, "mine"),
+            ],
+            0,
+        );
+        p.add_endpoint_count("GET /users", 10).unwrap();
+        let enc = p
+            .encode(
+                t0(),
+                &EncodeOptions {
+                    compression: Compression::Gzip,
+                },
+                None,
+            )
+            .unwrap();
+        assert_eq!(
+            enc.endpoint_counts,
+            vec![("GET /old".into(), 1), ("GET /users".into(), 11)]
+        );
+        let d = ferroprof_pprof::decode(&enc.bytes).unwrap();
+        let eps: Vec<(i64, Option<&str>)> = d
+            .sample
+            .iter()
+            .map(|s| {
+                (
+                    d.label_num(s, LOCAL_ROOT_SPAN_ID_LABEL).unwrap(),
+                    d.label_str(s, TRACE_ENDPOINT_LABEL),
+                )
+            })
+            .collect();
+        assert_eq!(
+            eps,
+            vec![
+                (42, Some("GET /users")),
+                (7, None),
+                (42, Some("mine")),
+                (42, Some("GET /users")),
+            ]
+        );
+        for s in &d.sample {
+            let n = s
+                .label
+                .iter()
+                .filter(|l| d.str(l.key) == TRACE_ENDPOINT_LABEL)
+                .count();
+            assert!(n <= 1);
+        }
+    }
+
+    struct FakeSymbols;
+    impl Symbolizer for FakeSymbols {
+        fn symbolize(&mut self, address: u64, out: &mut Vec<ResolvedFrame>) {
+            match address {
+                0x1000 => {
+                    out.push(ResolvedFrame {
+                        name: "inlined".into(),
+                        filename: "i.rs".into(),
+                        line: 5,
+                    });
+                    out.push(ResolvedFrame {
+                        name: "outer".into(),
+                        filename: "o.rs".into(),
+                        line: 50,
+                    });
+                }
+                0x2000 => out.push(ResolvedFrame {
+                    name: "main".into(),
+                    filename: "m.rs".into(),
+                    line: 1,
+                }),
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn address_frames_are_symbolized_at_encoding() {
+        let mut p = profile();
+        let frames = [
+            Frame::Address(0x1000),
+            Frame::Address(0x2000),
+            Frame::Address(0x3000),
+        ];
+        add(&mut p, &frames, &[1, 0], &[], 0);
+        add(&mut p, &[Frame::sym("main", "m.rs", 1)], &[1, 0], &[], 0);
+        let opts = EncodeOptions {
+            compression: Compression::Gzip,
+        };
+        let mut sym = FakeSymbols;
+        let enc = p.encode(t0(), &opts, Some(&mut sym)).unwrap();
+        let d = ferroprof_pprof::decode(&enc.bytes).unwrap();
+        let stack = d.stack(&d.sample[0]);
+        let names: Vec<&str> = stack.iter().map(|l| l.function.as_str()).collect();
+        assert_eq!(names, vec!["inlined", "outer", "main", "0x3000"]);
+        assert_eq!(stack[0].address, 0x1000);
+        assert_eq!(stack[1].line, 50);
+        // The inlined pair is one location with two lines.
+        let loc = d.location.iter().find(|l| l.address == 0x1000).unwrap();
+        assert_eq!(loc.line.len(), 2);
+        // "main" from symbolization reuses the function of the literal frame.
+        assert_eq!(
+            d.function
+                .iter()
+                .filter(|f| d.str(f.name) == "main")
+                .count(),
+            1
+        );
+
+        // Without a symbolizer the addresses stand alone.
+        let d = decode(&p);
+        let names = d.stack_names(&d.sample[0]);
+        assert_eq!(names, vec!["0x1000", "0x2000", "0x3000"]);
+    }
+
+    #[test]
+    fn times_and_reset() {
+        let mut p = profile();
+        add(&mut p, &[Frame::sym("f", "f.rs", 1)], &[1, 1], &[], 0);
+        p.set_endpoint(1, "e").unwrap();
+        let d = decode(&p);
+        assert_eq!(d.time_nanos, 1_700_000_000 * 1_000_000_000);
+        assert_eq!(d.duration_nanos, 60 * 1_000_000_000);
+        assert_eq!(
+            d.sample_types(),
+            vec![
+                ("cpu-samples".to_string(), "count".to_string()),
+                ("wall-time".to_string(), "nanoseconds".to_string())
+            ]
+        );
+        let later = t0() + Duration::from_secs(5);
+        p.reset(later);
+        assert_eq!(p.start(), later);
+        assert_eq!(p.sample_count(), 0);
+        let enc = p.encode(later, &EncodeOptions::default(), None).unwrap();
+        assert!(enc.endpoint_counts.is_empty());
+        let d = ferroprof_pprof::decode(&enc.bytes).unwrap();
+        assert!(d.sample.is_empty());
+        assert!(d.function.is_empty());
+        assert_eq!(d.duration_nanos, 0);
+        // A clock that went backwards: zero duration, not an error.
+        let enc = p.encode(t0(), &EncodeOptions::default(), None).unwrap();
+        assert_eq!(
+            ferroprof_pprof::decode(&enc.bytes).unwrap().duration_nanos,
+            0
+        );
+    }
+
+    #[test]
+    fn negative_values_and_big_numbers_round_trip() {
+        let mut p = profile();
+        add(
+            &mut p,
+            &[Frame::sym("f", "f.rs", -1), Frame::Address(u64::MAX)],
+            &[-5, i64::MAX],
+            &[Label::num("n", i64::MIN)],
+            i64::MAX,
+        );
+        let d = decode(&p);
+        let s = &d.sample[0];
+        assert_eq!(s.value, vec![-5, i64::MAX]);
+        assert_eq!(d.label_num(s, "n"), Some(i64::MIN));
+        assert_eq!(d.label_num(s, END_TIMESTAMP_LABEL), Some(i64::MAX));
+        assert_eq!(d.stack(s)[0].line, -1);
+        assert_eq!(d.stack(s)[1].address, u64::MAX);
+    }
+
+    #[test]
+    fn many_distinct_stacks_round_trip() {
+        let mut p = profile();
+        let names: Vec<String> = (0..2000).map(|i| format!("fn_{i}")).collect();
+        for (i, n) in names.iter().enumerate() {
+            let frames = [
+                Frame::sym(n, "f.rs", i as i64),
+                Frame::sym("root", "r.rs", 1),
+            ];
+            add(&mut p, &frames, &[i as i64, 1], &[], 0);
+        }
+        for (i, n) in names.iter().enumerate() {
+            let frames = [
+                Frame::sym(n, "f.rs", i as i64),
+                Frame::sym("root", "r.rs", 1),
+            ];
+            add(&mut p, &frames, &[i as i64, 1], &[], 0);
+        }
+        assert_eq!(p.sample_count(), 2000);
+        let d = decode(&p);
+        for s in &d.sample {
+            let names = d.stack_names(s);
+            let i: i64 = names[0].trim_start_matches("fn_").parse().unwrap();
+            assert_eq!(s.value, vec![2 * i, 2]);
+            assert_eq!(names[1], "root");
+        }
+        assert!(p.memory_bytes() > 0);
     }
 }

@@ -5,17 +5,26 @@
 //! the now-inactive slot, encodes it and advances the string generation. Unlike the seed, several
 //! sampler threads may record at once (see DESIGN in the README).
 //!
-//! CONTRACT (implementation pending, see issues 2 and 3).
+//! ## Protocol
+//! Each slot is a [`Gate`] (closed bit + samplers inside) in front of a data mutex holding the
+//! profile. A sampler enters the first open gate in two rounds over both slots, then takes the
+//! data mutex, which only other samplers contend for and only for one add. The serializer (one at
+//! a time, behind its own mutex) resets the inactive slot, opens its gate, closes the active gate
+//! and waits for the samplers inside to leave; from then on it owns the old slot alone.
 
-use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
-use crate::error::RecorderError;
+use parking_lot::Mutex;
+
+use crate::error::{HeapError, ProfileError, RecorderError};
+use crate::gate::Gate;
 use crate::heap::{HeapConfig, HeapRecorder, HeapStats};
-use crate::pprof::{Compression, EncodedProfile, Symbolizer};
-use crate::profile::{Frame, Label};
+use crate::pprof::{Compression, EncodeOptions, EncodedProfile, Symbolizer};
+use crate::profile::{Frame, Label, LabelValue, Profile, Sample, Str};
 use crate::sample_types::{SampleLayout, SampleTypeConfig, SampleValues};
-use crate::strings::StringStorage;
+use crate::strings::{StringId, StringStorage};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 
 /// Label key of the class of a live heap object.
 pub const ALLOCATION_CLASS_LABEL: &str = "allocation class";
@@ -69,94 +78,577 @@ pub struct SerializedProfile {
     pub stats: ProfileStats,
 }
 
+/// What a slot's data mutex protects.
+struct SlotData {
+    profile: Profile,
+    /// Samples added since the last reset (heap samples included).
+    recorded_samples: u64,
+}
+
+impl SlotData {
+    fn reset(&mut self, start: SystemTime) {
+        self.profile.reset(start);
+        self.recorded_samples = 0;
+    }
+}
+
+struct Slot {
+    gate: Gate,
+    data: Mutex<SlotData>,
+}
+
+/// The serializer's bookkeeping; its mutex also makes serializations run one at a time.
+struct SerializerState {
+    /// 1 or 2. Samplers never read this: they find the active slot by its open gate.
+    active_slot: u8,
+}
+
+/// Leaves the gate when dropped, so no error path (or panic) leaves a sampler counted inside.
+struct Entered<'a> {
+    slot: &'a Slot,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.slot.gate.leave();
+    }
+}
+
 /// The recorder. `Send + Sync`: share it in an `Arc`.
 pub struct StackRecorder {
-    _todo: (),
+    config: RecorderConfig,
+    layout: SampleLayout,
+    strings: Arc<StringStorage>,
+    heap: Option<HeapRecorder>,
+    slots: [Slot; 2],
+    serializer: Mutex<SerializerState>,
+    /// Mirror of `SerializerState::active_slot` readable while a serialization runs.
+    active_slot: AtomicU8,
+    lifetime: Mutex<LifetimeStats>,
 }
 
 impl StackRecorder {
-    pub fn new(_config: RecorderConfig) -> Result<Self, RecorderError> {
-        todo!("issue 2")
+    pub fn new(config: RecorderConfig) -> Result<Self, RecorderError> {
+        if !config.compression.is_available() {
+            return Err(RecorderError::Config(format!(
+                "compression {:?} is not available in this build (enable the `zstd` feature)",
+                config.compression
+            )));
+        }
+        let layout = SampleLayout::new(&config.sample_types);
+        let strings = Arc::new(StringStorage::new());
+        let heap = if config.sample_types.heap_enabled() {
+            let mut heap_config = config.heap.clone();
+            heap_config.size_enabled = config.sample_types.heap_size;
+            Some(HeapRecorder::new(heap_config, strings.clone())?)
+        } else {
+            None
+        };
+        let start = SystemTime::now();
+        let slot = |open: bool| Slot {
+            gate: Gate::new(open),
+            data: Mutex::new(SlotData {
+                profile: Profile::new(layout.types(), Some(strings.clone()), start),
+                recorded_samples: 0,
+            }),
+        };
+        // A new recorder starts with slot 1 active.
+        let slots = [slot(true), slot(false)];
+        Ok(StackRecorder {
+            config,
+            layout,
+            strings,
+            heap,
+            slots,
+            serializer: Mutex::new(SerializerState { active_slot: 1 }),
+            active_slot: AtomicU8::new(1),
+            lifetime: Mutex::new(LifetimeStats::default()),
+        })
     }
 
     pub fn layout(&self) -> &SampleLayout {
-        todo!("issue 2")
+        &self.layout
     }
 
     pub fn strings(&self) -> &Arc<StringStorage> {
-        todo!("issue 2")
+        &self.strings
     }
 
     /// `None` when heap profiling is disabled.
     pub fn heap(&self) -> Option<&HeapRecorder> {
-        todo!("issue 3")
+        self.heap.as_ref()
+    }
+
+    /// The configuration this recorder was built with.
+    pub fn config(&self) -> &RecorderConfig {
+        &self.config
+    }
+
+    /// Enters the active slot's gate: two rounds over both slots, never waiting.
+    #[inline]
+    fn enter(&self) -> Result<Entered<'_>, RecorderError> {
+        for _ in 0..2 {
+            for slot in &self.slots {
+                if slot.gate.try_enter() {
+                    return Ok(Entered { slot });
+                }
+            }
+        }
+        Err(RecorderError::NoActiveSlot {
+            active_slot: self.active_slot.load(Ordering::Relaxed),
+        })
     }
 
     /// Sampler path: never blocks on a serialization. `end_timestamp_ns` 0 = aggregated.
     pub fn record_sample(
         &self,
-        _frames: &[Frame<'_>],
-        _values: &SampleValues,
-        _labels: &[Label<'_>],
-        _end_timestamp_ns: i64,
+        frames: &[Frame<'_>],
+        values: &SampleValues,
+        labels: &[Label<'_>],
+        end_timestamp_ns: i64,
     ) -> Result<(), RecorderError> {
-        todo!("issue 2")
+        let placed = self.layout.place(values);
+        let sample = Sample {
+            frames,
+            values: &placed[..self.layout.len()],
+            labels,
+            end_timestamp_ns,
+        };
+        let entered = self.enter()?;
+        if values.heap_sample {
+            if let Some(heap) = &self.heap {
+                // On error `entered` drops here and the sampler leaves the slot.
+                heap.end_recording(frames)?;
+            }
+        }
+        let mut data = entered.slot.data.lock();
+        data.profile.add(&sample)?;
+        data.recorded_samples += 1;
+        Ok(())
     }
 
     /// Sampler path: never blocks on a serialization.
-    pub fn record_endpoint(&self, _local_root_span_id: u64, _endpoint: &str) -> Result<(), RecorderError> {
-        todo!("issue 2")
+    pub fn record_endpoint(
+        &self,
+        local_root_span_id: u64,
+        endpoint: &str,
+    ) -> Result<(), RecorderError> {
+        let entered = self.enter()?;
+        let mut data = entered.slot.data.lock();
+        data.profile.set_endpoint(local_root_span_id, endpoint)?;
+        Ok(())
+    }
+
+    fn heap_or_disabled(&self) -> Result<&HeapRecorder, RecorderError> {
+        self.heap.as_ref().ok_or(RecorderError::HeapDisabled)
     }
 
     /// Managed model: starts a heap recording ended by the next `record_sample` with
     /// `values.heap_sample`. Returns the deferred-mode "needs after-allocation callback" signal.
-    pub fn track_object(&self, _obj_id: u64, _weight: u32, _class: Option<&str>) -> Result<bool, RecorderError> {
-        todo!("issue 3")
+    pub fn track_object(
+        &self,
+        obj_id: u64,
+        weight: u32,
+        class: Option<&str>,
+    ) -> Result<bool, RecorderError> {
+        Ok(self
+            .heap_or_disabled()?
+            .start_recording(obj_id, weight, class)?)
     }
 
     /// Native model: one sampled live allocation.
     pub fn track_allocation(
         &self,
-        _id: u64,
-        _weight: u32,
-        _size: u64,
-        _class: Option<&str>,
-        _frames: &[Frame<'_>],
+        id: u64,
+        weight: u32,
+        size: u64,
+        class: Option<&str>,
+        frames: &[Frame<'_>],
     ) -> Result<(), RecorderError> {
-        todo!("issue 3")
+        Ok(self
+            .heap_or_disabled()?
+            .track(id, weight, size, class, frames)?)
     }
 
     /// Native model: allocation `id` was freed. Returns whether it was tracked.
-    pub fn untrack_allocation(&self, _id: u64) -> bool {
-        todo!("issue 3")
+    pub fn untrack_allocation(&self, id: u64) -> bool {
+        self.heap.as_ref().is_some_and(|h| h.untrack(id))
     }
 
     /// Managed model: called after each collection; runs a young update when enabled.
     pub fn after_gc_step(&self) {
-        todo!("issue 3")
+        if let Some(heap) = &self.heap {
+            if self.config.heap.clean_after_gc {
+                heap.update_young_objects();
+            }
+        }
     }
 
     /// Serializes the active profile (blocking other serializers, never samplers).
-    pub fn serialize(&self, _symbolizer: Option<&mut dyn Symbolizer>) -> Result<SerializedProfile, RecorderError> {
-        todo!("issue 2")
+    pub fn serialize(
+        &self,
+        symbolizer: Option<&mut dyn Symbolizer>,
+    ) -> Result<SerializedProfile, RecorderError> {
+        let mut ser = self.serializer.lock();
+        let finish = SystemTime::now();
+        let active = ser.active_slot;
+        let (old, next) = if active == 1 {
+            (&self.slots[0], &self.slots[1])
+        } else {
+            (&self.slots[1], &self.slots[0])
+        };
+
+        // The next profile starts where this one finishes, so consecutive profiles tile time.
+        // Its gate is closed, so the data mutex is free of samplers.
+        next.data.lock().reset(finish);
+
+        let prep_start = Instant::now();
+        let prepared = self.heap.as_ref().map(HeapRecorder::prepare_iteration);
+        let heap_iteration_prep_time_ns = elapsed_ns(prep_start);
+
+        let started = Instant::now();
+        // Flip: samplers may enter either slot for a moment; both are correct (the sample lands
+        // in this profile or the next one, exactly once).
+        next.gate.open();
+        old.gate.close();
+        old.gate.wait_empty();
+        ser.active_slot = if active == 1 { 2 } else { 1 };
+        self.active_slot.store(ser.active_slot, Ordering::Relaxed);
+
+        let mut data = old.data.lock();
+        let build_start = Instant::now();
+        let heap_result = match (&self.heap, prepared) {
+            (Some(heap), Some(prepared)) => {
+                let built = prepared.and_then(|()| self.add_heap_samples(heap, &mut data));
+                // Always finish, so a failed iteration never blocks the next one.
+                let finished = heap.finish_iteration();
+                match built {
+                    Ok(r) => finished.map_err(RecorderError::from).and(r),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            _ => Ok(()),
+        };
+        let heap_profile_build_time_ns = elapsed_ns(build_start);
+
+        let encoded = heap_result.and_then(|()| {
+            let opts = EncodeOptions {
+                compression: self.config.compression,
+            };
+            Ok(data.profile.encode(finish, &opts, symbolizer)?)
+        });
+        let stats = ProfileStats {
+            recorded_samples: data.recorded_samples,
+            serialization_time_ns: 0,
+            heap_iteration_prep_time_ns,
+            heap_profile_build_time_ns,
+        };
+        let start = data.profile.start();
+        // Free the profile's memory now rather than when the slot becomes active again.
+        data.reset(finish);
+        drop(data);
+        // Profiles copy what they need at add time, so the strings nobody references any more
+        // can go now.
+        self.strings.advance_generation();
+        let serialization_time_ns = elapsed_ns(started);
+
+        let mut lifetime = self.lifetime.lock();
+        lifetime.record_time(serialization_time_ns);
+        match encoded {
+            Ok(encoded) => {
+                lifetime.serialization_successes += 1;
+                Ok(SerializedProfile {
+                    start,
+                    finish,
+                    encoded,
+                    stats: ProfileStats {
+                        serialization_time_ns,
+                        ..stats
+                    },
+                })
+            }
+            Err(e) => {
+                lifetime.serialization_failures += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// Adds one sample per live object into the slot being serialized.
+    fn add_heap_samples(
+        &self,
+        heap: &HeapRecorder,
+        data: &mut SlotData,
+    ) -> Result<Result<(), RecorderError>, HeapError> {
+        let mut failure: Option<ProfileError> = None;
+        let n = self.layout.len();
+        let completed = heap.for_each_live_object(&mut |obj, frames| {
+            let placed = self.layout.place(&SampleValues {
+                heap_live_samples: obj.weight as i64,
+                heap_live_size: (obj.size as i64).saturating_mul(obj.weight as i64),
+                ..SampleValues::default()
+            });
+            let age = Label {
+                key: Str::Lit(GC_GEN_AGE_LABEL),
+                value: LabelValue::Num(i64::try_from(obj.gen_age).unwrap_or(i64::MAX)),
+            };
+            let class = Label {
+                key: Str::Lit(ALLOCATION_CLASS_LABEL),
+                value: LabelValue::Str(Str::Id(obj.class)),
+            };
+            let both = [class, age];
+            let labels: &[Label<'_>] = if obj.class != StringId::EMPTY {
+                &both
+            } else {
+                &both[1..]
+            };
+            let sample = Sample {
+                frames,
+                values: &placed[..n],
+                labels,
+                end_timestamp_ns: 0,
+            };
+            match data.profile.add(&sample) {
+                Ok(()) => {
+                    data.recorded_samples += 1;
+                    true
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
+            }
+        })?;
+        Ok(match failure {
+            Some(e) => Err(e.into()),
+            None if !completed => Err(RecorderError::Config(
+                "heap iteration stopped before visiting every live object".into(),
+            )),
+            None => Ok(()),
+        })
     }
 
     pub fn stats(&self) -> RecorderStats {
-        todo!("issue 2")
+        RecorderStats {
+            lifetime: *self.lifetime.lock(),
+            heap: self.heap.as_ref().map(HeapRecorder::stats),
+        }
     }
 
     /// In a forked child, before profiling restarts: slot 1 active, both profiles empty.
+    ///
+    /// The fork may have caught another thread inside a slot or a serialization; that thread
+    /// does not exist in the child, so whatever it held is released by force. Call this only
+    /// when no other thread uses the recorder (as in a freshly forked child).
     pub fn reset_after_fork(&self) {
-        todo!("issue 2")
+        let start = SystemTime::now();
+        for slot in &self.slots {
+            let (mut data, abandoned) = lock_abandoned(&slot.data);
+            if abandoned {
+                // The profile may be half-way through an add: never walk or drop it, leak it.
+                let fresh = SlotData {
+                    profile: Profile::new(self.layout.types(), Some(self.strings.clone()), start),
+                    recorded_samples: 0,
+                };
+                std::mem::forget(std::mem::replace(&mut *data, fresh));
+            } else {
+                data.reset(start);
+            }
+        }
+        self.slots[0].gate.reset(true);
+        self.slots[1].gate.reset(false);
+        let (mut ser, _) = lock_abandoned(&self.serializer);
+        ser.active_slot = 1;
+        self.active_slot.store(1, Ordering::Relaxed);
+        drop(ser);
+        if let Some(heap) = &self.heap {
+            heap.after_fork();
+        }
     }
 
     /// Testing aid: 1 or 2.
     pub fn active_slot(&self) -> u8 {
-        todo!("issue 2")
+        self.active_slot.load(Ordering::Relaxed)
     }
 
     /// Testing aid: whether slot 1 or 2 is locked (closed to samplers).
-    pub fn is_slot_locked(&self, _slot: u8) -> bool {
-        todo!("issue 2")
+    pub fn is_slot_locked(&self, slot: u8) -> bool {
+        match slot {
+            1 => self.slots[0].gate.is_closed(),
+            2 => self.slots[1].gate.is_closed(),
+            _ => false,
+        }
+    }
+
+    /// Testing aid: holds slot `slot` (1 or 2) the way a sampler does, until the guard drops.
+    /// Returns `None` when the slot's gate is closed.
+    #[doc(hidden)]
+    pub fn hold_slot_for_testing(&self, slot: u8) -> Option<impl Drop + '_> {
+        let s = self.slots.get(usize::from(slot).checked_sub(1)?)?;
+        s.gate.try_enter().then_some(Entered { slot: s })
+    }
+}
+
+impl LifetimeStats {
+    fn record_time(&mut self, ns: u64) {
+        self.serialization_time_ns_min =
+            Some(self.serialization_time_ns_min.map_or(ns, |m| m.min(ns)));
+        self.serialization_time_ns_max =
+            Some(self.serialization_time_ns_max.map_or(ns, |m| m.max(ns)));
+        let total = self
+            .serialization_time_ns_total
+            .unwrap_or(0)
+            .saturating_add(ns);
+        self.serialization_time_ns_total = Some(total);
+        let count = self.serialization_successes + self.serialization_failures + 1;
+        self.serialization_time_ns_avg = Some(total as f64 / count as f64);
+    }
+}
+
+fn elapsed_ns(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Locks a mutex whose owner may have vanished in a fork; `true` when it had to be forced.
+fn lock_abandoned<T>(m: &Mutex<T>) -> (parking_lot::MutexGuard<'_, T>, bool) {
+    if let Some(g) = m.try_lock() {
+        return (g, false);
+    }
+    // SAFETY: only reached from `reset_after_fork`, whose contract is that no other thread uses
+    // the recorder: the lock is held by a thread of the parent process that does not exist in
+    // this child and will never unlock it. Releasing it on its behalf is what re-initialising
+    // the mutex would do; the data it guarded is reset right after.
+    unsafe { m.force_unlock() };
+    (m.lock(), true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_heap() -> RecorderConfig {
+        RecorderConfig {
+            sample_types: SampleTypeConfig {
+                heap_samples: false,
+                heap_size: false,
+                ..SampleTypeConfig::all()
+            },
+            ..RecorderConfig::default()
+        }
+    }
+
+    fn one(r: &StackRecorder, n: i64) {
+        let v = SampleValues {
+            cpu_or_wall_samples: n,
+            ..Default::default()
+        };
+        r.record_sample(&[Frame::sym("f", "f.rs", 1)], &v, &[], 0)
+            .unwrap();
+    }
+
+    #[test]
+    fn new_recorder_has_slot_one_active() {
+        let r = StackRecorder::new(no_heap()).unwrap();
+        assert_eq!(r.active_slot(), 1);
+        assert!(!r.is_slot_locked(1));
+        assert!(r.is_slot_locked(2));
+        assert!(!r.is_slot_locked(3));
+        assert!(r.heap().is_none());
+        assert_eq!(r.stats().heap, None);
+        assert_eq!(r.stats().lifetime, LifetimeStats::default());
+    }
+
+    #[test]
+    fn serialize_flips_and_counts() {
+        let r = StackRecorder::new(no_heap()).unwrap();
+        one(&r, 1);
+        one(&r, 2);
+        let p = r.serialize(None).unwrap();
+        assert_eq!(p.stats.recorded_samples, 2);
+        assert_eq!(r.active_slot(), 2);
+        assert!(r.is_slot_locked(1));
+        assert!(!r.is_slot_locked(2));
+        let d = ferroprof_pprof::decode(&p.encoded.bytes).unwrap();
+        assert_eq!(d.total("cpu-samples"), Some(3));
+        let q = r.serialize(None).unwrap();
+        assert_eq!(q.start, p.finish);
+        assert_eq!(q.stats.recorded_samples, 0);
+        assert_eq!(r.active_slot(), 1);
+        let life = r.stats().lifetime;
+        assert_eq!(life.serialization_successes, 2);
+        assert_eq!(life.serialization_failures, 0);
+        assert!(life.serialization_time_ns_min <= life.serialization_time_ns_max);
+        assert!(life.serialization_time_ns_avg.is_some());
+    }
+
+    #[test]
+    fn sampler_errors_when_both_gates_closed() {
+        let r = StackRecorder::new(no_heap()).unwrap();
+        r.slots[0].gate.close();
+        let err = r
+            .record_sample(&[], &SampleValues::default(), &[], 0)
+            .unwrap_err();
+        assert_eq!(err, RecorderError::NoActiveSlot { active_slot: 1 });
+        assert!(r.record_endpoint(1, "x").is_err());
+        r.reset_after_fork();
+        one(&r, 1);
+    }
+
+    #[test]
+    fn profile_errors_release_the_slot() {
+        let r = StackRecorder::new(no_heap()).unwrap();
+        let err = r
+            .record_sample(
+                &[],
+                &SampleValues::default(),
+                &[Label::num("k", 1), Label::num("k", 2)],
+                0,
+            )
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            RecorderError::Profile(ProfileError::DuplicateLabelKey(_))
+        ));
+        assert_eq!(r.slots[0].gate.inside(), 0);
+        assert_eq!(r.slots[1].gate.inside(), 0);
+        one(&r, 1);
+        assert_eq!(r.serialize(None).unwrap().stats.recorded_samples, 1);
+    }
+
+    #[test]
+    fn heap_calls_without_heap_are_errors_or_noops() {
+        let r = StackRecorder::new(no_heap()).unwrap();
+        assert_eq!(r.track_object(1, 1, None), Err(RecorderError::HeapDisabled));
+        assert_eq!(
+            r.track_allocation(1, 1, 8, None, &[]),
+            Err(RecorderError::HeapDisabled)
+        );
+        assert!(!r.untrack_allocation(1));
+        r.after_gc_step();
+        // A heap_sample flag without a heap recorder records the sample normally.
+        let v = SampleValues {
+            cpu_or_wall_samples: 1,
+            heap_sample: true,
+            ..Default::default()
+        };
+        r.record_sample(&[], &v, &[], 0).unwrap();
+    }
+
+    #[test]
+    fn unavailable_compression_is_a_config_error() {
+        let cfg = RecorderConfig {
+            compression: Compression::Zstd,
+            ..no_heap()
+        };
+        match StackRecorder::new(cfg) {
+            Ok(_) => assert!(cfg!(feature = "zstd")),
+            Err(e) => assert!(matches!(e, RecorderError::Config(m) if m.contains("Zstd"))),
+        }
+    }
+
+    #[test]
+    fn recorder_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<StackRecorder>();
     }
 }

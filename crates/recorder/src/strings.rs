@@ -5,7 +5,14 @@
 //! readable until [`StringStorage::advance_generation`], which frees them (and makes their ids
 //! reusable). The batch calls take the lock once.
 //!
-//! CONTRACT (implementation pending, see issue 2): `Send + Sync`; all methods take `&self`.
+//! `Send + Sync`; all methods take `&self`. Closures passed to [`StringStorage::with_str`] run with
+//! the table locked, so they must not call back into the same storage.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::StringError;
 
@@ -29,40 +36,214 @@ impl StringId {
 /// Longest string accepted by `intern`; longer input is an error, not a truncation.
 pub const MAX_STRING_LEN: usize = 1 << 20;
 
+/// Most live strings (ids must fit in a `u32`, and `u32::MAX` stays unused).
+const MAX_LIVE_STRINGS: usize = (u32::MAX - 1) as usize;
+
+type Map = HashMap<Arc<str>, u32, foldhash::fast::RandomState>;
+
+#[derive(Debug)]
+struct Entry {
+    /// `None` once freed; the id then waits in the free list.
+    s: Option<Arc<str>>,
+    count: u32,
+}
+
+#[derive(Debug)]
+pub(crate) struct Table {
+    map: Map,
+    /// Indexed by id; slot 0 is the empty string.
+    entries: Vec<Entry>,
+    /// Freed ids, reused oldest first so a stale id is less likely to alias a fresh string soon.
+    free: VecDeque<u32>,
+    /// Entries not yet freed (referenced or waiting for the next generation).
+    live: usize,
+    /// Entries with a count above zero.
+    referenced: usize,
+    string_bytes: usize,
+}
+
+impl Default for Table {
+    fn default() -> Self {
+        Table {
+            map: Map::default(),
+            entries: vec![Entry {
+                s: Some(Arc::from("")),
+                count: 0,
+            }],
+            free: VecDeque::new(),
+            live: 0,
+            referenced: 0,
+            string_bytes: 0,
+        }
+    }
+}
+
+impl Table {
+    fn intern_one(&mut self, s: &str) -> Result<StringId, StringError> {
+        if s.is_empty() {
+            return Ok(StringId::EMPTY);
+        }
+        if let Some(&id) = self.map.get(s) {
+            let e = &mut self.entries[id as usize];
+            if e.count == 0 {
+                self.referenced += 1;
+            }
+            // A count cannot realistically reach u32::MAX; saturate rather than wrap so a bug
+            // elsewhere can never make a live string look free.
+            e.count = e.count.saturating_add(1);
+            return Ok(StringId(id));
+        }
+        if s.len() > MAX_STRING_LEN {
+            return Err(StringError::TooLong {
+                len: s.len(),
+                limit: MAX_STRING_LEN,
+            });
+        }
+        if self.live >= MAX_LIVE_STRINGS {
+            return Err(StringError::Full(self.live));
+        }
+        let arc: Arc<str> = Arc::from(s);
+        let id = match self.free.pop_front() {
+            Some(id) => {
+                self.entries[id as usize] = Entry {
+                    s: Some(arc.clone()),
+                    count: 1,
+                };
+                id
+            }
+            None => {
+                let id = self.entries.len() as u32;
+                self.entries.push(Entry {
+                    s: Some(arc.clone()),
+                    count: 1,
+                });
+                id
+            }
+        };
+        self.map.insert(arc, id);
+        self.live += 1;
+        self.referenced += 1;
+        self.string_bytes += s.len();
+        Ok(StringId(id))
+    }
+
+    /// Drops one count of an id already checked with `check_unintern`.
+    fn release(&mut self, id: StringId) {
+        if id == StringId::EMPTY {
+            return;
+        }
+        let e = &mut self.entries[id.0 as usize];
+        if e.count > 0 {
+            e.count -= 1;
+            if e.count == 0 {
+                self.referenced -= 1;
+            }
+        }
+    }
+
+    fn check_unintern(&self, id: StringId) -> Result<(), StringError> {
+        if id == StringId::EMPTY {
+            return Ok(());
+        }
+        match self.entries.get(id.0 as usize) {
+            Some(Entry { s: Some(_), count }) if *count > 0 => Ok(()),
+            Some(Entry { s: Some(_), .. }) => Err(StringError::Underflow(id.0)),
+            _ => Err(StringError::UnknownId(id.0)),
+        }
+    }
+
+    /// The string behind `id`, if it is live (count zero but not yet freed counts as live).
+    pub(crate) fn get(&self, id: StringId) -> Result<&str, StringError> {
+        match self.entries.get(id.0 as usize) {
+            Some(Entry { s: Some(s), .. }) => Ok(s),
+            _ => Err(StringError::UnknownId(id.0)),
+        }
+    }
+}
+
 /// Thread-safe refcounted string table.
 #[derive(Debug, Default)]
 pub struct StringStorage {
-    _todo: (),
+    table: Mutex<Table>,
+    /// Mirrors the generation outside the lock so profiles can validate their id caches with a
+    /// single atomic load.
+    generation: AtomicU64,
 }
 
 impl StringStorage {
     pub fn new() -> Self {
-        todo!("issue 2")
+        Self::default()
     }
 
     /// Interns `s`, returning its id; `""` is always `StringId::EMPTY` and is not counted.
-    pub fn intern(&self, _s: &str) -> Result<StringId, StringError> {
-        todo!("issue 2")
+    pub fn intern(&self, s: &str) -> Result<StringId, StringError> {
+        if s.is_empty() {
+            return Ok(StringId::EMPTY);
+        }
+        self.table.lock().intern_one(s)
     }
 
     /// Interns every string, writing ids into `out` (cleared first). One lock acquisition.
-    pub fn intern_all(&self, _strs: &[&str], _out: &mut Vec<StringId>) -> Result<(), StringError> {
-        todo!("issue 2")
+    /// On error nothing stays interned and `out` is left empty.
+    pub fn intern_all(&self, strs: &[&str], out: &mut Vec<StringId>) -> Result<(), StringError> {
+        out.clear();
+        out.reserve(strs.len());
+        let mut t = self.table.lock();
+        for s in strs {
+            match t.intern_one(s) {
+                Ok(id) => out.push(id),
+                Err(e) => {
+                    // Undo the counts taken so far; these ids were just validated as live.
+                    for id in out.drain(..) {
+                        t.release(id);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Drops one reference. Unknown id or underflow is an error. `EMPTY` is a no-op.
-    pub fn unintern(&self, _id: StringId) -> Result<(), StringError> {
-        todo!("issue 2")
+    pub fn unintern(&self, id: StringId) -> Result<(), StringError> {
+        if id == StringId::EMPTY {
+            return Ok(());
+        }
+        let mut t = self.table.lock();
+        t.check_unintern(id)?;
+        t.release(id);
+        Ok(())
     }
 
     /// Drops one reference of each id. One lock acquisition; validates all ids before changing any.
-    pub fn unintern_all(&self, _ids: &[StringId]) -> Result<(), StringError> {
-        todo!("issue 2")
+    pub fn unintern_all(&self, ids: &[StringId]) -> Result<(), StringError> {
+        let mut t = self.table.lock();
+        // An id listed k times needs a count of at least k: check per id, counting repeats.
+        let mut seen: HashMap<u32, u32, foldhash::fast::RandomState> = HashMap::default();
+        for &id in ids {
+            t.check_unintern(id)?;
+            if id == StringId::EMPTY {
+                continue;
+            }
+            let n = seen.entry(id.0).or_insert(0);
+            *n += 1;
+            if *n > t.entries[id.0 as usize].count {
+                return Err(StringError::Underflow(id.0));
+            }
+        }
+        for &id in ids {
+            t.release(id);
+        }
+        Ok(())
     }
 
     /// Calls `f` with the string behind `id` (errors on a released or unknown id).
-    pub fn with_str<R>(&self, _id: StringId, _f: impl FnOnce(&str) -> R) -> Result<R, StringError> {
-        todo!("issue 2")
+    pub fn with_str<R>(&self, id: StringId, f: impl FnOnce(&str) -> R) -> Result<R, StringError> {
+        if id == StringId::EMPTY {
+            return Ok(f(""));
+        }
+        let t = self.table.lock();
+        t.get(id).map(f)
     }
 
     /// Owned copy of the string behind `id`.
@@ -72,30 +253,235 @@ impl StringStorage {
 
     /// Frees every entry whose count is zero; returns the new generation number.
     pub fn advance_generation(&self) -> u64 {
-        todo!("issue 2")
+        let mut t = self.table.lock();
+        let t = &mut *t;
+        for (id, e) in t.entries.iter_mut().enumerate().skip(1) {
+            if e.count == 0 {
+                if let Some(s) = e.s.take() {
+                    t.map.remove(&*s);
+                    t.free.push_back(id as u32);
+                    t.live -= 1;
+                    t.string_bytes -= s.len();
+                }
+            }
+        }
+        // Release: a profile that sees the new generation also sees the freed entries.
+        self.generation.fetch_add(1, Ordering::AcqRel) + 1
     }
 
     /// Current generation (starts at 0, +1 per `advance_generation`).
     pub fn generation(&self) -> u64 {
-        todo!("issue 2")
+        self.generation.load(Ordering::Acquire)
     }
 
-    /// Live entries, not counting the empty string.
+    /// Strings currently referenced (count above zero), not counting the empty string. Strings
+    /// whose count dropped to zero are not counted even while they stay readable until the next
+    /// generation advance.
     pub fn len(&self) -> usize {
-        todo!("issue 2")
+        self.table.lock().referenced
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// Refcount of `id` (None if not live). For tests and stats.
-    pub fn refcount(&self, _id: StringId) -> Option<u32> {
-        todo!("issue 2")
+    /// Refcount of `id` (None if not live). The empty string is always live with count 0.
+    pub fn refcount(&self, id: StringId) -> Option<u32> {
+        let t = self.table.lock();
+        match t.entries.get(id.0 as usize) {
+            Some(Entry { s: Some(_), count }) => Some(*count),
+            _ => None,
+        }
     }
 
     /// Bytes held by the table (strings + index), for memory reporting.
     pub fn memory_bytes(&self) -> usize {
-        todo!("issue 2")
+        let t = self.table.lock();
+        // Each live string: its bytes plus the Arc header (two counters), a map slot (pointer,
+        // length, id and a control byte) and an entry.
+        let per_map_slot = std::mem::size_of::<(Arc<str>, u32)>() + 1;
+        t.string_bytes
+            + t.live * 2 * std::mem::size_of::<usize>()
+            + t.map.capacity() * per_map_slot
+            + t.entries.capacity() * std::mem::size_of::<Entry>()
+            + t.free.capacity() * std::mem::size_of::<u32>()
+    }
+
+    /// Locks the table for a batch of reads (profiles resolve many ids at once).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_string_is_id_zero_and_uncounted() {
+        let s = StringStorage::new();
+        assert_eq!(s.intern("").unwrap(), StringId::EMPTY);
+        assert_eq!(s.intern("").unwrap(), StringId::EMPTY);
+        assert_eq!(s.refcount(StringId::EMPTY), Some(0));
+        assert_eq!(s.get(StringId::EMPTY).unwrap(), "");
+        assert!(s.is_empty());
+        s.unintern(StringId::EMPTY).unwrap();
+        s.advance_generation();
+        assert_eq!(s.get(StringId::EMPTY).unwrap(), "");
+    }
+
+    #[test]
+    fn intern_of_existing_string_bumps_count() {
+        let s = StringStorage::new();
+        let a = s.intern("hello").unwrap();
+        assert_ne!(a, StringId::EMPTY);
+        assert_eq!(s.intern("hello").unwrap(), a);
+        assert_eq!(s.refcount(a), Some(2));
+        let b = s.intern("world").unwrap();
+        assert_ne!(a, b);
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.get(a).unwrap(), "hello");
+        assert_eq!(s.with_str(b, |x| x.len()).unwrap(), 5);
+    }
+
+    #[test]
+    fn unintern_errors_on_unknown_and_underflow() {
+        let s = StringStorage::new();
+        assert_eq!(
+            s.unintern(StringId::from_raw(42)),
+            Err(StringError::UnknownId(42))
+        );
+        let a = s.intern("x").unwrap();
+        s.unintern(a).unwrap();
+        assert_eq!(s.unintern(a), Err(StringError::Underflow(a.value())));
+        // Count zero: still readable until the generation advances.
+        assert_eq!(s.get(a).unwrap(), "x");
+        assert_eq!(s.refcount(a), Some(0));
+        assert_eq!(s.len(), 0, "an unreferenced string is not counted");
+        assert_eq!(
+            s.intern("x").unwrap(),
+            a,
+            "revived before the generation advance"
+        );
+        assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn advance_generation_frees_unreferenced_entries_only() {
+        let s = StringStorage::new();
+        let keep = s.intern("keep").unwrap();
+        let drop = s.intern("drop").unwrap();
+        s.unintern(drop).unwrap();
+        assert_eq!(s.generation(), 0);
+        assert_eq!(s.advance_generation(), 1);
+        assert_eq!(s.generation(), 1);
+        assert_eq!(s.get(keep).unwrap(), "keep");
+        assert_eq!(s.get(drop), Err(StringError::UnknownId(drop.value())));
+        assert_eq!(s.refcount(drop), None);
+        assert_eq!(s.unintern(drop), Err(StringError::UnknownId(drop.value())));
+        assert_eq!(s.len(), 1);
+        // The freed id is reused, and the string can be interned again.
+        let again = s.intern("other").unwrap();
+        assert_eq!(again, drop);
+        assert_eq!(s.get(again).unwrap(), "other");
+    }
+
+    #[test]
+    fn batch_calls() {
+        let s = StringStorage::new();
+        let mut ids = vec![StringId::from_raw(99)];
+        s.intern_all(&["a", "", "b", "a"], &mut ids).unwrap();
+        assert_eq!(ids.len(), 4);
+        assert_eq!(ids[1], StringId::EMPTY);
+        assert_eq!(ids[0], ids[3]);
+        assert_eq!(s.refcount(ids[0]), Some(2));
+        // Not enough references for three uninterns of "a": nothing changes.
+        assert_eq!(
+            s.unintern_all(&[ids[0], ids[2], ids[0], ids[0]]),
+            Err(StringError::Underflow(ids[0].value()))
+        );
+        assert_eq!(s.refcount(ids[0]), Some(2));
+        assert_eq!(s.refcount(ids[2]), Some(1));
+        assert_eq!(
+            s.unintern_all(&[ids[2], StringId::from_raw(77)]),
+            Err(StringError::UnknownId(77))
+        );
+        assert_eq!(s.refcount(ids[2]), Some(1));
+        s.unintern_all(&ids).unwrap();
+        assert_eq!(s.refcount(ids[0]), Some(0));
+        s.advance_generation();
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn intern_all_rolls_back_on_error() {
+        let s = StringStorage::new();
+        let long = "x".repeat(MAX_STRING_LEN + 1);
+        let mut ids = Vec::new();
+        let err = s.intern_all(&["a", &long], &mut ids).unwrap_err();
+        assert_eq!(
+            err,
+            StringError::TooLong {
+                len: MAX_STRING_LEN + 1,
+                limit: MAX_STRING_LEN
+            }
+        );
+        assert!(ids.is_empty());
+        let a = s.intern("a").unwrap();
+        assert_eq!(s.refcount(a), Some(1));
+    }
+
+    #[test]
+    fn too_long_is_an_error() {
+        let s = StringStorage::new();
+        let long = "y".repeat(MAX_STRING_LEN + 1);
+        assert!(matches!(s.intern(&long), Err(StringError::TooLong { .. })));
+        assert!(s.intern(&long[..MAX_STRING_LEN]).is_ok());
+    }
+
+    #[test]
+    fn memory_stays_flat_over_generations() {
+        let s = StringStorage::new();
+        for round in 0..50 {
+            let ids: Vec<StringId> = (0..100)
+                .map(|i| s.intern(&format!("s{round}-{i}")).unwrap())
+                .collect();
+            s.unintern_all(&ids).unwrap();
+            s.advance_generation();
+        }
+        assert!(s.is_empty());
+        // Ids are recycled: never more than one round's worth of entries.
+        assert!(s.lock().entries.len() <= 101);
+        assert!(s.memory_bytes() > 0);
+    }
+
+    #[test]
+    fn shared_across_threads() {
+        let s = Arc::new(StringStorage::new());
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    for i in 0..1000 {
+                        let id = s.intern(&format!("k{}", i % 10)).unwrap();
+                        assert_eq!(s.get(id).unwrap(), format!("k{}", i % 10));
+                        if t % 2 == 0 {
+                            s.unintern(id).unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(s.len(), 10);
+        let total: u32 = (0..10)
+            .map(|i| {
+                let id = s.intern(&format!("k{i}")).unwrap();
+                s.refcount(id).unwrap() - 1
+            })
+            .sum();
+        assert_eq!(total, 2000);
     }
 }
