@@ -640,9 +640,10 @@ mod tests {
             compression: Compression::Zstd,
             ..no_heap()
         };
-        match StackRecorder::new(cfg) {
-            Ok(_) => assert!(cfg!(feature = "zstd")),
-            Err(e) => assert!(matches!(e, RecorderError::Config(m) if m.contains("Zstd"))),
+        let built = StackRecorder::new(cfg);
+        assert_eq!(built.is_ok(), Compression::Zstd.is_available());
+        if let Err(e) = built {
+            assert!(matches!(e, RecorderError::Config(m) if m.contains("Zstd")));
         }
     }
 
