@@ -1,0 +1,166 @@
+//! Heap recorder benchmarks: the allocator's hot path (track + untrack), memory per tracked
+//! object, and serializing a heap profile.
+//!
+//! `cargo bench -p ferroprof-recorder --bench heap`
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+
+use criterion::{criterion_group, Criterion};
+use ferroprof_recorder::{Frame, HeapConfig, HeapRecorder, StringStorage};
+
+/// Counts live heap bytes so the memory report sees exactly what the recorder holds.
+struct Counting;
+
+static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: every call forwards to `System` with the caller's arguments unchanged; the counter is
+// bookkeeping only.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: same contract as our caller's.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE_BYTES.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: `ptr` came from `System` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE_BYTES.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        // SAFETY: same contract as our caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+const DEPTH: usize = 32;
+
+fn address_stack() -> Vec<Frame<'static>> {
+    (0..DEPTH as u64)
+        .map(|i| Frame::Address(0x5555_0000_1000 + i * 0x40))
+        .collect()
+}
+
+fn symbol_stack(names: &[(String, String)]) -> Vec<Frame<'_>> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, (n, f))| Frame::sym(n, f, 10 + i as i64))
+        .collect()
+}
+
+fn names() -> Vec<(String, String)> {
+    (0..DEPTH)
+        .map(|i| {
+            (
+                format!("my_crate::module_{i}::Type::function_{i}"),
+                format!("/src/my_crate/src/module_{i}.rs"),
+            )
+        })
+        .collect()
+}
+
+fn native_recorder() -> HeapRecorder {
+    HeapRecorder::new(HeapConfig::native(), Arc::new(StringStorage::new())).unwrap()
+}
+
+fn track_untrack(c: &mut Criterion) {
+    let mut g = c.benchmark_group("heap");
+    // Some live objects around, as in a real process; the stack is already known.
+    let rec = native_recorder();
+    let frames = address_stack();
+    for id in 0..10_000u64 {
+        rec.track(0x7000_0000_0000 + id * 64, 1, 64, None, &frames)
+            .unwrap();
+    }
+    let mut id = 0x1000_0000_0000u64;
+    g.bench_function("track+untrack 32 address frames (stack seen)", |b| {
+        b.iter(|| {
+            id += 64;
+            rec.track(black_box(id), 1, 64, None, black_box(&frames))
+                .unwrap();
+            black_box(rec.untrack(black_box(id)));
+        })
+    });
+
+    let owned = names();
+    let frames = symbol_stack(&owned);
+    rec.track(1, 1, 64, None, &frames).unwrap();
+    g.bench_function("track+untrack 32 symbol frames (stack seen)", |b| {
+        b.iter(|| {
+            id += 64;
+            rec.track(black_box(id), 1, 64, None, black_box(&frames))
+                .unwrap();
+            black_box(rec.untrack(black_box(id)));
+        })
+    });
+
+    let frames = address_stack();
+    rec.set_sample_every(16).unwrap();
+    g.bench_function("track+untrack, sample_every=16 (mostly skipped)", |b| {
+        b.iter(|| {
+            id += 64;
+            rec.track(black_box(id), 1, 64, None, black_box(&frames))
+                .unwrap();
+            black_box(rec.untrack(black_box(id)));
+        })
+    });
+    g.finish();
+}
+
+/// Bytes the recorder holds per tracked object (shared stack), over a sweep of object counts so
+/// index and vector growth steps are all seen.
+fn memory_report() {
+    let frames = address_stack();
+    let mut worst = (0usize, 0f64);
+    let mut at_100k = 0f64;
+    let mut sum = 0f64;
+    let mut runs = 0;
+    for n in (5_000..=300_000usize).step_by(5_000) {
+        let rec = native_recorder();
+        // The first object pays for the stack; measure from there.
+        rec.track(1, 1, 64, None, &frames).unwrap();
+        let before = LIVE_BYTES.load(Ordering::Relaxed);
+        for i in 0..n as u64 {
+            rec.track(0x7000_0000_0000 + i * 48, 1, 64, None, &frames)
+                .unwrap();
+        }
+        let after = LIVE_BYTES.load(Ordering::Relaxed);
+        let per = (after - before) as f64 / n as f64;
+        sum += per;
+        runs += 1;
+        if per > worst.1 {
+            worst = (n, per);
+        }
+        if n == 100_000 {
+            at_100k = per;
+        }
+        drop(rec);
+    }
+    println!(
+        "heap memory per tracked object (stack shared): {at_100k:.1} B at 100k objects, \
+         mean {:.1} B over 5k..300k, worst {:.1} B at {}",
+        sum / runs as f64,
+        worst.1,
+        worst.0
+    );
+}
+
+criterion_group!(benches, track_untrack);
+
+fn main() {
+    memory_report();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
