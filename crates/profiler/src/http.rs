@@ -266,6 +266,11 @@ impl Server {
             if this.active.fetch_add(1, Ordering::SeqCst) >= this.config.max_concurrent {
                 this.active.fetch_sub(1, Ordering::SeqCst);
                 let mut stream = stream;
+                // Read the request first: closing with unread data makes the kernel send a
+                // reset, which can destroy the 503 before the client reads it. The short
+                // timeout bounds how long a slow client holds up accepting.
+                let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+                let _ = read_request_head(&mut stream);
                 let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
                 let _ = write_reply(
                     &mut stream,
