@@ -1,4 +1,163 @@
-fn main() {
-    eprintln!("ferroprof: not yet implemented");
-    std::process::exit(2);
+//! `ferroprof`: run the demo, or read pprof files (top, flamegraph, diff).
+
+mod demo;
+mod report;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use report::{CliError, FunctionTable};
+
+#[derive(Parser)]
+#[command(
+    name = "ferroprof",
+    version,
+    about = "Continuous profiler for Rust: demo and pprof tools"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Profile a built-in workload with a known CPU split and live heap, then report what was found.
+    Demo(demo::DemoArgs),
+    /// Print the functions with the largest values for one sample type.
+    Top {
+        /// A pprof file (gzip-compressed or not).
+        file: PathBuf,
+        /// Sample type to show, e.g. cpu-time, wall-time, heap-live-size (default: the first).
+        #[arg(short = 't', long = "type")]
+        sample_type: Option<String>,
+        /// Number of functions to show.
+        #[arg(short = 'n', default_value_t = 20)]
+        n: usize,
+        /// Sort by cumulative instead of flat value.
+        #[arg(long)]
+        cum: bool,
+    },
+    /// Write an SVG flame graph of one sample type.
+    Flamegraph {
+        file: PathBuf,
+        /// Output SVG file.
+        #[arg(short = 'o', long = "output", default_value = "flamegraph.svg")]
+        output: PathBuf,
+        /// Sample type to draw (default: the first).
+        #[arg(short = 't', long = "type")]
+        sample_type: Option<String>,
+    },
+    /// Show per-function changes from profile A to profile B.
+    Diff {
+        a: PathBuf,
+        b: PathBuf,
+        /// Sample type to compare (default: the first of B).
+        #[arg(short = 't', long = "type")]
+        sample_type: Option<String>,
+        /// Number of functions to show.
+        #[arg(short = 'n', default_value_t = 20)]
+        n: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // Output closed early (`ferroprof top x | head`): not an error worth a message.
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                if io.kind() == std::io::ErrorKind::BrokenPipe {
+                    return ExitCode::SUCCESS;
+                }
+            }
+            if e.downcast_ref::<CliError>().is_some() {
+                eprintln!("ferroprof: {e}");
+            } else {
+                eprintln!("ferroprof: {e:#}");
+            }
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cmd: Command) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match cmd {
+        Command::Demo(args) => demo::run(args),
+        Command::Top {
+            file,
+            sample_type,
+            n,
+            cum,
+        } => {
+            let p = report::load(&file)?;
+            let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
+            let table = FunctionTable::build(&p, idx);
+            out.write_all(
+                report::top_text(&table, n, cum, &file.display().to_string()).as_bytes(),
+            )?;
+            Ok(())
+        }
+        Command::Flamegraph {
+            file,
+            output,
+            sample_type,
+        } => {
+            let p = report::load(&file)?;
+            let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
+            let (type_name, unit) = p.sample_types().swap_remove(idx);
+            let lines = report::folded(&p, idx);
+            if lines.is_empty() {
+                return Err(CliError(format!(
+                    "{} has no samples with a positive {type_name} value; nothing to draw",
+                    file.display()
+                ))
+                .into());
+            }
+            let mut opts = inferno::flamegraph::Options::default();
+            opts.title = format!("{type_name} — {}", file.display());
+            opts.count_name = unit;
+            let mut svg = Vec::new();
+            inferno::flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut svg)
+                .map_err(|e| CliError(format!("cannot draw the flame graph: {e}")))?;
+            std::fs::write(&output, svg)
+                .map_err(|e| CliError(format!("cannot write {}: {e}", output.display())))?;
+            writeln!(
+                out,
+                "wrote {} ({} stacks of {type_name})",
+                output.display(),
+                lines.len()
+            )?;
+            Ok(())
+        }
+        Command::Diff {
+            a,
+            b,
+            sample_type,
+            n,
+        } => {
+            let pa = report::load(&a)?;
+            let pb = report::load(&b)?;
+            let ib = report::pick_type(&pb, sample_type.as_deref(), &b)?;
+            let name = pb.sample_types().swap_remove(ib).0;
+            let ia = report::pick_type(&pa, Some(&name), &a)?;
+            let (ta, tb) = (FunctionTable::build(&pa, ia), FunctionTable::build(&pb, ib));
+            if ta.unit != tb.unit {
+                return Err(CliError(format!(
+                    "{name} is in {} in {} but in {} in {}",
+                    ta.unit,
+                    a.display(),
+                    tb.unit,
+                    b.display()
+                ))
+                .into());
+            }
+            out.write_all(report::diff_text(&ta, &tb, n).as_bytes())?;
+            Ok(())
+        }
+    }
 }

@@ -1,0 +1,394 @@
+//! Reading profiles and turning them into per-function tables, diffs and folded stacks.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::path::Path;
+
+use ferroprof_pprof::Profile;
+
+/// A user-facing error; the binary prints it and exits with status 2.
+#[derive(Debug)]
+pub struct CliError(pub String);
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for CliError {}
+
+fn err(msg: impl Into<String>) -> anyhow::Error {
+    CliError(msg.into()).into()
+}
+
+/// Reads and decodes a pprof file, with errors that name the file.
+pub fn load(path: &Path) -> anyhow::Result<Profile> {
+    let bytes =
+        std::fs::read(path).map_err(|e| err(format!("cannot read {}: {e}", path.display())))?;
+    if bytes.is_empty() {
+        return Err(err(format!(
+            "{} is empty, not a pprof profile",
+            path.display()
+        )));
+    }
+    ferroprof_pprof::decode(&bytes).map_err(|e| {
+        // The reader's messages already start with "not a pprof profile".
+        err(format!("{}: {e}", path.display()))
+    })
+}
+
+/// The sample type to show: `wanted`, else the profile's default, else the first.
+pub fn pick_type(p: &Profile, wanted: Option<&str>, path: &Path) -> anyhow::Result<usize> {
+    let types = p.sample_types();
+    if types.is_empty() {
+        return Err(err(format!("{} has no sample types", path.display())));
+    }
+    match wanted {
+        Some(name) => p.value_index(name).ok_or_else(|| {
+            let names: Vec<&str> = types.iter().map(|(t, _)| t.as_str()).collect();
+            err(format!(
+                "{} has no sample type {name:?}; it has: {}",
+                path.display(),
+                names.join(", ")
+            ))
+        }),
+        None => {
+            let default = p.str(p.default_sample_type);
+            Ok(p.value_index(default)
+                .filter(|_| !default.is_empty())
+                .unwrap_or(0))
+        }
+    }
+}
+
+/// Flat and cumulative value per function for one sample type.
+#[derive(Debug, Clone, Default)]
+pub struct FunctionTable {
+    pub type_name: String,
+    pub unit: String,
+    pub total: i64,
+    pub samples: usize,
+    /// (function, flat, cum), unsorted.
+    pub rows: Vec<(String, i64, i64)>,
+}
+
+const NO_FRAMES: &str = "(no frames)";
+
+impl FunctionTable {
+    pub fn build(p: &Profile, index: usize) -> Self {
+        let (type_name, unit) = p.sample_types().swap_remove(index);
+        let mut flat: HashMap<String, i64> = HashMap::new();
+        let mut cum: HashMap<String, i64> = HashMap::new();
+        let mut total = 0i64;
+        let mut samples = 0;
+        for s in &p.sample {
+            let v = s.value.get(index).copied().unwrap_or(0);
+            if v == 0 {
+                continue;
+            }
+            samples += 1;
+            total = total.saturating_add(v);
+            let names = p.stack_names(s);
+            let leaf = names.first().map(String::as_str).unwrap_or(NO_FRAMES);
+            *flat.entry(leaf.to_owned()).or_default() += v;
+            // A recursive function counts once per sample in `cum`.
+            let mut seen = HashSet::new();
+            if names.is_empty() {
+                *cum.entry(NO_FRAMES.to_owned()).or_default() += v;
+            }
+            for n in names {
+                if seen.insert(n.clone()) {
+                    *cum.entry(n).or_default() += v;
+                }
+            }
+        }
+        let rows = cum
+            .into_iter()
+            .map(|(f, c)| {
+                let fl = flat.get(&f).copied().unwrap_or(0);
+                (f, fl, c)
+            })
+            .collect();
+        FunctionTable {
+            type_name,
+            unit,
+            total,
+            samples,
+            rows,
+        }
+    }
+
+    /// Rows sorted by flat (or cum) value, largest first; ties by name for stable output.
+    pub fn sorted(&self, by_cum: bool) -> Vec<(String, i64, i64)> {
+        let mut rows = self.rows.clone();
+        rows.sort_by(|a, b| {
+            let (ka, kb) = if by_cum { (a.2, b.2) } else { (a.1, b.1) };
+            kb.abs()
+                .cmp(&ka.abs())
+                .then(b.2.cmp(&a.2))
+                .then(a.0.cmp(&b.0))
+        });
+        rows
+    }
+
+    /// Flat value of `function`.
+    pub fn flat(&self, function: &str) -> i64 {
+        self.rows
+            .iter()
+            .find(|r| r.0 == function)
+            .map(|r| r.1)
+            .unwrap_or(0)
+    }
+}
+
+/// A value in its unit: nanoseconds as time, bytes in binary units, counts as integers.
+pub fn format_value(v: i64, unit: &str) -> String {
+    let sign = if v < 0 { "-" } else { "" };
+    let a = v.unsigned_abs() as f64;
+    let body = match unit {
+        "nanoseconds" => {
+            if a >= 1e9 {
+                format!("{:.2}s", a / 1e9)
+            } else if a >= 1e6 {
+                format!("{:.2}ms", a / 1e6)
+            } else if a >= 1e3 {
+                format!("{:.2}us", a / 1e3)
+            } else {
+                format!("{a}ns")
+            }
+        }
+        "bytes" => {
+            const K: f64 = 1024.0;
+            if a >= K * K * K {
+                format!("{:.2}GiB", a / (K * K * K))
+            } else if a >= K * K {
+                format!("{:.2}MiB", a / (K * K))
+            } else if a >= K {
+                format!("{:.2}KiB", a / K)
+            } else {
+                format!("{a}B")
+            }
+        }
+        _ => format!("{}", v.unsigned_abs()),
+    };
+    format!("{sign}{body}")
+}
+
+fn percent(v: i64, total: i64) -> String {
+    if total == 0 {
+        "-".to_owned()
+    } else {
+        format!("{:.2}%", v as f64 * 100.0 / total as f64)
+    }
+}
+
+/// The `top` report: a header line and up to `n` rows.
+pub fn top_text(t: &FunctionTable, n: usize, by_cum: bool, label: &str) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{label}: {} ({}), total {} in {} samples",
+        t.type_name,
+        t.unit,
+        format_value(t.total, &t.unit),
+        t.samples
+    );
+    if t.samples == 0 {
+        let _ = writeln!(out, "  (no samples with a non-zero {} value)", t.type_name);
+        return out;
+    }
+    let rows = t.sorted(by_cum);
+    let shown = rows.len().min(n);
+    if shown < rows.len() {
+        let _ = writeln!(
+            out,
+            "Showing top {shown} of {} functions, sorted by {}",
+            rows.len(),
+            if by_cum { "cum" } else { "flat" }
+        );
+    }
+    let _ = writeln!(
+        out,
+        "{:>11} {:>7} {:>7} {:>11} {:>7}  function",
+        "flat", "flat%", "sum%", "cum", "cum%"
+    );
+    let mut sum = 0i64;
+    for (f, flat, cum) in rows.iter().take(shown) {
+        sum += flat;
+        let _ = writeln!(
+            out,
+            "{:>11} {:>7} {:>7} {:>11} {:>7}  {f}",
+            format_value(*flat, &t.unit),
+            percent(*flat, t.total),
+            percent(sum, t.total),
+            format_value(*cum, &t.unit),
+            percent(*cum, t.total),
+        );
+    }
+    out
+}
+
+/// The `diff` report: per-function flat values in A and B and their difference.
+pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
+    let unit = &b.unit;
+    let mut out = String::new();
+    let delta_total = b.total - a.total;
+    let rel = if a.total != 0 {
+        format!(" ({:+.1}%)", delta_total as f64 * 100.0 / a.total as f64)
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        out,
+        "{} ({unit}): total A {} -> B {}, delta {}{rel}",
+        b.type_name,
+        format_value(a.total, unit),
+        format_value(b.total, unit),
+        signed(delta_total, unit),
+    );
+    let mut names: Vec<&str> = a.rows.iter().chain(&b.rows).map(|r| r.0.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let mut rows: Vec<(&str, i64, i64)> = names
+        .into_iter()
+        .map(|f| (f, a.flat(f), b.flat(f)))
+        .filter(|(_, x, y)| x != y)
+        .collect();
+    rows.sort_by(|x, y| (y.2 - y.1).abs().cmp(&(x.2 - x.1).abs()).then(x.0.cmp(y.0)));
+    if rows.is_empty() {
+        let _ = writeln!(out, "No per-function differences in flat {}.", b.type_name);
+        return out;
+    }
+    let shown = rows.len().min(n);
+    if shown < rows.len() {
+        let _ = writeln!(
+            out,
+            "Showing top {shown} of {} changed functions, by size of change",
+            rows.len()
+        );
+    }
+    let _ = writeln!(
+        out,
+        "{:>11} {:>11} {:>12} {:>8}  function (flat)",
+        "A", "B", "delta", "delta%"
+    );
+    for (f, x, y) in rows.into_iter().take(shown) {
+        let pct = if x != 0 {
+            format!("{:+.1}%", (y - x) as f64 * 100.0 / x as f64)
+        } else {
+            "new".to_owned()
+        };
+        let _ = writeln!(
+            out,
+            "{:>11} {:>11} {:>12} {:>8}  {f}",
+            format_value(x, unit),
+            format_value(y, unit),
+            signed(y - x, unit),
+            pct
+        );
+    }
+    out
+}
+
+fn signed(v: i64, unit: &str) -> String {
+    if v > 0 {
+        format!("+{}", format_value(v, unit))
+    } else {
+        format_value(v, unit)
+    }
+}
+
+/// Folded stacks (`root;...;leaf value`), one line per distinct stack, for flame graphs.
+pub fn folded(p: &Profile, index: usize) -> Vec<String> {
+    let mut acc: HashMap<String, i64> = HashMap::new();
+    for s in &p.sample {
+        let v = s.value.get(index).copied().unwrap_or(0);
+        if v <= 0 {
+            continue;
+        }
+        let mut names = p.stack_names(s);
+        if names.is_empty() {
+            names.push(NO_FRAMES.to_owned());
+        }
+        // `;` separates frames in the folded format; Rust names can contain it (`[u8; 4]`).
+        let line = names
+            .iter()
+            .rev()
+            .map(|n| n.replace(';', ","))
+            .collect::<Vec<_>>()
+            .join(";");
+        *acc.entry(line).or_default() += v;
+    }
+    let mut lines: Vec<String> = acc.into_iter().map(|(k, v)| format!("{k} {v}")).collect();
+    lines.sort();
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile() -> Profile {
+        ferroprof_pprof::ProfileBuilder::new(&[
+            ("cpu-time", "nanoseconds"),
+            ("heap-live-size", "bytes"),
+        ])
+        .sample(&["hot", "work", "main"], &[3_000_000_000, 0], &[])
+        .sample(&["cold", "work", "main"], &[1_000_000_000, 0], &[])
+        .sample(&["rec", "rec", "main"], &[500_000_000, 64 << 20], &[])
+        .build()
+    }
+
+    #[test]
+    fn flat_and_cum() {
+        let t = FunctionTable::build(&profile(), 0);
+        assert_eq!(t.total, 4_500_000_000);
+        let rows = t.sorted(false);
+        assert_eq!(rows[0], ("hot".to_owned(), 3_000_000_000, 3_000_000_000));
+        let main = rows.iter().find(|r| r.0 == "main").unwrap();
+        assert_eq!((main.1, main.2), (0, 4_500_000_000));
+        let rec = rows.iter().find(|r| r.0 == "rec").unwrap();
+        assert_eq!(
+            (rec.1, rec.2),
+            (500_000_000, 500_000_000),
+            "recursion counted once"
+        );
+    }
+
+    #[test]
+    fn units() {
+        assert_eq!(format_value(1_500_000_000, "nanoseconds"), "1.50s");
+        assert_eq!(format_value(2_500_000, "nanoseconds"), "2.50ms");
+        assert_eq!(format_value(999, "nanoseconds"), "999ns");
+        assert_eq!(format_value(64 << 20, "bytes"), "64.00MiB");
+        assert_eq!(format_value(-2048, "bytes"), "-2.00KiB");
+        assert_eq!(format_value(42, "count"), "42");
+    }
+
+    #[test]
+    fn folded_lines() {
+        let lines = folded(&profile(), 1);
+        assert_eq!(lines, vec![format!("main;rec;rec {}", 64 << 20)]);
+    }
+
+    #[test]
+    fn diff_orders_by_change() {
+        let a = FunctionTable::build(&profile(), 0);
+        let b_prof = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+            .sample(&["hot", "work", "main"], &[1_000_000_000], &[])
+            .sample(&["new_fn", "main"], &[4_000_000_000], &[])
+            .build();
+        let b = FunctionTable::build(&b_prof, 0);
+        let text = diff_text(&a, &b, 10);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[2].ends_with("new_fn") && lines[2].contains("+4.00s"),
+            "{text}"
+        );
+        assert!(
+            lines[3].ends_with("hot") && lines[3].contains("-2.00s"),
+            "{text}"
+        );
+    }
+}
