@@ -17,8 +17,11 @@ fi
 # FERROPROF_DDAPM_TEST_AGENT.
 FERROPROF_TOOLS_DIR="${FERROPROF_TOOLS_DIR:-$HOME/.cache/ferroprof-test-tools}"
 FERROPROF_DDAPM_VERSION="1.69.1"
-if [ ! -x "$FERROPROF_TOOLS_DIR/venv/bin/ddapm-test-agent" ] \
-    || ! "$FERROPROF_TOOLS_DIR/venv/bin/pip" show ddapm-test-agent 2>/dev/null | grep -q "^Version: $FERROPROF_DDAPM_VERSION\$"; then
+ferroprof_ddapm_installed=""
+if [ -x "$FERROPROF_TOOLS_DIR/venv/bin/ddapm-test-agent" ]; then
+    ferroprof_ddapm_installed="$("$FERROPROF_TOOLS_DIR/venv/bin/pip" show ddapm-test-agent 2>/dev/null | sed -n 's/^Version: //p' || true)"
+fi
+if [ "$ferroprof_ddapm_installed" != "$FERROPROF_DDAPM_VERSION" ]; then
     echo "test-deps: installing ddapm-test-agent $FERROPROF_DDAPM_VERSION into $FERROPROF_TOOLS_DIR/venv"
     mkdir -p "$FERROPROF_TOOLS_DIR"
     python3 -m venv "$FERROPROF_TOOLS_DIR/venv"
