@@ -452,6 +452,20 @@ impl<B: Backend> Worker<B> {
     }
 }
 
+/// The network exporters the environment asks for: Datadog when `FERROPROF_DATADOG` or
+/// `DD_PROFILING_ENABLED` is true, Pyroscope when `FERROPROF_PYROSCOPE_URL` is set (see the README's
+/// "Configuration (environment)"). Started and ready to hand to the profiler builder.
+pub fn network_exporters_from_env() -> Result<Vec<Box<dyn Exporter>>, ExportError> {
+    let mut out: Vec<Box<dyn Exporter>> = Vec::new();
+    if let Some(dd) = super::datadog::DatadogConfig::from_env_if_enabled()? {
+        out.push(Box::new(dd.build()?));
+    }
+    if let Some(py) = super::pyroscope::PyroscopeConfig::from_env()? {
+        out.push(Box::new(py.build()?));
+    }
+    Ok(out)
+}
+
 /// Transient failures are retried; a 4xx means the request itself is wrong and would fail again.
 pub fn is_retryable(e: &ExportError) -> bool {
     match e {
