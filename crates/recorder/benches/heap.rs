@@ -8,8 +8,15 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 
+use std::time::{Duration, SystemTime};
+
 use criterion::{criterion_group, Criterion};
-use ferroprof_recorder::{Frame, HeapConfig, HeapRecorder, StringStorage};
+use ferroprof_recorder::pprof::EncodeOptions;
+use ferroprof_recorder::stack_recorder::GC_GEN_AGE_LABEL;
+use ferroprof_recorder::{
+    Frame, HeapConfig, HeapRecorder, Label, Profile, RecorderConfig, Sample, SampleValues,
+    StackRecorder, StringStorage,
+};
 
 /// Counts live heap bytes so the memory report sees exactly what the recorder holds.
 struct Counting;
@@ -157,7 +164,90 @@ fn memory_report() {
     );
 }
 
-criterion_group!(benches, track_untrack);
+const LIVE: u64 = 100_000;
+const SERIALIZE_DEPTH: u64 = 16;
+
+/// Object `i`'s stack: shared callers, a distinct innermost frame, so the heap profile has as
+/// many samples as live objects.
+fn distinct_stack(i: u64, out: &mut Vec<Frame<'static>>) {
+    out.clear();
+    out.push(Frame::Address(0x7f00_0000_0000 + i * 16));
+    out.extend((1..SERIALIZE_DEPTH).map(|d| Frame::Address(0x5555_0000_0000 + d * 0x40)));
+}
+
+/// Serializing a heap profile of 100k live objects, against encoding a profile that already
+/// holds the same 100k aggregated samples (and against adding + encoding them).
+fn serialize(c: &mut Criterion) {
+    let mut g = c.benchmark_group("heap serialize 100k");
+    g.sample_size(10).measurement_time(Duration::from_secs(8));
+
+    let r = StackRecorder::new(RecorderConfig {
+        heap: HeapConfig::native(),
+        ..RecorderConfig::default()
+    })
+    .unwrap();
+    let mut frames = Vec::new();
+    for i in 0..LIVE {
+        distinct_stack(i, &mut frames);
+        r.track_allocation(0x1000_0000 + i * 64, 1, 64, None, &frames)
+            .unwrap();
+    }
+    g.bench_function("StackRecorder::serialize, 100k live objects", |b| {
+        b.iter(|| black_box(r.serialize(None).unwrap()))
+    });
+
+    let layout = r.layout().clone();
+    let placed = layout.place(&SampleValues {
+        heap_live_samples: 1,
+        heap_live_size: 64,
+        ..SampleValues::default()
+    });
+    let build = || {
+        let mut p = Profile::new(layout.types(), None, SystemTime::now());
+        let labels = [Label::num(GC_GEN_AGE_LABEL, 1)];
+        let mut frames = Vec::new();
+        for i in 0..LIVE {
+            distinct_stack(i, &mut frames);
+            p.add(&Sample {
+                frames: &frames,
+                values: &placed[..layout.len()],
+                labels: &labels,
+                end_timestamp_ns: 0,
+            })
+            .unwrap();
+        }
+        p
+    };
+    let opts = EncodeOptions::default();
+    let built = build();
+    assert_eq!(built.sample_count() as u64, LIVE);
+    g.bench_function("Profile::encode, 100k aggregated samples", |b| {
+        b.iter(|| black_box(built.encode(SystemTime::now(), &opts, None).unwrap()))
+    });
+    g.bench_function("Profile add + encode, 100k samples", |b| {
+        b.iter(|| black_box(build().encode(SystemTime::now(), &opts, None).unwrap()))
+    });
+    let heap = r.heap().unwrap();
+    g.bench_function(
+        "HeapRecorder prepare + iterate + finish, 100k objects",
+        |b| {
+            b.iter(|| {
+                heap.prepare_iteration().unwrap();
+                let mut n = 0u64;
+                heap.for_each_live_object(&mut |o, f| {
+                    n += o.weight as u64 + f.len() as u64;
+                    true
+                })
+                .unwrap();
+                heap.finish_iteration().unwrap();
+                black_box(n)
+            })
+        },
+    );
+    g.finish();
+}
+
+criterion_group!(benches, track_untrack, serialize);
 
 fn main() {
     memory_report();

@@ -568,6 +568,16 @@ struct Snapshot {
     stacks: Vec<Vec<Option<Arc<[u64]>>>>,
 }
 
+impl Snapshot {
+    fn words(&self, stack: u32) -> Option<&[u64]> {
+        let (shard, slot) = split_stack_ref(stack);
+        self.stacks.get(shard)?.get(slot)?.as_deref()
+    }
+}
+
+/// How many records ahead `for_each_live_object` touches stacks.
+const PREFETCH_DISTANCE: usize = 8;
+
 #[derive(Default)]
 struct IterState {
     active: bool,
@@ -1355,16 +1365,22 @@ impl HeapRecorder {
         // changes.
         let mut frames: Vec<Frame<'static>> = Vec::new();
         let mut current_stack = None;
-        for rec in &snapshot.records {
+        for (i, rec) in snapshot.records.iter().enumerate() {
             let delta = gen_delta(snapshot.gen, rec.alloc_gen);
             let age = delta.max(0) as u64;
             if age < min_age {
                 continue;
             }
+            // Stacks are scattered allocations: touching one a few records ahead lets its cache
+            // miss overlap with the work on this one.
+            if let Some(ahead) = snapshot.records.get(i + PREFETCH_DISTANCE) {
+                if let Some(words) = snapshot.words(ahead.stack()) {
+                    std::hint::black_box(words.first());
+                }
+            }
             if current_stack != Some(rec.stack()) {
                 frames.clear();
-                let (shard, slot) = split_stack_ref(rec.stack());
-                if let Some(Some(words)) = snapshot.stacks.get(shard).and_then(|s| s.get(slot)) {
+                if let Some(words) = snapshot.words(rec.stack()) {
                     frames.extend(words[1..].chunks_exact(2).map(|w| decode_frame(w[0], w[1])));
                 }
                 current_stack = Some(rec.stack());
