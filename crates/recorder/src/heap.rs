@@ -575,6 +575,22 @@ impl Snapshot {
     }
 }
 
+/// Clones a shard's stack table for a snapshot, a chunk per lock hold: cloning touches every
+/// stack, and trackers of that shard should not wait for all of them. Chunks are consistent with
+/// each other because pinned slots are neither freed nor reused.
+fn copy_stack_slots(shard: &Mutex<StackShard>) -> Vec<Option<Arc<[u64]>>> {
+    const CHUNK: usize = 1024;
+    let mut out = Vec::new();
+    loop {
+        let g = shard.lock();
+        let end = g.slots.len().min(out.len() + CHUNK);
+        out.extend(g.slots[out.len()..end].iter().map(|s| s.words.clone()));
+        if end == g.slots.len() {
+            return out;
+        }
+    }
+}
+
 /// How many records ahead `for_each_live_object` touches stacks.
 const PREFETCH_DISTANCE: usize = 8;
 
@@ -970,7 +986,13 @@ impl HeapRecorder {
         if extra_refs {
             let mut ids = Vec::with_capacity(2 * frames.len());
             push_string_ids(words, &mut ids);
-            self.strings.unintern_all(&ids)?;
+            if let Err(e) = self.strings.unintern_all(&ids) {
+                // Fail as a whole: give back the reference just taken on the record too.
+                if let Ok((r, _)) = result {
+                    let _ = self.release_stack(r);
+                }
+                return Err(e.into());
+            }
         }
         result.map(|(r, _)| r)
     }
@@ -1322,17 +1344,7 @@ impl HeapRecorder {
                 records.reserve(n + n / 8 + 16);
             }
         }
-        let stacks = self
-            .stacks
-            .iter()
-            .map(|s| {
-                s.lock()
-                    .slots
-                    .iter()
-                    .map(|slot| slot.words.clone())
-                    .collect()
-            })
-            .collect();
+        let stacks = self.stacks.iter().map(copy_stack_slots).collect();
         if self.source.is_none() {
             // Native ages count serializations survived: later ones see these objects older.
             self.native_gen.fetch_add(1, Ordering::AcqRel);
