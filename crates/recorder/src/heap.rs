@@ -600,6 +600,26 @@ struct IterState {
     snapshot: Option<Arc<Snapshot>>,
 }
 
+/// Keeps each shard's lock on its own cache lines, so threads working on different shards do not
+/// contend through false sharing.
+#[derive(Default)]
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> std::ops::DerefMut for Padded<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
 /// Holds the update "lock" (an atomic flag, which `after_fork` can clear) until dropped.
 struct UpdateGuard<'a>(&'a AtomicBool);
 
@@ -624,8 +644,8 @@ pub struct HeapRecorder {
     /// Serializations so far: the native model's generation.
     native_gen: AtomicU64,
 
-    objs: Box<[Mutex<ObjShard>]>,
-    stacks: Box<[Mutex<StackShard>]>,
+    objs: Box<[Padded<Mutex<ObjShard>>]>,
+    stacks: Box<[Padded<Mutex<StackShard>>]>,
 
     active: Mutex<Active>,
     pending: Mutex<Vec<ObjRecord>>,
@@ -671,8 +691,8 @@ impl HeapRecorder {
             sample_every: AtomicU32::new(config.sample_every),
             skip_counter: AtomicU32::new(0),
             native_gen: AtomicU64::new(0),
-            objs: (0..OBJ_SHARDS).map(|_| Mutex::default()).collect(),
-            stacks: (0..STACK_SHARDS).map(|_| Mutex::default()).collect(),
+            objs: (0..OBJ_SHARDS).map(|_| Padded::default()).collect(),
+            stacks: (0..STACK_SHARDS).map(|_| Padded::default()).collect(),
             active: Mutex::new(Active::Idle),
             pending: Mutex::new(Vec::with_capacity(if deferred_ids {
                 MAX_PENDING_RECORDINGS
@@ -1344,7 +1364,7 @@ impl HeapRecorder {
                 records.reserve(n + n / 8 + 16);
             }
         }
-        let stacks = self.stacks.iter().map(copy_stack_slots).collect();
+        let stacks = self.stacks.iter().map(|s| copy_stack_slots(s)).collect();
         if self.source.is_none() {
             // Native ages count serializations survived: later ones see these objects older.
             self.native_gen.fetch_add(1, Ordering::AcqRel);
