@@ -2151,6 +2151,56 @@ mod tests {
     }
 
     #[test]
+    fn concurrent_young_updates_are_skipped_and_block_nobody() {
+        /// Liveness source whose lookups wait until released, to hold an update open.
+        struct Gated {
+            inner: ArcHeap,
+            entered: std::sync::Barrier,
+            release: std::sync::Barrier,
+        }
+        impl LivenessSource for Gated {
+            fn gc_generation(&self) -> u64 {
+                self.inner.gc_generation()
+            }
+            fn lookup(&self, id: u64) -> Option<ObjectInfo> {
+                self.entered.wait();
+                self.release.wait();
+                self.inner.lookup(id)
+            }
+        }
+        let src = Arc::new(Gated {
+            inner: ArcHeap::default(),
+            entered: std::sync::Barrier::new(2),
+            release: std::sync::Barrier::new(2),
+        });
+        let dyn_src: Arc<dyn LivenessSource> = src.clone();
+        let rec = Arc::new(HeapRecorder::new(HeapConfig::managed(dyn_src), storage()).unwrap());
+        let (id, _obj) = src.inner.alloc(1);
+        rec.start_recording(id, 1, None).unwrap();
+        rec.end_recording(&[]).unwrap();
+        src.inner.gc();
+        let updater = {
+            let rec = Arc::clone(&rec);
+            std::thread::spawn(move || rec.update_young_objects())
+        };
+        src.entered.wait();
+        // An update is running (inside a lookup): another one is skipped, allocations are
+        // skipped, and tracking elsewhere does not wait.
+        rec.update_young_objects();
+        assert_eq!(rec.stats().lifetime_updates_skipped_concurrent, 1);
+        assert!(!rec.start_recording(77, 1, None).unwrap());
+        rec.end_recording(&[]).unwrap();
+        rec.track(78, 1, 1, None, &[]).unwrap();
+        assert!(rec.untrack(78));
+        src.release.wait();
+        updater.join().unwrap();
+        let st = rec.stats();
+        assert_eq!(st.lifetime_updates_successful, 1);
+        assert_eq!(st.last_update_objects_alive, 1);
+        assert!(!rec.is_object_recorded(77));
+    }
+
+    #[test]
     fn deferred_recordings() {
         let heap = Arc::new(ArcHeap {
             deferred: true,
