@@ -307,13 +307,15 @@ impl Server {
             }
         };
         let head_only = method == "HEAD";
-        let reply = if method != "GET" && method != "HEAD" {
-            Reply::text(405, format!("method {method} not allowed; use GET"))
-        } else {
+        let path = target.split('?').next().unwrap_or("");
+        let is_index = path == "/debug/pprof" || path == "/debug/pprof/";
+        // HEAD is for the index only: on a profile it would take the profile and throw it away.
+        let reply = if method == "GET" || (head_only && is_index) {
             self.route(&target)
+        } else {
+            Reply::text(405, format!("method {method} not allowed here; use GET"))
         };
-        // Large profiles over a slow link: allow time proportional to nothing in particular but
-        // bounded, so a stuck client cannot hold the thread forever.
+        // Bounded, so a client that stops reading cannot hold the thread forever.
         let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
         if let Err(e) = write_reply(&mut stream, &reply, head_only) {
             log::debug!("ferroprof: /debug/pprof: writing the response failed: {e}");

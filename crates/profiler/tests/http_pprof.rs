@@ -196,6 +196,8 @@ fn bad_requests_get_clear_errors() {
     assert!(r.text().contains("/debug/pprof/goroutine"));
     assert_eq!(get(addr, "/").status, 404);
     assert_eq!(request(addr, "POST", "/debug/pprof/heap").status, 405);
+    assert_eq!(request(addr, "HEAD", "/debug/pprof/profile").status, 405);
+    assert_eq!(request(addr, "HEAD", "/debug/pprof/").status, 200);
     let r = get(addr, "/debug/pprof/heap");
     assert_eq!(r.status, 500);
     assert!(
