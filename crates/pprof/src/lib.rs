@@ -205,14 +205,19 @@ impl Profile {
         let s_ok = |i: i64| (0..nstr).contains(&i);
         for vt in &self.sample_type {
             if !s_ok(vt.r#type) || !s_ok(vt.unit) {
-                return Err(ReadError::Invalid("sample_type string index out of range".into()));
+                return Err(ReadError::Invalid(
+                    "sample_type string index out of range".into(),
+                ));
             }
         }
         let locs: HashMap<u64, &Location> = self.location.iter().map(|l| (l.id, l)).collect();
         let funcs: HashMap<u64, &Function> = self.function.iter().map(|f| (f.id, f)).collect();
         for f in &self.function {
             if !s_ok(f.name) || !s_ok(f.system_name) || !s_ok(f.filename) {
-                return Err(ReadError::Invalid(format!("function {} has a bad string index", f.id)));
+                return Err(ReadError::Invalid(format!(
+                    "function {} has a bad string index",
+                    f.id
+                )));
             }
         }
         for l in &self.location {
@@ -235,12 +240,16 @@ impl Profile {
             }
             for id in &s.location_id {
                 if !locs.contains_key(id) {
-                    return Err(ReadError::Invalid(format!("sample {i} names unknown location {id}")));
+                    return Err(ReadError::Invalid(format!(
+                        "sample {i} names unknown location {id}"
+                    )));
                 }
             }
             for l in &s.label {
                 if !s_ok(l.key) || !s_ok(l.str) || !s_ok(l.num_unit) {
-                    return Err(ReadError::Invalid(format!("sample {i} has a bad label string index")));
+                    return Err(ReadError::Invalid(format!(
+                        "sample {i} has a bad label string index"
+                    )));
                 }
             }
         }
@@ -266,7 +275,9 @@ impl Profile {
 
     /// Index of the sample type named `name`.
     pub fn value_index(&self, name: &str) -> Option<usize> {
-        self.sample_type.iter().position(|v| self.str(v.r#type) == name)
+        self.sample_type
+            .iter()
+            .position(|v| self.str(v.r#type) == name)
     }
 
     /// The frames of `sample`, innermost first, inlined frames expanded.
@@ -341,17 +352,40 @@ mod tests {
             sample: vec![Sample {
                 location_id: vec![1],
                 value: vec![42],
-                label: vec![Label { key: 3, str: 4, num: 0, num_unit: 0 }],
+                label: vec![Label {
+                    key: 3,
+                    str: 4,
+                    num: 0,
+                    num_unit: 0,
+                }],
             }],
             location: vec![Location {
                 id: 1,
-                line: vec![Line { function_id: 1, line: 7, column: 0 }],
+                line: vec![Line {
+                    function_id: 1,
+                    line: 7,
+                    column: 0,
+                }],
                 ..Default::default()
             }],
-            function: vec![Function { id: 1, name: 5, system_name: 5, filename: 6, start_line: 0 }],
-            string_table: ["", "cpu-time", "nanoseconds", "thread name", "main", "f", "f.rs"]
-                .map(String::from)
-                .to_vec(),
+            function: vec![Function {
+                id: 1,
+                name: 5,
+                system_name: 5,
+                filename: 6,
+                start_line: 0,
+            }],
+            string_table: [
+                "",
+                "cpu-time",
+                "nanoseconds",
+                "thread name",
+                "main",
+                "f",
+                "f.rs",
+            ]
+            .map(String::from)
+            .to_vec(),
             ..Default::default()
         };
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
