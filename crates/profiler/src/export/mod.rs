@@ -5,6 +5,7 @@
 //! a backend being down never blocks the application nor grows memory without bound.
 
 pub mod datadog;
+pub mod dir;
 pub mod pyroscope;
 pub mod queue;
 pub mod transport;

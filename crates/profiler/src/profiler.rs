@@ -1,0 +1,793 @@
+//! The profiler's front door: the builder, the guard, the export loop and the on-demand source.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, SystemTime};
+
+use ferroprof_recorder::heap::HeapConfig;
+use ferroprof_recorder::profile::Sample;
+use ferroprof_recorder::{
+    Compression, Liveness, Profile, RecorderConfig, SampleType, SampleTypeConfig, StackRecorder,
+};
+
+use crate::alloc;
+use crate::error::ProfilerError;
+use crate::export::dir::{check_writable, DirExporter};
+use crate::export::{ExportedProfile, Exporter, ProfileSource};
+use crate::filter::FILTER;
+use crate::fork;
+use crate::sampler::{self, Sampler};
+use crate::settings::{Profiles, Settings};
+use crate::state::{self, Shared, Tap, TapKind};
+use crate::tls;
+use crate::unwind;
+
+/// Default CPU/wall sampling rate.
+pub const DEFAULT_CPU_HZ: u32 = 100;
+/// Highest accepted CPU/wall sampling rate.
+pub const MAX_CPU_HZ: u32 = 1000;
+/// Default time between two exported profiles.
+pub const DEFAULT_PERIOD: Duration = Duration::from_secs(60);
+/// Shortest accepted export period.
+pub const MIN_PERIOD: Duration = Duration::from_millis(50);
+/// Default output directory of the directory exporter.
+pub const DEFAULT_OUTPUT_DIR: &str = "./profiles";
+
+/// Entry point: `Profiler::builder()...start()`.
+pub struct Profiler;
+
+impl Profiler {
+    pub fn builder() -> ProfilerBuilder {
+        ProfilerBuilder::default()
+    }
+}
+
+/// Configures and starts the profiler. Every setting is validated by [`Self::start`].
+pub struct ProfilerBuilder {
+    service: Option<String>,
+    tags: Vec<(String, String)>,
+    cpu_hz: i64,
+    alloc_interval: i64,
+    period: Duration,
+    profiles: Profiles,
+    output_dir: Option<PathBuf>,
+    exporters: Vec<Box<dyn Exporter>>,
+    compression: Compression,
+    signal: i32,
+    restart_after_fork: bool,
+    deferred: Option<ProfilerError>,
+}
+
+impl Default for ProfilerBuilder {
+    fn default() -> Self {
+        ProfilerBuilder {
+            service: None,
+            tags: Vec::new(),
+            cpu_hz: DEFAULT_CPU_HZ as i64,
+            alloc_interval: alloc::DEFAULT_SAMPLING_INTERVAL as i64,
+            period: DEFAULT_PERIOD,
+            profiles: Profiles::all(),
+            output_dir: None,
+            exporters: Vec::new(),
+            compression: Compression::Gzip,
+            signal: libc::SIGPROF,
+            restart_after_fork: true,
+            deferred: None,
+        }
+    }
+}
+
+impl ProfilerBuilder {
+    /// Service name (the `service` tag and the file name prefix). Default: the executable name.
+    pub fn service(mut self, name: impl Into<String>) -> Self {
+        self.service = Some(name.into());
+        self
+    }
+
+    /// Adds a tag, in order (`env`, `version` and any other).
+    pub fn tag(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.tags.push((key.into(), value.into()));
+        self
+    }
+
+    /// Shorthand for `tag("env", env)`.
+    pub fn env(self, env: impl Into<String>) -> Self {
+        self.tag("env", env)
+    }
+
+    /// Shorthand for `tag("version", version)`.
+    pub fn version(self, version: impl Into<String>) -> Self {
+        self.tag("version", version)
+    }
+
+    /// CPU/wall samples per second and thread (1..=1000; default 100).
+    pub fn cpu_hz(mut self, hz: u32) -> Self {
+        self.cpu_hz = hz as i64;
+        self
+    }
+
+    /// Mean bytes between allocation samples (default 512 KiB); 0 turns allocation and heap
+    /// profiling off.
+    pub fn alloc_interval_bytes(mut self, bytes: u64) -> Self {
+        self.alloc_interval = bytes.min(i64::MAX as u64) as i64;
+        self
+    }
+
+    /// Time between two exported profiles (default 60 s).
+    pub fn period(mut self, period: Duration) -> Self {
+        self.period = period;
+        self
+    }
+
+    /// Which profiles to collect (default all).
+    pub fn profiles(mut self, profiles: Profiles) -> Self {
+        self.profiles = profiles;
+        self
+    }
+
+    /// Writes profiles to this directory (the default exporter, `./profiles` when no other
+    /// exporter is configured).
+    pub fn output_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.output_dir = Some(dir.into());
+        self
+    }
+
+    /// Adds an exporter. With exporters and no `output_dir`, no directory is written.
+    pub fn exporter(mut self, exporter: Box<dyn Exporter>) -> Self {
+        self.exporters.push(exporter);
+        self
+    }
+
+    /// Compression of exported profiles (default gzip).
+    pub fn compression(mut self, c: Compression) -> Self {
+        self.compression = c;
+        self
+    }
+
+    /// Signal used to ask threads for their stacks (default `SIGPROF`; a real-time signal
+    /// avoids sharing `SIGPROF` with another profiler).
+    pub fn signal(mut self, sig: i32) -> Self {
+        self.signal = sig;
+        self
+    }
+
+    /// Whether a forked child restarts the sampler and export threads (default true).
+    pub fn restart_after_fork(mut self, yes: bool) -> Self {
+        self.restart_after_fork = yes;
+        self
+    }
+
+    /// Reads `FERROPROF_SERVICE`, `FERROPROF_ENV`, `FERROPROF_VERSION`, `FERROPROF_TAGS`
+    /// (`k:v,k:v`), `FERROPROF_PERIOD_SECS`, `FERROPROF_CPU_HZ`, `FERROPROF_ALLOC_INTERVAL`
+    /// (bytes), `FERROPROF_OUTPUT_DIR` and `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`).
+    /// Unset variables keep the builder's values; a bad value is reported by `start()`.
+    pub fn from_env(self) -> Self {
+        self.from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// [`Self::from_env`] over any variable source (for tests and embedding).
+    pub fn from_vars(mut self, get: impl Fn(&str) -> Option<String>) -> Self {
+        fn bad(var: &'static str, value: &str, reason: impl Into<String>) -> ProfilerError {
+            ProfilerError::Env {
+                var,
+                value: value.to_owned(),
+                reason: reason.into(),
+            }
+        }
+        let mut err = None;
+        if let Some(v) = get("FERROPROF_SERVICE") {
+            self.service = Some(v);
+        }
+        if let Some(v) = get("FERROPROF_ENV") {
+            self = self.env(v);
+        }
+        if let Some(v) = get("FERROPROF_VERSION") {
+            self = self.version(v);
+        }
+        if let Some(v) = get("FERROPROF_TAGS") {
+            for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                match item.split_once(':') {
+                    Some((k, val)) if !k.trim().is_empty() => {
+                        self.tags.push((k.trim().to_owned(), val.trim().to_owned()))
+                    }
+                    _ => {
+                        err.get_or_insert(bad(
+                            "FERROPROF_TAGS",
+                            &v,
+                            format!("entry {item:?} is not key:value"),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_PERIOD_SECS") {
+            match v.trim().parse::<f64>() {
+                Ok(s) if s.is_finite() && s > 0.0 => self.period = Duration::from_secs_f64(s),
+                _ => {
+                    err.get_or_insert(bad(
+                        "FERROPROF_PERIOD_SECS",
+                        &v,
+                        "expected a positive number of seconds",
+                    ));
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_CPU_HZ") {
+            match v.trim().parse::<i64>() {
+                Ok(hz) => self.cpu_hz = hz,
+                Err(_) => {
+                    err.get_or_insert(bad("FERROPROF_CPU_HZ", &v, "expected an integer (Hz)"));
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_ALLOC_INTERVAL") {
+            match v.trim().parse::<i64>() {
+                Ok(b) if b >= 0 => self.alloc_interval = b,
+                _ => {
+                    err.get_or_insert(bad(
+                        "FERROPROF_ALLOC_INTERVAL",
+                        &v,
+                        "expected a non-negative number of bytes (0 = off)",
+                    ));
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_OUTPUT_DIR") {
+            self.output_dir = Some(PathBuf::from(v));
+        }
+        if let Some(v) = get("FERROPROF_PROFILES") {
+            match v.parse::<Profiles>() {
+                Ok(p) => self.profiles = p,
+                Err(e) => {
+                    err.get_or_insert(bad("FERROPROF_PROFILES", &v, e.to_string()));
+                }
+            }
+        }
+        if self.deferred.is_none() {
+            self.deferred = err;
+        }
+        self
+    }
+
+    fn validate(&mut self) -> Result<Settings, ProfilerError> {
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
+        }
+        let service = match self.service.take() {
+            Some(s) => s,
+            None => default_service(),
+        };
+        if service.trim().is_empty() {
+            return Err(ProfilerError::EmptyService);
+        }
+        for (k, v) in &self.tags {
+            if k.trim().is_empty() {
+                return Err(ProfilerError::InvalidTag {
+                    key: k.clone(),
+                    value: v.clone(),
+                    reason: "the key is empty",
+                });
+            }
+        }
+        let mut profiles = self.profiles;
+        if profiles.needs_sampler() && !(1..=MAX_CPU_HZ as i64).contains(&self.cpu_hz) {
+            return Err(ProfilerError::InvalidCpuHz {
+                value: self.cpu_hz,
+                max: MAX_CPU_HZ,
+            });
+        }
+        if self.period < MIN_PERIOD {
+            return Err(ProfilerError::InvalidPeriod {
+                value: self.period,
+                min: MIN_PERIOD,
+            });
+        }
+        if self.alloc_interval <= 0 {
+            profiles.alloc = false;
+            profiles.heap = false;
+        }
+        if profiles == Profiles::none() {
+            return Err(ProfilerError::NoProfiles {
+                given: format!("{:?} with allocation interval 0", self.profiles),
+            });
+        }
+        if profiles.needs_sampler() && !sampler::valid_signal(self.signal) {
+            return Err(ProfilerError::InvalidSignal { value: self.signal });
+        }
+        let output_dir = match (&self.output_dir, self.exporters.is_empty()) {
+            (Some(d), _) => Some(d.clone()),
+            (None, true) => Some(PathBuf::from(DEFAULT_OUTPUT_DIR)),
+            (None, false) => None,
+        };
+        if let Some(d) = &output_dir {
+            check_writable(d).map_err(|source| ProfilerError::OutputDir {
+                path: d.clone(),
+                source,
+            })?;
+        }
+        Ok(Settings {
+            service,
+            tags: self.tags.clone(),
+            cpu_hz: self.cpu_hz.clamp(1, MAX_CPU_HZ as i64) as u32,
+            alloc_interval: self.alloc_interval.max(0) as u64,
+            period: self.period,
+            profiles,
+            output_dir,
+            compression: self.compression,
+            signal: self.signal,
+            restart_after_fork: self.restart_after_fork,
+        })
+    }
+
+    /// Validates the settings and starts profiling.
+    pub fn start(mut self) -> Result<ProfilerGuard, ProfilerError> {
+        tls::with_guard(|| {
+            let settings = self.validate()?;
+            if state::with_active(|_| ()).is_some() {
+                return Err(ProfilerError::AlreadyRunning);
+            }
+            let p = settings.profiles;
+            let recorder = StackRecorder::new(RecorderConfig {
+                sample_types: SampleTypeConfig {
+                    cpu_time: p.cpu,
+                    alloc_samples: p.alloc,
+                    heap_samples: p.heap,
+                    heap_size: p.heap,
+                    timeline: false,
+                },
+                heap: heap_config(),
+                compression: settings.compression,
+            })?;
+            let mut exporters = std::mem::take(&mut self.exporters);
+            if let Some(d) = &settings.output_dir {
+                exporters.insert(0, Box::new(DirExporter::new(d.clone())?));
+            }
+            let shared = Arc::new(Shared::new(Arc::new(recorder), settings, exporters));
+            unwind::init_pool();
+            unwind::refresh(true);
+            if p.needs_sampler() {
+                sampler::install_handler(shared.settings.signal).map_err(|source| {
+                    ProfilerError::SignalHandler {
+                        signal: shared.settings.signal,
+                        source,
+                    }
+                })?;
+            }
+            fork::register();
+            if !state::activate(&shared) {
+                return Err(ProfilerError::AlreadyRunning);
+            }
+            if let Err(e) = spawn_threads(&shared) {
+                shared.stopping.store(true, Ordering::SeqCst);
+                shared.wake_all();
+                join_threads(&shared);
+                state::deactivate(&shared);
+                return Err(e);
+            }
+            if p.needs_allocator() {
+                alloc::set_interval(shared.settings.alloc_interval);
+                probe_allocator();
+            }
+            Ok(ProfilerGuard {
+                shared,
+                stopped: false,
+            })
+        })
+    }
+}
+
+fn heap_config() -> HeapConfig {
+    HeapConfig {
+        sample_every: 1,
+        size_enabled: true,
+        clean_after_gc: false,
+        // Native liveness: records leave on free, so every live record is reported.
+        min_iteration_age: 0,
+        liveness: Liveness::Native,
+    }
+}
+
+fn default_service() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "rust-app".to_owned())
+}
+
+/// Sends one allocation through the slow path (not sampled: the guard is set) so
+/// [`ProfilerGuard::allocator_installed`] can tell whether the global allocator samples.
+fn probe_allocator() {
+    tls::STATE.with(|s| s.countdown.set(-1));
+    let b = std::hint::black_box(Box::new(0u64));
+    drop(b);
+}
+
+/// Starts the export thread, then the sampler (so the export thread is known not to sample).
+pub(crate) fn spawn_threads(shared: &Arc<Shared>) -> Result<(), ProfilerError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sh = shared.clone();
+    let export = std::thread::Builder::new()
+        .name("ferroprof-export".into())
+        .stack_size(2 << 20)
+        .spawn(move || {
+            tls::enter_profiler_thread();
+            sh.own_tids[1].store(state::current_tid(), Ordering::SeqCst);
+            let _ = tx.send(());
+            export_loop(&sh);
+        })
+        .map_err(|source| ProfilerError::Spawn {
+            what: "export",
+            source,
+        })?;
+    shared.threads.lock().export = Some(export);
+    let _ = rx.recv();
+    if shared.settings.profiles.needs_sampler() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sh = shared.clone();
+        let sampler = std::thread::Builder::new()
+            .name("ferroprof-sampler".into())
+            .stack_size(512 << 10)
+            .spawn(move || {
+                tls::enter_profiler_thread();
+                sh.own_tids[0].store(state::current_tid(), Ordering::SeqCst);
+                let _ = tx.send(());
+                Sampler::new(sh).run();
+            })
+            .map_err(|source| ProfilerError::Spawn {
+                what: "sampler",
+                source,
+            })?;
+        shared.threads.lock().sampler = Some(sampler);
+        let _ = rx.recv();
+    }
+    Ok(())
+}
+
+fn join_threads(shared: &Shared) {
+    let (sampler, export) = {
+        let mut t = shared.threads.lock();
+        (t.sampler.take(), t.export.take())
+    };
+    if let Some(h) = sampler {
+        let _ = h.join();
+    }
+    if let Some(h) = export {
+        let _ = h.join();
+    }
+}
+
+static FLUSH_REQUESTED: AtomicU64 = AtomicU64::new(0);
+static FLUSH_DONE: AtomicU64 = AtomicU64::new(0);
+
+fn export_loop(sh: &Arc<Shared>) {
+    let period = sh.settings.period;
+    let mut next = std::time::Instant::now() + period;
+    loop {
+        let now = std::time::Instant::now();
+        let wait = next.saturating_duration_since(now);
+        let stopping = sh.wait(wait);
+        if stopping {
+            break;
+        }
+        let requested = FLUSH_REQUESTED.load(Ordering::SeqCst);
+        let flush = requested > FLUSH_DONE.load(Ordering::SeqCst);
+        if flush || std::time::Instant::now() >= next {
+            let _ = export_once(sh);
+            if flush {
+                FLUSH_DONE.store(requested, Ordering::SeqCst);
+                sh.wake_all();
+            }
+            if std::time::Instant::now() >= next {
+                next += period;
+            }
+        }
+    }
+    // The last profile, then give the exporters a chance to deliver what they hold.
+    let _ = export_once(sh);
+    FLUSH_DONE.store(FLUSH_REQUESTED.load(Ordering::SeqCst), Ordering::SeqCst);
+    let mut exporters = sh.exporters.lock();
+    for e in exporters.iter_mut() {
+        e.shutdown(Duration::from_secs(5));
+    }
+}
+
+/// Serializes the main recorder and hands the profile to every exporter.
+fn export_once(sh: &Shared) -> Result<(), ProfilerError> {
+    let exported = {
+        let _s = sh.serialize_lock.lock();
+        let mut sym = sh.symbolizer.lock();
+        let serialized = tls::in_recorder(|| sym.pass(|sym| sh.recorder.serialize(Some(sym))));
+        match serialized {
+            Ok(p) => ExportedProfile {
+                encoded: p.encoded,
+                stats: p.stats,
+                service: sh.settings.service.clone(),
+                tags: sh.settings.tags.clone(),
+                sample_types: sh
+                    .recorder
+                    .layout()
+                    .types()
+                    .iter()
+                    .map(|t| t.name().to_owned())
+                    .collect(),
+                process_start: sh.process_start,
+            },
+            Err(e) => {
+                sh.stats.serialize_errors.fetch_add(1, Ordering::Relaxed);
+                return Err(e.into());
+            }
+        }
+    };
+    let mut first_err = None;
+    let mut exporters = sh.exporters.lock();
+    for e in exporters.iter_mut() {
+        if let Err(err) = e.export(&exported) {
+            sh.stats.export_errors.fetch_add(1, Ordering::Relaxed);
+            first_err.get_or_insert(err);
+        } else {
+            sh.stats.exports.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    match first_err {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
+}
+
+/// What the running profiler did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProfilerStats {
+    /// CPU/wall samples recorded (ticks covered).
+    pub cpu_samples: u64,
+    /// Thread visits by the sampler (one per thread per sampler wake-up).
+    pub cpu_ticks: u64,
+    /// Sampler wake-ups.
+    pub sampler_ticks: u64,
+    /// Ticks whose time passed while the sampler waited for a CPU (covered by the next one).
+    pub sampler_late_ticks: u64,
+    /// Signals sent to threads that ran since their last sample.
+    pub cpu_signals: u64,
+    /// Ticks covered by a request still pending from an earlier tick.
+    pub cpu_merged_ticks: u64,
+    pub cpu_signal_failures: u64,
+    /// Average time a signal handler spent capturing its stack, in nanoseconds.
+    pub handler_avg_ns: u64,
+    /// Average frames per captured stack.
+    pub handler_avg_frames: u64,
+    pub alloc_samples: u64,
+    pub record_errors: u64,
+    pub exports: u64,
+    pub export_errors: u64,
+    pub serialize_errors: u64,
+}
+
+/// The running profiler. Dropping it (or [`Self::stop`]) stops profiling and exports a last
+/// profile.
+pub struct ProfilerGuard {
+    shared: Arc<Shared>,
+    stopped: bool,
+}
+
+impl ProfilerGuard {
+    /// Stops profiling, exports the last profile and shuts the exporters down.
+    pub fn stop(mut self) -> Result<(), ProfilerError> {
+        self.stop_inner()
+    }
+
+    fn stop_inner(&mut self) -> Result<(), ProfilerError> {
+        if self.stopped {
+            return Ok(());
+        }
+        self.stopped = true;
+        tls::with_guard(|| {
+            let sh = &self.shared;
+            sh.stopping.store(true, Ordering::SeqCst);
+            sh.wake_all();
+            // Sampler first (it records its pending samples), then no new allocation samples,
+            // then the export thread writes the last profile.
+            let sampler = sh.threads.lock().sampler.take();
+            if let Some(h) = sampler {
+                let _ = h.join();
+            }
+            alloc::set_interval(0);
+            let export = sh.threads.lock().export.take();
+            if let Some(h) = export {
+                let _ = h.join();
+            }
+            state::deactivate(sh);
+            if sh.settings.profiles.heap {
+                // No recorder holds tracked addresses any more.
+                FILTER.clear();
+            }
+            Ok(())
+        })
+    }
+
+    /// Serializes and exports a profile now (on the export thread), waiting for it.
+    pub fn flush(&self) -> Result<(), ProfilerError> {
+        if self.stopped || self.shared.stopping.load(Ordering::SeqCst) {
+            return Err(ProfilerError::Stopped);
+        }
+        let errors_before = self.shared.stats.export_errors.load(Ordering::SeqCst)
+            + self.shared.stats.serialize_errors.load(Ordering::SeqCst);
+        let ticket = FLUSH_REQUESTED.fetch_add(1, Ordering::SeqCst) + 1;
+        self.shared.wake_all();
+        let mut g = self.shared.wake_lock.lock();
+        while FLUSH_DONE.load(Ordering::SeqCst) < ticket {
+            if self.shared.stopping.load(Ordering::SeqCst) {
+                return Err(ProfilerError::Stopped);
+            }
+            let _ = self.shared.wake.wait_for(&mut g, Duration::from_millis(50));
+        }
+        drop(g);
+        let errors_after = self.shared.stats.export_errors.load(Ordering::SeqCst)
+            + self.shared.stats.serialize_errors.load(Ordering::SeqCst);
+        if errors_after > errors_before {
+            return Err(ProfilerError::Export(crate::export::ExportError::Config(
+                "the flushed profile could not be serialized or exported; see ProfilerStats".into(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// On-demand profiles for `/debug/pprof` (see [`ProfileSource`]).
+    pub fn profile_source(&self) -> Arc<dyn ProfileSource> {
+        Arc::new(Source {
+            shared: Arc::downgrade(&self.shared),
+        })
+    }
+
+    /// Counters of the running profiler.
+    pub fn stats(&self) -> ProfilerStats {
+        let s = &self.shared.stats;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let signals = l(&s.cpu_requests);
+        let done = l(&s.handler_count).max(1);
+        ProfilerStats {
+            cpu_samples: l(&s.cpu_samples),
+            cpu_ticks: l(&s.cpu_ticks),
+            sampler_ticks: l(&s.sampler_ticks),
+            sampler_late_ticks: l(&s.sampler_late_ticks),
+            cpu_signals: signals,
+            cpu_merged_ticks: l(&s.cpu_merged_ticks),
+            cpu_signal_failures: l(&s.cpu_signal_failures),
+            handler_avg_ns: l(&s.handler_ns_total) / done,
+            handler_avg_frames: l(&s.handler_frames_total) / done,
+            alloc_samples: l(&s.alloc_samples),
+            record_errors: l(&s.record_errors),
+            exports: l(&s.exports),
+            export_errors: l(&s.export_errors),
+            serialize_errors: l(&s.serialize_errors),
+        }
+    }
+
+    /// Whether allocations go through a [`crate::SamplingAllocator`] (allocation and heap
+    /// profiles are empty otherwise).
+    pub fn allocator_installed(&self) -> bool {
+        alloc::seen()
+    }
+
+    /// The shared recorder (for advanced use and tests).
+    pub fn recorder(&self) -> &Arc<StackRecorder> {
+        &self.shared.recorder
+    }
+}
+
+impl Drop for ProfilerGuard {
+    fn drop(&mut self) {
+        let _ = self.stop_inner();
+    }
+}
+
+/// The running profiler as a [`ProfileSource`].
+struct Source {
+    shared: Weak<Shared>,
+}
+
+impl Source {
+    fn shared(&self) -> Result<Arc<Shared>, String> {
+        self.shared
+            .upgrade()
+            .filter(|s| !s.stopping.load(Ordering::SeqCst))
+            .ok_or_else(|| "the profiler is stopped".to_owned())
+    }
+
+    fn capture(&self, kind: TapKind, duration: Duration) -> Result<Vec<u8>, String> {
+        let sh = self.shared()?;
+        let p = sh.settings.profiles;
+        let types = match kind {
+            TapKind::Cpu if p.needs_sampler() => SampleTypeConfig {
+                cpu_time: p.cpu,
+                ..SampleTypeConfig::minimal()
+            },
+            TapKind::Alloc if p.alloc => SampleTypeConfig {
+                alloc_samples: true,
+                ..SampleTypeConfig::minimal()
+            },
+            TapKind::Cpu => return Err("CPU and wall profiling are not enabled".into()),
+            TapKind::Alloc => return Err("allocation profiling is not enabled".into()),
+        };
+        tls::with_guard(|| {
+            let recorder = StackRecorder::new(RecorderConfig {
+                sample_types: types,
+                heap: HeapConfig::default(),
+                compression: Compression::Gzip,
+            })
+            .map_err(|e| e.to_string())?;
+            let tap = Arc::new(Tap { kind, recorder });
+            sh.add_tap(tap.clone());
+            // Sleep in steps so a stop ends the capture early.
+            let end = std::time::Instant::now() + duration;
+            while !sh.stopping.load(Ordering::SeqCst) {
+                let left = end.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                std::thread::sleep(left.min(Duration::from_millis(100)));
+            }
+            sh.remove_tap(&tap);
+            let mut sym = sh.symbolizer.lock();
+            let out = tls::in_recorder(|| sym.pass(|sym| tap.recorder.serialize(Some(sym))))
+                .map_err(|e| e.to_string())?;
+            Ok(out.encoded.bytes)
+        })
+    }
+}
+
+impl ProfileSource for Source {
+    fn cpu_profile(&self, duration: Duration) -> Result<Vec<u8>, String> {
+        self.capture(TapKind::Cpu, duration)
+    }
+
+    fn heap_profile(&self) -> Result<Vec<u8>, String> {
+        let sh = self.shared()?;
+        let heap = sh
+            .recorder
+            .heap()
+            .ok_or_else(|| "heap profiling is not enabled".to_owned())?;
+        tls::with_guard(|| {
+            let _s = sh.serialize_lock.lock();
+            let mut sym = sh.symbolizer.lock();
+            let start = SystemTime::now();
+            let types = [SampleType::HeapLiveSamples, SampleType::HeapLiveSize];
+            let mut profile = Profile::new(&types, Some(sh.recorder.strings().clone()), start);
+            tls::in_recorder(|| {
+                heap.prepare_iteration().map_err(|e| e.to_string())?;
+                let mut add_err = None;
+                let iterated = heap.for_each_live_object(&mut |obj, frames| {
+                    let w = obj.weight as i64;
+                    let values = [w, w.saturating_mul(obj.size as i64)];
+                    let sample = Sample {
+                        frames,
+                        values: &values,
+                        labels: &[],
+                        end_timestamp_ns: 0,
+                    };
+                    if let Err(e) = profile.add(&sample) {
+                        add_err.get_or_insert(e);
+                    }
+                    true
+                });
+                let finished = heap.finish_iteration();
+                iterated.map_err(|e| e.to_string())?;
+                finished.map_err(|e| e.to_string())?;
+                if let Some(e) = add_err {
+                    return Err(e.to_string());
+                }
+                let opts = ferroprof_recorder::pprof::EncodeOptions {
+                    compression: Compression::Gzip,
+                };
+                let encoded = sym
+                    .pass(|sym| profile.encode(SystemTime::now(), &opts, Some(sym)))
+                    .map_err(|e| e.to_string())?;
+                Ok(encoded.bytes)
+            })
+        })
+    }
+
+    fn allocs_profile(&self, duration: Duration) -> Result<Vec<u8>, String> {
+        self.capture(TapKind::Alloc, duration)
+    }
+}

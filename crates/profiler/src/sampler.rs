@@ -1,0 +1,790 @@
+//! CPU and wall-time sampling of every thread of the process.
+//!
+//! A sampler thread wakes `cpu_hz` times a second (absolute deadlines on the monotonic clock, so
+//! ticks do not drift) and visits every thread listed in `/proc/self/task`:
+//!
+//! * It reads the thread's CPU clock (`clock_gettime` on the thread's clock id). If the thread
+//!   has not run since its last sample and its stack is already known, the stack cannot have
+//!   changed: the tick becomes a wall-time sample on that stack without disturbing the thread.
+//!   This is how idle threads get wall samples without being interrupted again and again.
+//! * Otherwise it queues a signal to that one thread (`rt_tgsigqueueinfo`) carrying the index
+//!   and sequence number of a preallocated *slot*. The thread's handler (async-signal-safe: no
+//!   allocation, no lock, no lazy TLS) unwinds its own stack into the slot and publishes it with
+//!   a release store. The sampler collects finished slots at its next tick and records them
+//!   (cpu-time = thread CPU clock delta, wall-time = wall delta, cpu-samples = ticks covered,
+//!   labels `thread id` and `thread name`).
+//! * A request still unanswered at the next tick means the thread has not returned to user mode
+//!   since (it was not scheduled, or sat in one system call): its user stack is still the one it
+//!   will report, so the tick is merged into the pending request instead of being lost. Ticks are
+//!   therefore never dropped by scheduling delays, unlike `setitimer(ITIMER_PROF)`, whose signals
+//!   coalesce per process and are capped by the kernel tick rate.
+//!
+//! The handler is installed with `SA_RESTART`: interrupted system calls that the kernel can
+//! restart are restarted. Calls that always fail with `EINTR` when a handler runs (`epoll_wait`,
+//! `poll`, `nanosleep`...) can see it, as with every signal-based profiler; idle threads are
+//! signalled only when they ran since their last sample, which keeps this rare. Signals not sent
+//! by this sampler (other `SIGPROF` users) are passed on to the handler installed before ours.
+
+use std::cell::UnsafeCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferroprof_recorder::{Frame, Label, SampleValues};
+
+use crate::state::{Shared, TapKind, THREAD_ID_LABEL, THREAD_NAME_LABEL};
+use crate::tls;
+use crate::unwind::{self, MAX_FRAMES};
+
+/// Most requests in flight at once (one per thread being sampled).
+const MAX_SLOTS: usize = 4096;
+/// Marks our signals' payload: (MAGIC << 48) | (seq << 16) | slot index.
+const MAGIC: u64 = 0xf3f0;
+/// A request unanswered for this long is abandoned (the thread blocks the signal).
+const ABANDON_AFTER: Duration = Duration::from_secs(1);
+/// CPU time a thread may use after its handler read its clock (the rest of the handler and the
+/// return from the signal) and still count as "has not run since": its stack is unchanged.
+const IDLE_SLACK_NS: u64 = 50_000;
+
+const IDLE: u32 = 0;
+const REQUESTED: u32 = 1;
+const DONE: u32 = 2;
+
+struct Slot {
+    state: AtomicU32,
+    seq: AtomicU32,
+    len: AtomicU32,
+    handler_ns: AtomicU64,
+    /// The thread's CPU clock when its handler finished, to tell later whether it ran since.
+    cpu_end: AtomicU64,
+    frames: UnsafeCell<[u64; MAX_FRAMES]>,
+}
+
+// SAFETY: `frames` is written only by the handler that owns a REQUESTED slot and read only by
+// the sampler after observing DONE (release/acquire on `state`).
+unsafe impl Sync for Slot {}
+
+static SLOTS: [AtomicPtr<Slot>; MAX_SLOTS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_SLOTS];
+static PID: AtomicI32 = AtomicI32::new(0);
+
+/// Previous dispositions of the signals we took over: (handler, flags), for chaining.
+static PREV_HANDLER: [AtomicUsize; 65] = [const { AtomicUsize::new(0) }; 65];
+static PREV_FLAGS: [AtomicUsize; 65] = [const { AtomicUsize::new(0) }; 65];
+
+/// The kernel's siginfo layout for `SI_QUEUE` signals (64-bit Linux).
+#[repr(C)]
+struct KSigInfo {
+    signo: i32,
+    errno: i32,
+    code: i32,
+    _pad0: i32,
+    pid: i32,
+    uid: u32,
+    value: u64,
+    _rest: [u8; 128 - 32],
+}
+
+/// Whether `sig` may be used for sampling.
+pub(crate) fn valid_signal(sig: i32) -> bool {
+    sig == libc::SIGPROF || (libc::SIGRTMIN()..=libc::SIGRTMAX()).contains(&sig)
+}
+
+/// Installs the handler for `sig` (idempotent). Never uninstalled: a late signal finds it.
+pub(crate) fn install_handler(sig: i32) -> std::io::Result<()> {
+    // SAFETY: getpid has no preconditions.
+    PID.store(unsafe { libc::getpid() }, Ordering::SeqCst);
+    // SAFETY: plain sigaction calls on zero-initialized structs we own.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if old.sa_sigaction == on_signal as *const () as usize {
+            return Ok(());
+        }
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_signal as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        if libc::sigaction(sig, &sa, &mut old) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if let Some(i) = usize::try_from(sig).ok().filter(|&i| i < 65) {
+            PREV_HANDLER[i].store(old.sa_sigaction, Ordering::SeqCst);
+            PREV_FLAGS[i].store(old.sa_flags as usize, Ordering::SeqCst);
+        }
+    }
+    Ok(())
+}
+
+/// In a forked child: the process id changed.
+pub(crate) fn after_fork_in_child() {
+    // SAFETY: getpid has no preconditions.
+    PID.store(unsafe { libc::getpid() }, Ordering::SeqCst);
+}
+
+extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: errno is thread-local; the handler must leave it as it found it.
+    let errno = unsafe { *libc::__errno_location() };
+    // SAFETY: the kernel passes valid info and context to an SA_SIGINFO handler.
+    let ours = unsafe { handle(info, ctx) };
+    if !ours {
+        // SAFETY: same arguments as we received.
+        unsafe { chain(sig, info, ctx) };
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
+}
+
+/// Captures the stack into the slot named by the signal's payload. Returns false when the
+/// signal is not one of ours.
+///
+/// # Safety
+/// Called from `on_signal` with the kernel's arguments.
+unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
+    if info.is_null() || ctx.is_null() {
+        return false;
+    }
+    // SAFETY: siginfo_t is 128 bytes on 64-bit Linux, matching KSigInfo.
+    let ki = unsafe { &*(info as *const KSigInfo) };
+    if ki.code != libc::SI_QUEUE || ki.pid != PID.load(Ordering::Relaxed) || ki.value >> 48 != MAGIC
+    {
+        return false;
+    }
+    let idx = (ki.value & 0xffff) as usize;
+    let seq = (ki.value >> 16) as u32;
+    let Some(slot) = SLOTS.get(idx).map(|s| s.load(Ordering::Acquire)) else {
+        return true;
+    };
+    if slot.is_null() {
+        return true;
+    }
+    // SAFETY: slots are never freed once published.
+    let slot = unsafe { &*slot };
+    if slot.seq.load(Ordering::Acquire) != seq || slot.state.load(Ordering::Acquire) != REQUESTED {
+        return true; // a stale request
+    }
+    let t0 = monotonic_ns();
+    // SAFETY: ctx is this handler's ucontext.
+    let regs = unsafe { unwind::regs_from_ucontext(ctx) };
+    // SAFETY: the slot is REQUESTED for this very request: only this handler writes its frames
+    // until it publishes DONE.
+    let frames = unsafe { &mut *slot.frames.get() };
+    let n = unwind::unwind(regs, tls::known_stack_bounds(), frames);
+    slot.len.store(n as u32, Ordering::Relaxed);
+    slot.handler_ns
+        .store(monotonic_ns().saturating_sub(t0), Ordering::Relaxed);
+    slot.cpu_end.store(
+        clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0),
+        Ordering::Relaxed,
+    );
+    slot.state.store(DONE, Ordering::Release);
+    true
+}
+
+/// Passes a foreign signal to the handler that was installed before ours.
+///
+/// # Safety
+/// Called from `on_signal` with its arguments.
+unsafe fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    let Some(i) = usize::try_from(sig).ok().filter(|&i| i < 65) else {
+        return;
+    };
+    let h = PREV_HANDLER[i].load(Ordering::Relaxed);
+    if h == libc::SIG_DFL || h == libc::SIG_IGN || h == on_signal as *const () as usize {
+        // The default action of SIGPROF would kill the process: a stray signal is dropped.
+        return;
+    }
+    let flags = PREV_FLAGS[i].load(Ordering::Relaxed) as libc::c_int;
+    // SAFETY: `h` is the handler the program installed, called with the signature its flags say.
+    unsafe {
+        if flags & libc::SA_SIGINFO != 0 {
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                std::mem::transmute(h);
+            f(sig, info, ctx);
+        } else {
+            let f: extern "C" fn(libc::c_int) = std::mem::transmute(h);
+            f(sig);
+        }
+    }
+}
+
+fn monotonic_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC).unwrap_or(0)
+}
+
+fn clock_ns(clock: libc::clockid_t) -> Option<u64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid out-pointer; clock_gettime is async-signal-safe.
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return None;
+    }
+    Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
+/// CPU time consumed by thread `tid` of this process.
+fn thread_cpu_ns(tid: i32) -> Option<u64> {
+    // The kernel's clock id for another thread's CPU clock: CPUCLOCK_SCHED | PERTHREAD, tid
+    // stored inverted above the low three bits.
+    let clock = ((!(tid as libc::clockid_t)) << 3) | 6;
+    clock_ns(clock)
+}
+
+fn send(tid: i32, sig: i32, value: u64) -> bool {
+    let pid = PID.load(Ordering::Relaxed);
+    let info = KSigInfo {
+        signo: sig,
+        errno: 0,
+        code: libc::SI_QUEUE,
+        _pad0: 0,
+        pid,
+        // SAFETY: getuid has no preconditions.
+        uid: unsafe { libc::getuid() },
+        value,
+        _rest: [0; 128 - 32],
+    };
+    // SAFETY: rt_tgsigqueueinfo reads a 128-byte siginfo from a valid pointer.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_rt_tgsigqueueinfo,
+            pid as libc::c_long,
+            tid as libc::c_long,
+            sig as libc::c_long,
+            &info as *const KSigInfo,
+        )
+    };
+    rc == 0
+}
+
+/// Lists this process's thread ids with `getdents64` on an open `/proc/self/task`.
+struct TaskLister {
+    fd: libc::c_int,
+    buf: Vec<u8>,
+}
+
+impl TaskLister {
+    fn open() -> Option<TaskLister> {
+        // SAFETY: NUL-terminated path literal.
+        let fd = unsafe {
+            libc::open(
+                c"/proc/self/task".as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        (fd >= 0).then(|| TaskLister {
+            fd,
+            buf: vec![0u8; 16 * 1024],
+        })
+    }
+
+    fn list(&mut self, out: &mut Vec<i32>) -> bool {
+        out.clear();
+        // SAFETY: fd is our open directory.
+        if unsafe { libc::lseek(self.fd, 0, libc::SEEK_SET) } < 0 {
+            return false;
+        }
+        loop {
+            // SAFETY: the buffer is valid for its length.
+            let n = unsafe {
+                libc::syscall(
+                    libc::SYS_getdents64,
+                    self.fd,
+                    self.buf.as_mut_ptr(),
+                    self.buf.len(),
+                )
+            };
+            if n < 0 {
+                return false;
+            }
+            if n == 0 {
+                return true;
+            }
+            let mut off = 0usize;
+            while off + 19 < n as usize {
+                // linux_dirent64: u64 ino, i64 off, u16 reclen, u8 type, name...
+                let reclen = u16::from_ne_bytes([self.buf[off + 16], self.buf[off + 17]]) as usize;
+                if reclen == 0 {
+                    break;
+                }
+                let name = &self.buf[off + 19..(off + reclen).min(n as usize)];
+                let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+                if let Some(tid) = std::str::from_utf8(&name[..end])
+                    .ok()
+                    .and_then(|s| s.parse::<i32>().ok())
+                {
+                    out.push(tid);
+                }
+                off += reclen;
+            }
+        }
+    }
+}
+
+impl Drop for TaskLister {
+    fn drop(&mut self) {
+        // SAFETY: we own the fd.
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+fn read_comm(tid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/comm"))
+        .map(|s| s.trim_end_matches('\n').to_owned())
+        .unwrap_or_default()
+}
+
+struct Pending {
+    idx: usize,
+    seq: u32,
+    ticks: i64,
+    cpu: u64,
+    wall: u64,
+    sent_at: u64,
+}
+
+struct ThreadInfo {
+    name: String,
+    last_cpu: u64,
+    last_wall: u64,
+    stack: Vec<u64>,
+    has_stack: bool,
+    /// CPU clock of the thread right after its last stack capture.
+    idle_ref: u64,
+    pending: Option<Pending>,
+    /// A request the thread never answered (it blocks the signal): not signalled again unless
+    /// it answers after all.
+    abandoned: Option<Pending>,
+    seen: u64,
+}
+
+/// State of the sampler thread.
+pub(crate) struct Sampler {
+    shared: Arc<Shared>,
+    signal: i32,
+    threads: HashMap<i32, ThreadInfo>,
+    tids: Vec<i32>,
+    lister: Option<TaskLister>,
+    free_slots: Vec<usize>,
+    next_slot: usize,
+    tick: u64,
+    frames: Vec<Frame<'static>>,
+    last_refresh: u64,
+    last_names: u64,
+    wall_enabled: bool,
+}
+
+impl Sampler {
+    pub(crate) fn new(shared: Arc<Shared>) -> Sampler {
+        let signal = shared.settings.signal;
+        let wall_enabled = shared.settings.profiles.wall;
+        Sampler {
+            shared,
+            signal,
+            threads: HashMap::new(),
+            tids: Vec::new(),
+            lister: TaskLister::open(),
+            free_slots: Vec::new(),
+            next_slot: 0,
+            tick: 0,
+            frames: Vec::with_capacity(MAX_FRAMES),
+            last_refresh: 0,
+            last_names: 0,
+            wall_enabled,
+        }
+    }
+
+    /// The sampler thread's body.
+    pub(crate) fn run(mut self) {
+        tls::enter_profiler_thread();
+        let hz = self.shared.settings.cpu_hz.max(1) as u64;
+        let period = 1_000_000_000 / hz;
+        unwind::refresh(true);
+        let mut next = monotonic_ns() + period;
+        loop {
+            sleep_until(next);
+            if self.shared.stopping.load(Ordering::SeqCst) {
+                break;
+            }
+            let now = monotonic_ns();
+            // Ticks whose time passed while this thread waited for a CPU are not skipped: the
+            // next observation of each thread covers them.
+            let mut ticks = 1;
+            next += period;
+            while now >= next {
+                next += period;
+                ticks += 1;
+                if ticks > 1000 {
+                    // Suspended machine or a stopped process: start afresh.
+                    next = now + period;
+                    break;
+                }
+            }
+            let stats = &self.shared.stats;
+            stats.sampler_ticks.fetch_add(1, Ordering::Relaxed);
+            stats
+                .sampler_late_ticks
+                .fetch_add(ticks as u64 - 1, Ordering::Relaxed);
+            self.run_tick(now, ticks.min(1000));
+        }
+        self.finish();
+    }
+
+    fn alloc_slot(&mut self) -> Option<usize> {
+        if let Some(i) = self.free_slots.pop() {
+            return Some(i);
+        }
+        while self.next_slot < MAX_SLOTS {
+            let i = self.next_slot;
+            self.next_slot += 1;
+            if SLOTS[i].load(Ordering::Acquire).is_null() {
+                let slot = Box::new(Slot {
+                    state: AtomicU32::new(IDLE),
+                    seq: AtomicU32::new(0),
+                    len: AtomicU32::new(0),
+                    handler_ns: AtomicU64::new(0),
+                    cpu_end: AtomicU64::new(0),
+                    frames: UnsafeCell::new([0; MAX_FRAMES]),
+                });
+                SLOTS[i].store(Box::into_raw(slot), Ordering::Release);
+                return Some(i);
+            }
+            // Left by an earlier profiler in this process: reuse if idle.
+            // SAFETY: published slots are never freed.
+            let s = unsafe { &*SLOTS[i].load(Ordering::Acquire) };
+            if s.state.load(Ordering::Acquire) != REQUESTED {
+                s.state.store(IDLE, Ordering::Release);
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    fn slot(idx: usize) -> &'static Slot {
+        // SAFETY: only indices of published slots are handed around; never freed.
+        unsafe { &*SLOTS[idx].load(Ordering::Acquire) }
+    }
+
+    pub(crate) fn run_tick(&mut self, now: u64, ticks: i64) {
+        self.tick += 1;
+        let mut tids = std::mem::take(&mut self.tids);
+        let listed = match self.lister.as_mut() {
+            Some(l) => l.list(&mut tids),
+            None => false,
+        };
+        if !listed {
+            self.tids = tids;
+            return;
+        }
+        let hz = self.shared.settings.cpu_hz.max(1) as u64;
+        let mut new_threads = false;
+        for &tid in &tids {
+            if self.shared.is_own_thread(tid) {
+                continue;
+            }
+            if !self.threads.contains_key(&tid) {
+                new_threads = true;
+            }
+            self.visit(tid, now, ticks);
+        }
+        let tick = self.tick;
+        let mut vanished = Vec::new();
+        self.threads.retain(|_, t| {
+            if t.seen == tick {
+                return true;
+            }
+            // The thread exited: it can no longer run a handler, so its slot is reusable.
+            if let Some(p) = t.pending.take().or(t.abandoned.take()) {
+                vanished.push(p.idx);
+            }
+            false
+        });
+        for idx in vanished {
+            let s = Self::slot(idx);
+            s.seq.fetch_add(1, Ordering::AcqRel);
+            s.state.store(IDLE, Ordering::Release);
+            self.free_slots.push(idx);
+        }
+        self.tids = tids;
+        // New threads bring new stacks: refresh the maps, at most every 50 ms; check for newly
+        // loaded objects every second.
+        let since = self.tick - self.last_refresh;
+        let wanted = new_threads || unwind::maps_stale();
+        if (wanted && since * 1000 >= 20 * hz) || since >= hz {
+            unwind::refresh(wanted);
+            self.last_refresh = self.tick;
+        }
+        if self.tick - self.last_names >= hz {
+            self.last_names = self.tick;
+            for (tid, t) in self.threads.iter_mut() {
+                t.name = read_comm(*tid);
+            }
+        }
+    }
+
+    fn visit(&mut self, tid: i32, now: u64, ticks: i64) {
+        let Some(cpu) = thread_cpu_ns(tid) else {
+            return;
+        };
+        let tick = self.tick;
+        let info = self.threads.entry(tid).or_insert_with(|| ThreadInfo {
+            name: read_comm(tid),
+            last_cpu: cpu,
+            last_wall: now,
+            stack: Vec::new(),
+            has_stack: false,
+            idle_ref: 0,
+            pending: None,
+            abandoned: None,
+            seen: tick,
+        });
+        info.seen = tick;
+        self.shared.stats.cpu_ticks.fetch_add(1, Ordering::Relaxed);
+
+        if let Some(a) = info.abandoned.as_ref() {
+            let s = Self::slot(a.idx);
+            if s.state.load(Ordering::Acquire) == DONE && s.seq.load(Ordering::Acquire) == a.seq {
+                // It answered after all: take the slot back and sample it again.
+                let a = info.abandoned.take().unwrap_or_else(|| unreachable!());
+                s.state.store(IDLE, Ordering::Release);
+                self.free_slots.push(a.idx);
+                let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
+                info.last_cpu = cpu;
+                info.last_wall = now;
+            } else {
+                return;
+            }
+        }
+
+        let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
+        if let Some(p) = info.pending.as_mut() {
+            let s = Self::slot(p.idx);
+            if s.state.load(Ordering::Acquire) == DONE {
+                self.complete(tid);
+            } else if now.saturating_sub(p.sent_at) > ABANDON_AFTER.as_nanos() as u64 {
+                info.abandoned = info.pending.take();
+                return;
+            } else {
+                // Not answered yet: the thread's user stack has not changed since the request,
+                // so this tick is covered by the same stack.
+                p.ticks += ticks;
+                p.cpu = cpu;
+                p.wall = now;
+                self.shared
+                    .stats
+                    .cpu_merged_ticks
+                    .fetch_add(ticks as u64, Ordering::Relaxed);
+                return;
+            }
+        }
+
+        let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
+        if info.has_stack && cpu.saturating_sub(info.idle_ref) < IDLE_SLACK_NS {
+            // Has not run since its stack was captured: same stack, no need to interrupt it.
+            if self.wall_enabled {
+                let wall = now.saturating_sub(info.last_wall) as i64;
+                let cpu_ns = cpu.saturating_sub(info.last_cpu) as i64;
+                info.last_wall = now;
+                info.last_cpu = cpu;
+                self.record(tid, cpu_ns, wall, ticks);
+            } else {
+                info.last_wall = now;
+            }
+            return;
+        }
+        let Some(idx) = self.alloc_slot() else {
+            return;
+        };
+        let s = Self::slot(idx);
+        let seq = s.seq.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        s.state.store(REQUESTED, Ordering::Release);
+        let value = (MAGIC << 48) | ((seq as u64) << 16) | idx as u64;
+        if send(tid, self.signal, value) {
+            self.shared
+                .stats
+                .cpu_requests
+                .fetch_add(1, Ordering::Relaxed);
+            let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
+            info.pending = Some(Pending {
+                idx,
+                seq,
+                ticks,
+                cpu,
+                wall: now,
+                sent_at: now,
+            });
+        } else {
+            self.shared
+                .stats
+                .cpu_signal_failures
+                .fetch_add(1, Ordering::Relaxed);
+            s.state.store(IDLE, Ordering::Release);
+            self.free_slots.push(idx);
+        }
+    }
+
+    /// Records the finished request of `tid` and frees its slot.
+    fn complete(&mut self, tid: i32) {
+        let Some(info) = self.threads.get_mut(&tid) else {
+            return;
+        };
+        let Some(p) = info.pending.take() else {
+            return;
+        };
+        let s = Self::slot(p.idx);
+        let n = (s.len.load(Ordering::Relaxed) as usize).min(MAX_FRAMES);
+        // SAFETY: DONE was observed with acquire ordering: the handler finished writing.
+        let frames = unsafe { &(&*s.frames.get())[..n] };
+        info.stack.clear();
+        info.stack.extend_from_slice(frames);
+        info.has_stack = n > 0;
+        info.idle_ref = s.cpu_end.load(Ordering::Relaxed);
+        let stats = &self.shared.stats;
+        stats
+            .handler_ns_total
+            .fetch_add(s.handler_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+        stats
+            .handler_frames_total
+            .fetch_add(n as u64, Ordering::Relaxed);
+        stats.handler_count.fetch_add(1, Ordering::Relaxed);
+        s.state.store(IDLE, Ordering::Release);
+        self.free_slots.push(p.idx);
+        let cpu = p.cpu.saturating_sub(info.last_cpu) as i64;
+        let wall = p.wall.saturating_sub(info.last_wall) as i64;
+        info.last_cpu = p.cpu;
+        info.last_wall = p.wall;
+        self.record(tid, cpu, wall, p.ticks);
+    }
+
+    fn record(&mut self, tid: i32, cpu_ns: i64, wall_ns: i64, count: i64) {
+        let Some(info) = self.threads.get(&tid) else {
+            return;
+        };
+        if !info.has_stack {
+            return;
+        }
+        self.frames.clear();
+        self.frames
+            .extend(info.stack.iter().map(|&a| Frame::Address(a)));
+        let labels = [
+            Label::num(THREAD_ID_LABEL, tid as i64),
+            Label::str(THREAD_NAME_LABEL, &info.name),
+        ];
+        let values = SampleValues {
+            cpu_time_ns: cpu_ns,
+            cpu_or_wall_samples: count,
+            wall_time_ns: wall_ns,
+            ..Default::default()
+        };
+        let sh = &self.shared;
+        let frames = &self.frames;
+        tls::in_recorder(|| {
+            if sh
+                .recorder
+                .record_sample(frames, &values, &labels, 0)
+                .is_err()
+            {
+                sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
+            } else {
+                sh.stats
+                    .cpu_samples
+                    .fetch_add(count as u64, Ordering::Relaxed);
+            }
+            sh.for_each_tap(TapKind::Cpu, |r| {
+                let _ = r.record_sample(frames, &values, &labels, 0);
+            });
+        });
+    }
+
+    /// On stop: gives pending requests a moment to finish, records them, abandons the rest.
+    fn finish(&mut self) {
+        let deadline = monotonic_ns() + 100_000_000;
+        loop {
+            let pending: Vec<i32> = self
+                .threads
+                .iter()
+                .filter(|(_, t)| t.pending.is_some())
+                .map(|(&tid, _)| tid)
+                .collect();
+            if pending.is_empty() {
+                return;
+            }
+            for tid in pending {
+                let done = self.threads[&tid]
+                    .pending
+                    .as_ref()
+                    .is_some_and(|p| Self::slot(p.idx).state.load(Ordering::Acquire) == DONE);
+                if done {
+                    self.complete(tid);
+                }
+            }
+            if monotonic_ns() > deadline {
+                // Left REQUESTED: never reused while a handler might still write it.
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+fn sleep_until(deadline_ns: u64) {
+    let ts = libc::timespec {
+        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
+    };
+    loop {
+        // SAFETY: valid timespec; absolute monotonic sleep.
+        let rc = unsafe {
+            libc::clock_nanosleep(
+                libc::CLOCK_MONOTONIC,
+                libc::TIMER_ABSTIME,
+                &ts,
+                std::ptr::null_mut(),
+            )
+        };
+        if rc != libc::EINTR {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_own_threads() {
+        let mut l = TaskLister::open().expect("open /proc/self/task");
+        let mut out = Vec::new();
+        assert!(l.list(&mut out));
+        // SAFETY: no preconditions.
+        let me = unsafe { libc::gettid() };
+        assert!(out.contains(&me), "{out:?} lacks {me}");
+    }
+
+    #[test]
+    fn reads_another_threads_cpu_clock() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let h = std::thread::spawn(move || {
+            // SAFETY: no preconditions.
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let mut x = 0u64;
+            while stop_rx.try_recv().is_err() {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+        });
+        let tid = rx.recv().unwrap();
+        let a = thread_cpu_ns(tid).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let b = thread_cpu_ns(tid).unwrap();
+        stop_tx.send(()).unwrap();
+        h.join().unwrap();
+        assert!(b > a, "{a} -> {b}");
+        assert!(thread_cpu_ns(tid).is_none() || tid == 0);
+    }
+}

@@ -1,0 +1,103 @@
+//! Validated profiler settings and the profile selection.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use ferroprof_recorder::Compression;
+
+use crate::error::ProfilerError;
+
+/// Which profiles to collect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Profiles {
+    /// CPU time per stack (`cpu-time`, `cpu-samples`), all threads.
+    pub cpu: bool,
+    /// Wall time per stack, idle threads included (`wall-time`).
+    pub wall: bool,
+    /// Sampled allocations (`alloc-samples`, `alloc-samples-unscaled`); needs
+    /// [`crate::SamplingAllocator`] as the global allocator.
+    pub alloc: bool,
+    /// Live heap (`heap-live-samples`, `heap-live-size`); needs the sampling allocator.
+    pub heap: bool,
+}
+
+impl Default for Profiles {
+    fn default() -> Self {
+        Profiles::all()
+    }
+}
+
+impl Profiles {
+    pub const fn all() -> Self {
+        Profiles {
+            cpu: true,
+            wall: true,
+            alloc: true,
+            heap: true,
+        }
+    }
+
+    pub const fn none() -> Self {
+        Profiles {
+            cpu: false,
+            wall: false,
+            alloc: false,
+            heap: false,
+        }
+    }
+
+    /// Whether the CPU/wall sampler thread is needed.
+    pub fn needs_sampler(&self) -> bool {
+        self.cpu || self.wall
+    }
+
+    /// Whether the allocator samples.
+    pub fn needs_allocator(&self) -> bool {
+        self.alloc || self.heap
+    }
+}
+
+impl FromStr for Profiles {
+    type Err = ProfilerError;
+
+    /// Parses a comma-separated list of `cpu`, `wall`, `alloc`, `heap` (or `all`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut p = Profiles::none();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            match item.to_ascii_lowercase().as_str() {
+                "cpu" => p.cpu = true,
+                "wall" => p.wall = true,
+                "alloc" | "allocs" | "allocations" => p.alloc = true,
+                "heap" => p.heap = true,
+                "all" => p = Profiles::all(),
+                _ => {
+                    return Err(ProfilerError::UnknownProfile {
+                        name: item.to_owned(),
+                    })
+                }
+            }
+        }
+        if p == Profiles::none() {
+            return Err(ProfilerError::NoProfiles {
+                given: s.to_owned(),
+            });
+        }
+        Ok(p)
+    }
+}
+
+/// Settings after validation, as the running profiler uses them.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub service: String,
+    pub tags: Vec<(String, String)>,
+    pub cpu_hz: u32,
+    pub alloc_interval: u64,
+    pub period: Duration,
+    pub profiles: Profiles,
+    pub output_dir: Option<PathBuf>,
+    pub compression: Compression,
+    pub signal: i32,
+    pub restart_after_fork: bool,
+}

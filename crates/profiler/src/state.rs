@@ -1,0 +1,324 @@
+//! State shared by the running profiler's threads, the allocator and the profile source.
+//!
+//! The allocator reaches the running profiler through a global pointer guarded by a user count:
+//! a user increments the count, then loads the pointer; stopping swaps the pointer out, then
+//! waits for the count to be seen at zero before dropping its reference. So a slow path that got
+//! the pointer can use it to the end, and no slow path can see a freed profiler.
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use ferroprof_recorder::StackRecorder;
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::export::Exporter;
+use crate::settings::Settings;
+use crate::symbolize::ProcessSymbolizer;
+use crate::tls::STATE;
+
+pub(crate) const THREAD_ID_LABEL: &str = "thread id";
+pub(crate) const THREAD_NAME_LABEL: &str = "thread name";
+
+/// Counters of what the profiler did, for [`crate::ProfilerStats`].
+#[derive(Default)]
+pub(crate) struct Stats {
+    pub cpu_samples: AtomicU64,
+    pub sampler_ticks: AtomicU64,
+    pub sampler_late_ticks: AtomicU64,
+    pub cpu_requests: AtomicU64,
+    pub cpu_ticks: AtomicU64,
+    pub cpu_merged_ticks: AtomicU64,
+    pub cpu_signal_failures: AtomicU64,
+    pub alloc_samples: AtomicU64,
+    pub record_errors: AtomicU64,
+    pub exports: AtomicU64,
+    pub export_errors: AtomicU64,
+    pub serialize_errors: AtomicU64,
+    pub handler_ns_total: AtomicU64,
+    pub handler_frames_total: AtomicU64,
+    pub handler_count: AtomicU64,
+}
+
+/// Which on-demand capture a tap serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TapKind {
+    Cpu,
+    Alloc,
+}
+
+/// A temporary recorder the samplers also write to while an on-demand capture runs.
+pub(crate) struct Tap {
+    pub kind: TapKind,
+    pub recorder: StackRecorder,
+}
+
+/// Threads of a running profiler.
+#[derive(Default)]
+pub(crate) struct Threads {
+    pub sampler: Option<std::thread::JoinHandle<()>>,
+    pub export: Option<std::thread::JoinHandle<()>>,
+}
+
+pub(crate) struct Shared {
+    pub recorder: Arc<StackRecorder>,
+    pub settings: Settings,
+    pub stats: Stats,
+    pub process_start: SystemTime,
+    taps: RwLock<Vec<Arc<Tap>>>,
+    tap_count: AtomicUsize,
+    pub symbolizer: Mutex<ProcessSymbolizer>,
+    pub exporters: Mutex<Vec<Box<dyn Exporter>>>,
+    /// Held while serializing the main recorder or iterating its heap.
+    pub serialize_lock: Mutex<()>,
+    pub threads: Mutex<Threads>,
+    /// Set when stopping; the sampler and export threads exit.
+    pub stopping: AtomicBool,
+    /// Wakes the export thread early (stop, flush).
+    pub wake: Condvar,
+    pub wake_lock: Mutex<()>,
+    /// Kernel ids of the profiler's own threads (not sampled).
+    pub own_tids: [AtomicI32; 2],
+}
+
+impl Shared {
+    pub fn new(
+        recorder: Arc<StackRecorder>,
+        settings: Settings,
+        exporters: Vec<Box<dyn Exporter>>,
+    ) -> Shared {
+        Shared {
+            recorder,
+            settings,
+            stats: Stats::default(),
+            process_start: process_start_time(),
+            taps: RwLock::new(Vec::new()),
+            tap_count: AtomicUsize::new(0),
+            symbolizer: Mutex::new(ProcessSymbolizer::new()),
+            exporters: Mutex::new(exporters),
+            serialize_lock: Mutex::new(()),
+            threads: Mutex::new(Threads::default()),
+            stopping: AtomicBool::new(false),
+            wake: Condvar::new(),
+            wake_lock: Mutex::new(()),
+            own_tids: [AtomicI32::new(0), AtomicI32::new(0)],
+        }
+    }
+
+    pub fn alloc_enabled(&self) -> bool {
+        self.settings.profiles.alloc
+    }
+
+    pub fn heap_enabled(&self) -> bool {
+        self.settings.profiles.heap
+    }
+
+    pub fn is_own_thread(&self, tid: i32) -> bool {
+        self.own_tids
+            .iter()
+            .any(|t| t.load(Ordering::Relaxed) == tid)
+    }
+
+    /// Calls `f` with the recorder of every active tap of `kind`.
+    pub fn for_each_tap(&self, kind: TapKind, mut f: impl FnMut(&StackRecorder)) {
+        if self.tap_count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let taps = self.taps.read();
+        for t in taps.iter().filter(|t| t.kind == kind) {
+            f(&t.recorder);
+        }
+    }
+
+    pub fn add_tap(&self, tap: Arc<Tap>) {
+        let mut taps = self.taps.write();
+        taps.push(tap);
+        self.tap_count.store(taps.len(), Ordering::Release);
+    }
+
+    pub fn remove_tap(&self, tap: &Arc<Tap>) {
+        let mut taps = self.taps.write();
+        taps.retain(|t| !Arc::ptr_eq(t, tap));
+        self.tap_count.store(taps.len(), Ordering::Release);
+    }
+
+    /// The tap list, for the fork child handler that already holds its lock.
+    pub fn taps_ptr(&self) -> *mut Vec<Arc<Tap>> {
+        self.taps.data_ptr()
+    }
+
+    pub fn reset_tap_count(&self) {
+        self.tap_count.store(0, Ordering::Release);
+    }
+
+    /// Sleeps up to `d` unless woken (stop or flush). Returns true when stopping.
+    pub fn wait(&self, d: Duration) -> bool {
+        let mut g = self.wake_lock.lock();
+        if self.stopping.load(Ordering::SeqCst) {
+            return true;
+        }
+        let _ = self.wake.wait_for(&mut g, d);
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    pub fn wake_all(&self) {
+        let _g = self.wake_lock.lock();
+        self.wake.notify_all();
+    }
+
+    /// Locks held across `fork` so the child finds them consistent (see `crate::fork`).
+    pub fn fork_lock_all(&self) {
+        std::mem::forget(self.serialize_lock.lock());
+        std::mem::forget(self.symbolizer.lock());
+        std::mem::forget(self.exporters.lock());
+        std::mem::forget(self.taps.write());
+        std::mem::forget(self.threads.lock());
+    }
+
+    /// Releases what [`Self::fork_lock_all`] took.
+    ///
+    /// # Safety
+    /// Only after `fork_lock_all` on this thread (or, in a forked child, in the only thread).
+    pub unsafe fn fork_unlock_all(&self) {
+        // SAFETY: each lock was acquired by fork_lock_all and its guard forgotten.
+        unsafe {
+            self.threads.force_unlock();
+            self.taps.force_unlock_write();
+            self.exporters.force_unlock();
+            self.symbolizer.force_unlock();
+            self.serialize_lock.force_unlock();
+        }
+    }
+}
+
+static ACTIVE: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
+static ACTIVE_USERS: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f` with the running profiler, if any (see the module docs for the protocol).
+pub(crate) fn with_active<R>(f: impl FnOnce(&Shared) -> R) -> Option<R> {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            ACTIVE_USERS.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    ACTIVE_USERS.fetch_add(1, Ordering::SeqCst);
+    let _leave = Leave;
+    let p = ACTIVE.load(Ordering::SeqCst);
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` holds a strong count (Arc::into_raw in `activate`) that `deactivate` gives back
+    // only after observing no user, and we are counted as a user.
+    Some(f(unsafe { &*p }))
+}
+
+/// The running profiler as an `Arc`, for code that outlives one call.
+pub(crate) fn active_arc() -> Option<Arc<Shared>> {
+    with_active(|sh| {
+        let p = sh as *const Shared;
+        // SAFETY: `p` came from Arc::into_raw and is kept alive by the global reference while we
+        // are a user; incrementing gives us our own reference.
+        unsafe {
+            Arc::increment_strong_count(p);
+            Arc::from_raw(p)
+        }
+    })
+}
+
+/// Publishes `shared` as the running profiler. Fails when one is already running.
+pub(crate) fn activate(shared: &Arc<Shared>) -> bool {
+    let raw = Arc::into_raw(shared.clone()) as *mut Shared;
+    match ACTIVE.compare_exchange(
+        std::ptr::null_mut(),
+        raw,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    ) {
+        Ok(_) => true,
+        Err(_) => {
+            // SAFETY: `raw` was not published; take the reference back.
+            drop(unsafe { Arc::from_raw(raw) });
+            false
+        }
+    }
+}
+
+/// Unpublishes `shared` and waits until no slow path uses it.
+pub(crate) fn deactivate(shared: &Arc<Shared>) {
+    let me = Arc::as_ptr(shared) as *mut Shared;
+    if ACTIVE
+        .compare_exchange(me, std::ptr::null_mut(), Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return;
+    }
+    while ACTIVE_USERS.load(Ordering::SeqCst) != 0 {
+        std::thread::yield_now();
+    }
+    // SAFETY: the reference taken by `activate`; nobody can reach it through ACTIVE any more.
+    drop(unsafe { Arc::from_raw(me) });
+}
+
+/// In a forked child: users that were inside are gone.
+pub(crate) fn after_fork_in_child() {
+    ACTIVE_USERS.store(0, Ordering::SeqCst);
+}
+
+/// The calling thread's kernel id, cached per thread.
+pub(crate) fn current_tid() -> i32 {
+    STATE.with(|s| {
+        let t = s.tid.get();
+        if t != 0 {
+            return t;
+        }
+        // SAFETY: gettid has no preconditions.
+        let t = unsafe { libc::gettid() };
+        s.tid.set(t);
+        t
+    })
+}
+
+/// Forgets the cached id (a forked child's thread has a new one).
+pub(crate) fn reset_current_tid() {
+    STATE.with(|s| s.tid.set(0));
+}
+
+/// The calling thread's name (at most 15 bytes), read from the kernel into `buf`.
+pub(crate) fn current_thread_name(buf: &mut [u8; 16]) -> &str {
+    // SAFETY: PR_GET_NAME writes at most 16 bytes, NUL-terminated, into the buffer.
+    let rc = unsafe {
+        libc::prctl(
+            libc::PR_GET_NAME,
+            buf.as_mut_ptr() as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    if rc != 0 {
+        return "";
+    }
+    let len = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    std::str::from_utf8(&buf[..len]).unwrap_or("")
+}
+
+/// When the process started, from /proc/self/stat (falls back to now).
+fn process_start_time() -> SystemTime {
+    fn read() -> Option<SystemTime> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the parenthesized command; starttime is field 22 (index 19 after it).
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let start_ticks: u64 = rest.split(' ').nth(19)?.parse().ok()?;
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        if hz <= 0 {
+            return None;
+        }
+        let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
+        let up: f64 = uptime.split_whitespace().next()?.parse().ok()?;
+        let since_start = up - start_ticks as f64 / hz as f64;
+        SystemTime::now().checked_sub(Duration::from_secs_f64(since_start.max(0.0)))
+    }
+    read().unwrap_or_else(SystemTime::now)
+}

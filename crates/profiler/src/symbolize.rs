@@ -1,0 +1,396 @@
+//! Turning sampled addresses into function names, files and lines, off the hot path.
+//!
+//! Samplers record bare addresses; the export thread symbolizes them while the recorder encodes
+//! a profile (`StackRecorder::serialize(Some(&mut symbolizer))`). For each loaded object the
+//! DWARF of its file (or of its separate debug file, found by build id or `.gnu_debuglink`) is
+//! memory-mapped and parsed lazily with `addr2line`, inlined frames are expanded innermost first,
+//! and Rust names are demangled without their hash. Objects without DWARF fall back to their
+//! symbol table (name only); unknown addresses get `object+0xoffset`.
+//!
+//! Memory: the mapped files and parsed DWARF live for one *pass* (one serialization) and are
+//! dropped at its end, so no multi-MB context stays resident between profiles. What stays is a
+//! per-address cache of resolved frames, bounded in entries and aged: entries not used during
+//! the last two passes are dropped.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use addr2line::gimli;
+use ferroprof_recorder::{ResolvedFrame, Symbolizer};
+use memmap2::Mmap;
+use object::{Object, ObjectSection};
+
+use crate::modules::{loaded_objects, LoadedObject};
+
+type Reader = gimli::EndianSlice<'static, gimli::RunTimeEndian>;
+
+/// Most addresses kept in the cache between passes.
+const MAX_CACHED_ADDRESSES: usize = 16 * 1024;
+
+/// A [`Symbolizer`] for the current process. See the module docs.
+pub struct ProcessSymbolizer {
+    cache: HashMap<u64, CacheEntry>,
+    pass: u64,
+    objects: Option<Vec<ObjectDebug>>,
+    max_entries: usize,
+}
+
+struct CacheEntry {
+    frames: Box<[ResolvedFrame]>,
+    last_pass: u64,
+}
+
+impl Default for ProcessSymbolizer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ProcessSymbolizer {
+    pub fn new() -> Self {
+        ProcessSymbolizer {
+            cache: HashMap::new(),
+            pass: 0,
+            objects: None,
+            max_entries: MAX_CACHED_ADDRESSES,
+        }
+    }
+
+    /// Runs `f` as one pass: debug info loaded during it is released when it returns.
+    pub fn pass<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        self.pass += 1;
+        let r = f(self);
+        self.end_pass();
+        r
+    }
+
+    fn end_pass(&mut self) {
+        self.objects = None;
+        let pass = self.pass;
+        self.cache.retain(|_, e| e.last_pass + 2 > pass);
+        if self.cache.len() > self.max_entries {
+            // Over budget even after aging: keep only this pass's addresses, or nothing.
+            self.cache.retain(|_, e| e.last_pass == pass);
+            if self.cache.len() > self.max_entries {
+                self.cache.clear();
+            }
+        }
+        if self.cache.capacity() > 4 * self.cache.len().max(64) {
+            self.cache.shrink_to_fit();
+        }
+    }
+
+    /// Number of cached addresses (for tests and stats).
+    pub fn cached_addresses(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Whether debug info is currently loaded (only during a pass).
+    pub fn holds_debug_info(&self) -> bool {
+        self.objects.is_some()
+    }
+
+    /// Resolves `address` (an instruction address, or a return address minus one).
+    pub fn resolve(&mut self, address: u64) -> Vec<ResolvedFrame> {
+        let mut out = Vec::new();
+        self.symbolize(address, &mut out);
+        out
+    }
+
+    fn lookup(&mut self, address: u64) -> Box<[ResolvedFrame]> {
+        let objects = self.objects.get_or_insert_with(|| {
+            loaded_objects()
+                .into_iter()
+                .map(|obj| ObjectDebug { obj, debug: None })
+                .collect()
+        });
+        let Some(od) = objects.iter_mut().find(|o| o.obj.contains(address)) else {
+            return Box::new([]);
+        };
+        let probe = address.wrapping_sub(od.obj.base);
+        let debug = od
+            .debug
+            .get_or_insert_with(|| DebugInfo::load(&od.obj).ok());
+        let mut frames = Vec::new();
+        if let Some(d) = debug.as_ref() {
+            d.frames(probe, &mut frames);
+        }
+        if frames.is_empty() {
+            let module = od
+                .obj
+                .path
+                .as_deref()
+                .and_then(Path::file_name)
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| od.obj.name.clone());
+            frames.push(ResolvedFrame {
+                name: format!("{module}+{probe:#x}"),
+                filename: od
+                    .obj
+                    .path
+                    .as_deref()
+                    .map(|p| p.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                line: 0,
+            });
+        }
+        frames.into_boxed_slice()
+    }
+}
+
+impl Symbolizer for ProcessSymbolizer {
+    fn symbolize(&mut self, address: u64, out: &mut Vec<ResolvedFrame>) {
+        let pass = self.pass;
+        if let Some(e) = self.cache.get_mut(&address) {
+            e.last_pass = pass;
+            out.extend(e.frames.iter().cloned());
+            return;
+        }
+        let frames = self.lookup(address);
+        out.extend(frames.iter().cloned());
+        if self.cache.len() < self.max_entries {
+            self.cache.insert(
+                address,
+                CacheEntry {
+                    frames,
+                    last_pass: pass,
+                },
+            );
+        }
+    }
+}
+
+struct ObjectDebug {
+    obj: LoadedObject,
+    /// `None` = not loaded yet; `Some(None)` = nothing usable.
+    debug: Option<Option<DebugInfo>>,
+}
+
+/// Parsed debug info of one object. Field order matters: the borrowers (`ctx`, `symbols`) are
+/// declared, hence dropped, before the memory they borrow (`_owned`, `_maps`).
+struct DebugInfo {
+    ctx: Option<addr2line::Context<Reader>>,
+    /// (address, name), sorted by address.
+    symbols: Vec<(u64, &'static str)>,
+    _owned: Vec<Box<[u8]>>,
+    _maps: Vec<Mmap>,
+}
+
+#[derive(Debug)]
+struct LoadError;
+
+impl DebugInfo {
+    fn load(obj: &LoadedObject) -> Result<DebugInfo, LoadError> {
+        let mut maps = Vec::new();
+        let mut owned: Vec<Box<[u8]>> = Vec::new();
+        let data: &'static [u8] = match &obj.path {
+            Some(path) => {
+                let m = map_file(path).ok_or(LoadError)?;
+                // SAFETY: the mapping is kept in `_maps`, dropped after every borrower (see the
+                // struct's field order); a Mmap's bytes do not move when the Mmap value moves.
+                let d = unsafe { extend(&m[..]) };
+                maps.push(m);
+                d
+            }
+            None => {
+                // The vDSO has no file: parse its in-memory image.
+                let (start, end) = obj.range().ok_or(LoadError)?;
+                // SAFETY: the vDSO is mapped readable for the life of the process.
+                unsafe { std::slice::from_raw_parts(start as *const u8, (end - start) as usize) }
+            }
+        };
+        let file = object::File::parse(data).map_err(|_| LoadError)?;
+        let mut symbols: Vec<(u64, &'static str)> = file
+            .symbol_map()
+            .symbols()
+            .iter()
+            .map(|s| (s.address(), s.name()))
+            .collect();
+        symbols.sort_unstable_by_key(|s| s.0);
+
+        let mut dwarf_file = None;
+        if file.section_by_name(".debug_info").is_none() {
+            if let Some(p) = separate_debug_file(&file, obj.path.as_deref()) {
+                if let Some(m) = map_file(&p) {
+                    // SAFETY: as above, kept in `_maps`.
+                    let d = unsafe { extend(&m[..]) };
+                    maps.push(m);
+                    dwarf_file = object::File::parse(d).ok();
+                }
+            }
+        }
+        let src = dwarf_file.as_ref().unwrap_or(&file);
+        let ctx = if src.section_by_name(".debug_info").is_some() {
+            let endian = if src.is_little_endian() {
+                gimli::RunTimeEndian::Little
+            } else {
+                gimli::RunTimeEndian::Big
+            };
+            let dwarf = gimli::Dwarf::load(|id| -> Result<Reader, gimli::Error> {
+                let data: &'static [u8] = match src.section_by_name(id.name()) {
+                    Some(section) => match section.uncompressed_data() {
+                        Ok(Cow::Borrowed(b)) => b,
+                        Ok(Cow::Owned(v)) => {
+                            let b = v.into_boxed_slice();
+                            // SAFETY: the box is kept in `_owned` (dropped after `ctx`), and
+                            // its heap bytes do not move when the box is moved into the vector.
+                            let r = unsafe { extend(&b[..]) };
+                            owned.push(b);
+                            r
+                        }
+                        Err(_) => &[],
+                    },
+                    None => &[],
+                };
+                Ok(gimli::EndianSlice::new(data, endian))
+            });
+            dwarf
+                .ok()
+                .and_then(|d| addr2line::Context::from_dwarf(d).ok())
+        } else {
+            None
+        };
+        if ctx.is_none() && symbols.is_empty() {
+            return Err(LoadError);
+        }
+        Ok(DebugInfo {
+            ctx,
+            symbols,
+            _owned: owned,
+            _maps: maps,
+        })
+    }
+
+    fn frames(&self, probe: u64, out: &mut Vec<ResolvedFrame>) {
+        if let Some(ctx) = &self.ctx {
+            if let Ok(mut iter) = ctx.find_frames(probe).skip_all_loads() {
+                while let Ok(Some(frame)) = iter.next() {
+                    let name = frame
+                        .function
+                        .as_ref()
+                        .and_then(|f| f.raw_name().ok())
+                        .map(|n| demangle(&n))
+                        .or_else(|| self.symbol(probe).map(demangle))
+                        .unwrap_or_default();
+                    let (filename, line) = frame
+                        .location
+                        .as_ref()
+                        .map(|l| (l.file.unwrap_or("").to_owned(), l.line.unwrap_or(0) as i64))
+                        .unwrap_or_default();
+                    out.push(ResolvedFrame {
+                        name,
+                        filename,
+                        line,
+                    });
+                }
+            }
+        }
+        if out.is_empty() {
+            if let Some(name) = self.symbol(probe) {
+                out.push(ResolvedFrame {
+                    name: demangle(name),
+                    filename: String::new(),
+                    line: 0,
+                });
+            }
+        }
+    }
+
+    fn symbol(&self, probe: u64) -> Option<&'static str> {
+        let i = self.symbols.partition_point(|s| s.0 <= probe);
+        (i > 0).then(|| self.symbols[i - 1].1)
+    }
+}
+
+/// Rust names lose their hash (`{:#}`); other names pass through.
+fn demangle(raw: &str) -> String {
+    match rustc_demangle::try_demangle(raw) {
+        Ok(d) => format!("{d:#}"),
+        Err(_) => raw.to_owned(),
+    }
+}
+
+fn map_file(path: &Path) -> Option<Mmap> {
+    let f = std::fs::File::open(path).ok()?;
+    // SAFETY: the file is mapped read-only and private; a concurrent truncation of an object
+    // file in use by this process is outside what any profiler can guard against.
+    unsafe { Mmap::map(&f).ok() }
+}
+
+/// # Safety
+/// The caller keeps the memory behind `b` alive and unmoved while the result is used.
+unsafe fn extend(b: &[u8]) -> &'static [u8] {
+    // SAFETY: forwarded to the caller.
+    unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
+}
+
+/// Where distributions put an object's debug info: by build id, then by `.gnu_debuglink`.
+fn separate_debug_file(file: &object::File<'_>, path: Option<&Path>) -> Option<PathBuf> {
+    if let Ok(Some(id)) = file.build_id() {
+        if id.len() >= 2 {
+            let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+            let p = PathBuf::from(format!(
+                "/usr/lib/debug/.build-id/{}/{}.debug",
+                &hex[..2],
+                &hex[2..]
+            ));
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    let (link, _crc) = file.gnu_debuglink().ok()??;
+    let link = std::str::from_utf8(link).ok()?;
+    let dir = path?.parent()?;
+    let candidates = [
+        dir.join(link),
+        dir.join(".debug").join(link),
+        Path::new("/usr/lib/debug")
+            .join(dir.strip_prefix("/").unwrap_or(dir))
+            .join(link),
+    ];
+    candidates
+        .into_iter()
+        .find(|p| p.is_file() && Some(p.as_path()) != path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[inline(never)]
+    fn a_known_function() -> u64 {
+        std::hint::black_box(a_known_function as *const () as usize as u64)
+    }
+
+    #[test]
+    fn resolves_this_function_with_file_and_line() {
+        let addr = a_known_function() + 1;
+        let mut s = ProcessSymbolizer::new();
+        let frames = s.pass(|s| s.resolve(addr));
+        assert!(!frames.is_empty());
+        let last = frames.last().unwrap();
+        assert!(last.name.ends_with("a_known_function"), "got {frames:?}");
+        assert!(last.filename.ends_with("symbolize.rs"), "got {frames:?}");
+        assert!(last.line > 0);
+        assert!(
+            !s.holds_debug_info(),
+            "debug info must be released after the pass"
+        );
+        assert_eq!(s.cached_addresses(), 1);
+        // Aging: two passes without a hit drop the entry.
+        s.pass(|_| ());
+        s.pass(|_| ());
+        assert_eq!(s.cached_addresses(), 0);
+    }
+
+    #[test]
+    fn demangles_without_hash() {
+        assert_eq!(
+            demangle("_ZN4core3ptr13drop_in_place17h0123456789abcdefE"),
+            "core::ptr::drop_in_place"
+        );
+        assert_eq!(demangle("memcpy"), "memcpy");
+    }
+}

@@ -1,0 +1,115 @@
+//! Per-thread state of the allocator and the unwinder.
+//!
+//! Every field is a `Cell` of a `Copy` type in a `const`-initialized `thread_local!`: such a
+//! variable needs no lazy initialization and registers no destructor, so reading it never
+//! allocates, works while the thread's other TLS is being destroyed, and is a plain
+//! `fs`-relative load in the signal handler (for code linked into the executable).
+
+use std::cell::Cell;
+
+pub(crate) struct ThreadState {
+    /// Bytes left before the next allocation sampling point. Negative after an allocation
+    /// crossed it.
+    pub countdown: Cell<i64>,
+    /// xorshift64* state; 0 = not seeded yet (also means "countdown not drawn yet").
+    pub rng: Cell<u64>,
+    /// Nesting depth of profiler code on this thread: allocations made while > 0 are never
+    /// sampled. Profiler threads keep it at 1 for their whole life.
+    pub guard: Cell<u32>,
+    /// Set while this thread is inside a call into the recorder: frees made then belong to
+    /// the recorder's own (never sampled) memory, and the recorder's locks may be held, so
+    /// the free path must not call back into it.
+    pub in_recorder: Cell<bool>,
+    /// This thread's stack `[lo, hi)`, learned once outside any signal handler; 0 = unknown.
+    pub stack_lo: Cell<usize>,
+    pub stack_hi: Cell<usize>,
+    /// This thread's kernel id, cached; 0 = not known yet.
+    pub tid: Cell<i32>,
+}
+
+thread_local! {
+    pub(crate) static STATE: ThreadState = const {
+        ThreadState {
+            countdown: Cell::new(0),
+            rng: Cell::new(0),
+            guard: Cell::new(0),
+            in_recorder: Cell::new(false),
+            stack_lo: Cell::new(0),
+            stack_hi: Cell::new(0),
+            tid: Cell::new(0),
+        }
+    };
+}
+
+/// Runs `f` with allocation sampling suppressed on this thread.
+pub(crate) fn with_guard<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            STATE.with(|s| s.guard.set(s.guard.get().saturating_sub(1)));
+        }
+    }
+    STATE.with(|s| s.guard.set(s.guard.get() + 1));
+    let _reset = Reset;
+    f()
+}
+
+/// Runs `f` (a call into the recorder) with the free path told not to re-enter the recorder.
+pub(crate) fn in_recorder<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            let prev = self.0;
+            STATE.with(|s| s.in_recorder.set(prev));
+        }
+    }
+    let prev = STATE.with(|s| s.in_recorder.replace(true));
+    let _reset = Reset(prev);
+    with_guard(f)
+}
+
+/// Marks the calling thread as a profiler thread for the rest of its life.
+pub(crate) fn enter_profiler_thread() {
+    STATE.with(|s| s.guard.set(s.guard.get() + 1));
+}
+
+/// The calling thread's stack bounds, computed once per thread (not async-signal-safe: may
+/// allocate through libc and read /proc for the main thread).
+pub(crate) fn current_stack_bounds() -> Option<(usize, usize)> {
+    let (lo, hi) = STATE.with(|s| (s.stack_lo.get(), s.stack_hi.get()));
+    if hi != 0 {
+        return Some((lo, hi));
+    }
+    let (lo, hi) = query_stack_bounds()?;
+    STATE.with(|s| {
+        s.stack_lo.set(lo);
+        s.stack_hi.set(hi);
+    });
+    Some((lo, hi))
+}
+
+/// Stack bounds known for this thread, without computing them (async-signal-safe).
+pub(crate) fn known_stack_bounds() -> Option<(usize, usize)> {
+    let (lo, hi) = STATE.with(|s| (s.stack_lo.get(), s.stack_hi.get()));
+    (hi != 0).then_some((lo, hi))
+}
+
+fn query_stack_bounds() -> Option<(usize, usize)> {
+    // SAFETY: pthread_attr_t is plain data initialized by pthread_getattr_np before use and
+    // destroyed once; the out-pointers are valid locals.
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        if libc::pthread_getattr_np(libc::pthread_self(), &mut attr) != 0 {
+            return None;
+        }
+        let mut addr: *mut libc::c_void = std::ptr::null_mut();
+        let mut size: libc::size_t = 0;
+        let rc = libc::pthread_attr_getstack(&attr, &mut addr, &mut size);
+        libc::pthread_attr_destroy(&mut attr);
+        if rc != 0 || addr.is_null() || size == 0 {
+            return None;
+        }
+        let lo = addr as usize;
+        Some((lo, lo + size))
+    }
+}

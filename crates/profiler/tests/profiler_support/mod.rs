@@ -1,0 +1,65 @@
+//! Helpers shared by the profiler's integration tests: an exporter that keeps what it gets, and
+//! sums over decoded profiles.
+#![allow(dead_code)]
+
+use std::sync::{Arc, Mutex};
+
+use ferroprof::export::{ExportError, ExportedProfile, Exporter};
+use ferroprof_pprof::{decode, Profile, Sample};
+
+/// Keeps every exported profile.
+#[derive(Clone, Default)]
+pub struct Collect(pub Arc<Mutex<Vec<ExportedProfile>>>);
+
+impl Exporter for Collect {
+    fn name(&self) -> &str {
+        "collect"
+    }
+
+    fn export(&mut self, profile: &ExportedProfile) -> Result<(), ExportError> {
+        self.0.lock().unwrap().push(profile.clone());
+        Ok(())
+    }
+}
+
+impl Collect {
+    /// Every collected profile, decoded by the independent decoder.
+    pub fn decoded(&self) -> Vec<Profile> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|p| decode(&p.encoded.bytes).expect("exported profile decodes"))
+            .collect()
+    }
+}
+
+/// Sum of `value` over the samples of `p` for which `pred` holds.
+pub fn sum_where(p: &Profile, value: &str, pred: impl Fn(&Profile, &Sample) -> bool) -> i64 {
+    let Some(i) = p.value_index(value) else {
+        return 0;
+    };
+    p.sample
+        .iter()
+        .filter(|s| pred(p, s))
+        .map(|s| s.value[i])
+        .sum()
+}
+
+/// Sum of `value` over all profiles for samples satisfying `pred`.
+pub fn sum_all(ps: &[Profile], value: &str, pred: impl Fn(&Profile, &Sample) -> bool) -> i64 {
+    ps.iter().map(|p| sum_where(p, value, &pred)).sum()
+}
+
+/// Whether a function whose name ends with `name` is on the sample's stack.
+pub fn has_fn(p: &Profile, s: &Sample, name: &str) -> bool {
+    p.stack(s).iter().any(|l| l.function.ends_with(name))
+}
+
+/// A fresh, empty directory under the target dir.
+pub fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ferroprof-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
