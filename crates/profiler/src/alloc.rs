@@ -137,13 +137,16 @@ fn on_alloc(p: *mut u8, size: usize) {
     if interval == 0 {
         return;
     }
-    STATE.with(|s| {
+    let crossed = STATE.with(|s| {
         let c = s.countdown.get().wrapping_sub(size as i64);
         s.countdown.set(c);
-        if c < 0 {
-            on_alloc_slow(s, p, size, interval);
-        }
+        c < 0
     });
+    if crossed {
+        // The stack pointer of the function the allocator entry is inlined into: deeper frames
+        // are the sampling path's own and are left off the sampled stack.
+        on_alloc_slow(p, size, interval, unwind::current_sp());
+    }
 }
 
 #[inline(always)]
@@ -155,7 +158,11 @@ fn on_free(p: *mut u8) {
 
 #[cold]
 #[inline(never)]
-fn on_alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64) {
+fn on_alloc_slow(p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
+    STATE.with(|s| alloc_slow(s, p, size, interval, entry_sp));
+}
+
+fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
     SEEN.store(true, Ordering::Relaxed);
     if s.rng.get() == 0 {
         // First allocation on this thread since sampling started: draw the first countdown and
@@ -173,7 +180,7 @@ fn on_alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64) {
         return;
     }
     let weight = stochastic_round(s, sample_weight(size as u64, interval));
-    tls::with_guard(|| sample(p, size, weight));
+    tls::with_guard(|| sample(p, size, weight, entry_sp));
 }
 
 /// `1 / (1 - exp(-size / interval))`: the inverse of the probability that an allocation of
@@ -235,12 +242,11 @@ fn draw_countdown(s: &ThreadState, interval: u64) -> i64 {
 
 /// Records one sampled allocation. Runs with the guard set.
 #[inline(never)]
-fn sample(p: *mut u8, size: usize, weight: i64) {
+fn sample(p: *mut u8, size: usize, weight: i64, entry_sp: u64) {
     let mut addrs = [0u64; MAX_FRAMES];
     let regs = unwind::current_regs();
-    let n = unwind::unwind(regs, tls::current_stack_bounds(), &mut addrs);
-    // Frame 0 is this function; its caller (the allocator entry) stays, as the leaf.
-    let addrs = if n > 1 { &addrs[1..n] } else { &addrs[..n] };
+    let n = unwind::unwind(regs, tls::current_stack_bounds(), entry_sp, &mut addrs);
+    let addrs = &addrs[..n];
     state::with_active(|sh| record(sh, p, size, weight, addrs));
 }
 

@@ -172,7 +172,7 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
     // SAFETY: the slot is REQUESTED for this very request: only this handler writes its frames
     // until it publishes DONE.
     let frames = unsafe { &mut *slot.frames.get() };
-    let n = unwind::unwind(regs, tls::known_stack_bounds(), frames);
+    let n = unwind::unwind(regs, tls::known_stack_bounds(), 0, frames);
     slot.len.store(n as u32, Ordering::Relaxed);
     slot.handler_ns
         .store(monotonic_ns().saturating_sub(t0), Ordering::Relaxed);
@@ -355,6 +355,9 @@ struct ThreadInfo {
     has_stack: bool,
     /// CPU clock of the thread right after its last stack capture.
     idle_ref: u64,
+    /// A new thread names itself shortly after it starts (Rust does it in the new thread):
+    /// its name is re-read on its first visits.
+    name_checks_left: u8,
     pending: Option<Pending>,
     /// A request the thread never answered (it blocks the signal): not signalled again unless
     /// it answers after all.
@@ -538,11 +541,18 @@ impl Sampler {
             stack: Vec::new(),
             has_stack: false,
             idle_ref: 0,
+            name_checks_left: 8,
             pending: None,
             abandoned: None,
             seen: tick,
         });
         info.seen = tick;
+        if info.name_checks_left > 0 {
+            info.name_checks_left -= 1;
+            if info.name_checks_left < 7 {
+                info.name = read_comm(tid);
+            }
+        }
         self.shared.stats.cpu_ticks.fetch_add(1, Ordering::Relaxed);
 
         if let Some(a) = info.abandoned.as_ref() {

@@ -30,8 +30,8 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use framehop::{
-    CacheNative, ExplicitModuleSectionInfo, Module, MustNotAllocateDuringUnwind, Unwinder,
-    UnwinderNative,
+    CacheNative, ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateDuringUnwind,
+    Unwinder, UnwinderNative,
 };
 use parking_lot::Mutex;
 
@@ -343,13 +343,20 @@ pub(crate) fn init_pool() {
     }
 }
 
-/// Unwinds from `regs` into `out` (innermost first, the first entry is `regs.pc`), returning
-/// the number of frames written. Entries after the first are return addresses minus one (the
-/// call instruction), ready for symbolization. `bounds` are the caller's stack bounds when known.
+/// Unwinds from `regs` into `out` (innermost first), returning the number of frames written.
+/// Entries are the instruction pointer, then return addresses minus one (the call instruction),
+/// ready for symbolization. `bounds` are the caller's stack bounds when known. Frames whose
+/// stack pointer is below `skip_to_sp` are left out (the profiler's own frames on an allocation
+/// stack, deeper than the function the allocator entry is inlined into; 0 keeps everything).
 ///
 /// Async-signal-safe: no allocation, no lock, no waiting; memory reads stay within the stack
 /// mapping containing `regs.sp`.
-pub(crate) fn unwind(regs: StartRegs, bounds: Option<(usize, usize)>, out: &mut [u64]) -> usize {
+pub(crate) fn unwind(
+    regs: StartRegs,
+    bounds: Option<(usize, usize)>,
+    skip_to_sp: u64,
+    out: &mut [u64],
+) -> usize {
     if out.is_empty() {
         return 0;
     }
@@ -398,21 +405,35 @@ pub(crate) fn unwind(regs: StartRegs, bounds: Option<(usize, usize)>, out: &mut 
         regs.sp,
         regs.fp,
     );
+    let mut uregs = uregs;
     let mut n = 0;
-    let mut iter = snap
-        .unwinder
-        .iter_frames(regs.pc, uregs, cache, &mut read_stack);
-    while n < out.len() {
-        match iter.next() {
-            Ok(Some(frame)) => {
-                out[n] = frame.address_for_lookup();
-                n += 1;
-            }
+    let mut frame = FrameAddress::from_instruction_pointer(regs.pc);
+    // Bounded by frames written and by steps taken (skipped frames count too).
+    for _ in 0..out.len() + 64 {
+        if n >= out.len() {
+            break;
+        }
+        if uregs.sp() >= skip_to_sp {
+            out[n] = frame.address_for_lookup();
+            n += 1;
+        }
+        match snap
+            .unwinder
+            .unwind_frame(frame, &mut uregs, cache, &mut read_stack)
+        {
+            Ok(Some(ret)) => match FrameAddress::from_return_address(ret) {
+                Some(f) => frame = f,
+                None => break,
+            },
             _ => break,
         }
     }
     entry.busy.store(false, Ordering::Release);
-    n.max(1)
+    if n == 0 {
+        out[0] = regs.pc;
+        n = 1;
+    }
+    n
 }
 
 /// Whether a reader found no stack mapping since the last refresh.
@@ -471,6 +492,23 @@ impl Drop for ReaderGuard {
     fn drop(&mut self) {
         READERS.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// The current stack pointer.
+#[inline(always)]
+pub(crate) fn current_sp() -> u64 {
+    let sp: u64;
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: reads rsp; touches no memory.
+    unsafe {
+        std::arch::asm!("mov {}, rsp", out(reg) sp, options(nomem, nostack, preserves_flags));
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: reads sp; touches no memory.
+    unsafe {
+        std::arch::asm!("mov {}, sp", out(reg) sp, options(nomem, nostack, preserves_flags));
+    }
+    sp
 }
 
 /// Registers of the calling function's frame, for unwinding from normal (non-signal) code.
@@ -548,7 +586,7 @@ mod tests {
     #[inline(never)]
     fn capture(out: &mut [u64]) -> usize {
         let regs = current_regs();
-        unwind(regs, crate::tls::current_stack_bounds(), out)
+        unwind(regs, crate::tls::current_stack_bounds(), 0, out)
     }
 
     #[inline(never)]
