@@ -26,8 +26,11 @@ impl Gate {
     #[inline]
     pub(crate) fn try_enter(&self) -> bool {
         // A closed gate is only read, so samplers bouncing off it never delay the serializer's
-        // wait for the count to drain.
-        if self.word.load(Ordering::Relaxed) & CLOSED != 0 {
+        // wait for the count to drain. Acquire, not Relaxed: seeing a gate closed must also show
+        // the serializer's earlier opening of the other gate. With a relaxed load a sampler may
+        // see both gates closed during a single flip and drop its sample (found by the loom
+        // model, `loom_model.rs`); the acquire costs nothing on x86.
+        if self.word.load(Ordering::Acquire) & CLOSED != 0 {
             return false;
         }
         // Acquire pairs with the serializer's release when it opened the gate (after resetting
