@@ -8,6 +8,8 @@
 pub mod error;
 mod gate;
 pub mod heap;
+#[cfg(all(test, loom))]
+mod loom_model;
 pub mod pprof;
 pub mod profile;
 pub mod sample_types;
