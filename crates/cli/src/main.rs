@@ -11,6 +11,12 @@ use clap::{Parser, Subcommand};
 
 use report::{CliError, FunctionTable};
 
+/// The demo profiles this very process: allocations go through the sampling allocator, which
+/// costs one relaxed load per allocation while no profiler runs (top, flamegraph, diff).
+#[global_allocator]
+static GLOBAL: ferroprof::SamplingAllocator<std::alloc::System> =
+    ferroprof::SamplingAllocator::new(std::alloc::System);
+
 #[derive(Parser)]
 #[command(
     name = "ferroprof",
