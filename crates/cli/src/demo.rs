@@ -185,7 +185,10 @@ fn list_profiles(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 /// The expected answer, checked against the profile; one line per check.
 fn report_profile(p: &ferroprof_pprof::Profile, file: &Path, n: usize) -> anyhow::Result<()> {
     let label = file.display().to_string();
-    let table = |name: &str| p.value_index(name).map(|i| FunctionTable::build(p, i));
+    let table = |name: &str| {
+        p.value_index(name)
+            .map(|i| FunctionTable::build_sites(p, i))
+    };
     for name in ["cpu-time", "wall-time", "alloc-samples", "heap-live-size"] {
         match table(name) {
             Some(t) => println!("\n{}", report::top_text(&t, n, false, &label).trim_end()),

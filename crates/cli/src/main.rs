@@ -45,6 +45,10 @@ enum Command {
         /// Sort by cumulative instead of flat value.
         #[arg(long)]
         cum: bool,
+        /// For allocation and heap types, charge flat values to leaf frames (inside the
+        /// allocator) instead of the allocation site.
+        #[arg(long)]
+        raw: bool,
     },
     /// Write an SVG flame graph of one sample type.
     Flamegraph {
@@ -99,10 +103,15 @@ fn run(cmd: Command) -> anyhow::Result<()> {
             sample_type,
             n,
             cum,
+            raw,
         } => {
             let p = report::load(&file)?;
             let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
-            let table = FunctionTable::build(&p, idx);
+            let table = if raw {
+                FunctionTable::build(&p, idx)
+            } else {
+                FunctionTable::build_sites(&p, idx)
+            };
             out.write_all(
                 report::top_text(&table, n, cum, &file.display().to_string()).as_bytes(),
             )?;
@@ -151,7 +160,10 @@ fn run(cmd: Command) -> anyhow::Result<()> {
             let ib = report::pick_type(&pb, sample_type.as_deref(), &b)?;
             let name = pb.sample_types().swap_remove(ib).0;
             let ia = report::pick_type(&pa, Some(&name), &a)?;
-            let (ta, tb) = (FunctionTable::build(&pa, ia), FunctionTable::build(&pb, ib));
+            let (ta, tb) = (
+                FunctionTable::build_sites(&pa, ia),
+                FunctionTable::build_sites(&pb, ib),
+            );
             if ta.unit != tb.unit {
                 return Err(CliError(format!(
                     "{name} is in {} in {} but in {} in {}",

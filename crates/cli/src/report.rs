@@ -71,12 +71,26 @@ pub struct FunctionTable {
     pub samples: usize,
     /// (function, flat, cum), unsorted.
     pub rows: Vec<(String, i64, i64)>,
+    /// Whether `flat` counts allocation sites rather than leaf frames.
+    pub sites: bool,
 }
 
 const NO_FRAMES: &str = "(no frames)";
 
 impl FunctionTable {
+    /// Leaf frames as they are.
     pub fn build(p: &Profile, index: usize) -> Self {
+        Self::build_with(p, index, false)
+    }
+
+    /// For allocation and heap types, `flat` goes to the allocation *site*: the first frame
+    /// outside the allocator machinery (see [`is_alloc_machinery`]); `cum` is unchanged.
+    pub fn build_sites(p: &Profile, index: usize) -> Self {
+        let name = p.sample_types().swap_remove(index).0;
+        Self::build_with(p, index, is_alloc_type(&name))
+    }
+
+    fn build_with(p: &Profile, index: usize, sites: bool) -> Self {
         let (type_name, unit) = p.sample_types().swap_remove(index);
         let mut flat: HashMap<String, i64> = HashMap::new();
         let mut cum: HashMap<String, i64> = HashMap::new();
@@ -90,7 +104,15 @@ impl FunctionTable {
             samples += 1;
             total = total.saturating_add(v);
             let names = p.stack_names(s);
-            let leaf = names.first().map(String::as_str).unwrap_or(NO_FRAMES);
+            let leaf_at = if sites {
+                names
+                    .iter()
+                    .position(|n| !is_alloc_machinery(n))
+                    .unwrap_or(0)
+            } else {
+                0
+            };
+            let leaf = names.get(leaf_at).map(String::as_str).unwrap_or(NO_FRAMES);
             *flat.entry(leaf.to_owned()).or_default() += v;
             // A recursive function counts once per sample in `cum`.
             let mut seen = HashSet::new();
@@ -116,6 +138,7 @@ impl FunctionTable {
             total,
             samples,
             rows,
+            sites,
         }
     }
 
@@ -140,6 +163,32 @@ impl FunctionTable {
             .map(|r| r.1)
             .unwrap_or(0)
     }
+}
+
+/// Sample types whose samples are taken inside the allocator.
+pub fn is_alloc_type(name: &str) -> bool {
+    name.starts_with("alloc-") || name.starts_with("heap-")
+}
+
+/// Frames of the allocation path itself (the profiler's allocator, Rust's `alloc`, `core`
+/// iterator plumbing, `std`), which sit above the function that asked for the memory.
+pub fn is_alloc_machinery(name: &str) -> bool {
+    const PREFIXES: &[&str] = &[
+        "ferroprof::alloc::",
+        "alloc::",
+        "core::",
+        "std::",
+        "__rust",
+        "__rdl_",
+        "__rg_",
+        "malloc",
+        "calloc",
+        "realloc",
+    ];
+    let path = name.strip_prefix('<').unwrap_or(name);
+    PREFIXES.iter().any(|p| path.starts_with(p))
+        || name.contains(" as alloc::")
+        || name.contains(" as core::")
 }
 
 /// A value in its unit: nanoseconds as time, bytes in binary units, counts as integers.
@@ -197,6 +246,12 @@ pub fn top_text(t: &FunctionTable, n: usize, by_cum: bool, label: &str) -> Strin
     if t.samples == 0 {
         let _ = writeln!(out, "  (no samples with a non-zero {} value)", t.type_name);
         return out;
+    }
+    if t.sites {
+        let _ = writeln!(
+            out,
+            "flat = allocation site: first frame outside the allocator (--raw: leaf frames)"
+        );
     }
     let rows = t.sorted(by_cum);
     let shown = rows.len().min(n);
@@ -353,6 +408,39 @@ mod tests {
             (rec.1, rec.2),
             (500_000_000, 500_000_000),
             "recursion counted once"
+        );
+    }
+
+    #[test]
+    fn allocation_sites_skip_the_allocator() {
+        let p = ferroprof_pprof::ProfileBuilder::new(&[("heap-live-size", "bytes")])
+            .sample(
+                &[
+                    "ferroprof::alloc::on_alloc",
+                    "<ferroprof::alloc::SamplingAllocator<A> as core::alloc::global::GlobalAlloc>::alloc",
+                    "alloc::raw_vec::RawVecInner<A>::try_allocate_in",
+                    "<u8 as alloc::vec::spec_from_elem::SpecFromElem>::from_elem",
+                    "app::load_cache",
+                    "main",
+                ],
+                &[1 << 20],
+                &[],
+            )
+            .build();
+        let sites = FunctionTable::build_sites(&p, 0);
+        assert_eq!(
+            sites.sorted(false)[0],
+            ("app::load_cache".to_owned(), 1 << 20, 1 << 20)
+        );
+        let raw = FunctionTable::build(&p, 0);
+        assert_eq!(raw.sorted(false)[0].0, "ferroprof::alloc::on_alloc");
+        // CPU types keep their leaf frames.
+        let q = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+            .sample(&["core::ptr::drop_in_place", "app::f"], &[5], &[])
+            .build();
+        assert_eq!(
+            FunctionTable::build_sites(&q, 0).sorted(false)[0].0,
+            "core::ptr::drop_in_place"
         );
     }
 
