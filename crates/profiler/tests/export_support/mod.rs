@@ -4,6 +4,8 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
@@ -464,4 +466,150 @@ pub fn captured_logs() -> Vec<String> {
         c
     });
     l.0.lock().unwrap().clone()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Datadog test agent (PyPI ddapm-test-agent)
+
+/// A running test agent; killed on drop.
+pub struct TestAgent {
+    child: Child,
+    pub port: u16,
+    pub socket: PathBuf,
+    dir: PathBuf,
+}
+
+pub fn agent_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("FERROPROF_DDAPM_TEST_AGENT") {
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Some(p);
+        }
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from)?;
+    let venv = home.join(".cache/ferroprof-test-tools/venv/bin/ddapm-test-agent");
+    if venv.is_file() {
+        return Some(venv);
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("ddapm-test-agent"))
+            .find(|p| p.is_file())
+    })
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl TestAgent {
+    /// Starts the agent, or returns `None` (after a loud message) when it is not installed and
+    /// this is not CI.
+    pub fn start(tag: &str) -> Option<TestAgent> {
+        let Some(bin) = agent_binary() else {
+            if std::env::var_os("CI").is_some() {
+                panic!("ddapm-test-agent is not installed (CI must run scripts/test-deps.sh)");
+            }
+            eprintln!(
+                "\n*** SKIPPING Datadog agent test: ddapm-test-agent not installed; \
+                 run `. scripts/test-deps.sh` to install it ***\n"
+            );
+            return None;
+        };
+        let dir =
+            std::env::temp_dir().join(format!("ferroprof-ddagent-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("apm.sock");
+        let port = free_port();
+        let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+        let mut cmd = Command::new(&bin);
+        cmd.current_dir(&dir)
+            .arg("--host")
+            .arg("127.0.0.1")
+            .arg("--port")
+            .arg(port.to_string())
+            .arg("--otlp-http-port")
+            .arg(free_port().to_string())
+            .arg("--otlp-grpc-port")
+            .arg(free_port().to_string())
+            .arg("--trace-uds-socket")
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        // The agent reads these to forward data elsewhere; this test keeps everything local.
+        for var in [
+            "DD_TRACE_AGENT_URL",
+            "DD_AGENT_URL",
+            "DD_API_KEY",
+            "DD_SITE",
+            "PORT",
+            "HOST",
+        ] {
+            cmd.env_remove(var);
+        }
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let mut agent = TestAgent {
+            child,
+            port,
+            socket,
+            dir,
+        };
+        let ready = wait_for(Duration::from_secs(90), || {
+            if let Ok(Some(status)) = agent.child.try_wait() {
+                panic!("test agent exited early ({status}):\n{}", agent.log());
+            }
+            let info = agent.get("/info").ok()?;
+            (info.contains("endpoints") && agent.socket.exists()).then_some(())
+        });
+        if ready.is_none() {
+            panic!("test agent not ready within 90 s:\n{}", agent.log());
+        }
+        Some(agent)
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn get(&self, path: &str) -> Result<String, ureq::Error> {
+        ureq::get(format!("{}{path}", self.url()))
+            .call()?
+            .body_mut()
+            .read_to_string()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    /// The profiling requests the agent recorded.
+    pub fn profiling_requests(&self) -> Vec<serde_json::Value> {
+        let body = self
+            .get("/test/session/requests")
+            .expect("GET /test/session/requests");
+        let all: Vec<serde_json::Value> = serde_json::from_str(&body).expect("requests JSON");
+        all.into_iter()
+            .filter(|r| {
+                r["url"]
+                    .as_str()
+                    .is_some_and(|u| u.ends_with("/profiling/v1/input"))
+            })
+            .collect()
+    }
+}
+
+impl Drop for TestAgent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
