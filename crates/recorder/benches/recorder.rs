@@ -147,6 +147,15 @@ fn bench_add(c: &mut Criterion) {
         })
     });
 
+    // --- raw addresses (what the Rust profiler records; no libdd equivalent) ---------------
+    let addrs: Vec<Frame<'_>> = (0..FRAMES as u64)
+        .map(|i| Frame::Address(0x5555_0000_0000 + i * 0x1234))
+        .collect();
+    let r = recorder();
+    g.bench_function("ferroprof/addresses/aggregated", |b| {
+        b.iter(|| r.record_sample(black_box(&addrs), &values, black_box(&labels), 0))
+    });
+
     // --- string frames, timestamped ----------------------------------------------------------
     let r = recorder();
     g.bench_function("ferroprof/strings/timestamped", |b| {

@@ -84,4 +84,61 @@ pub enum RecorderError {
     HeapDisabled,
     #[error("invalid configuration: {0}")]
     Config(String),
+    #[error("heap iteration stopped after {visited} live objects, before visiting all of them")]
+    HeapIterationIncomplete { visited: u64 },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pprof::Compression;
+
+    #[test]
+    fn messages_name_the_bad_value() {
+        let cases: Vec<(String, &str)> = vec![
+            (StringError::UnknownId(42).to_string(), "42"),
+            (StringError::Underflow(7).to_string(), "7"),
+            (
+                ProfileError::WrongValueCount {
+                    expected: 8,
+                    got: 3,
+                }
+                .to_string(),
+                "3 values",
+            ),
+            (
+                ProfileError::DuplicateLabelKey("thread id".into()).to_string(),
+                "\"thread id\"",
+            ),
+            (
+                ProfileError::StringLocalRootSpanId("123".into()).to_string(),
+                "\"123\"",
+            ),
+            (
+                ProfileError::TooManyFrames {
+                    got: 5000,
+                    limit: 3000,
+                }
+                .to_string(),
+                "5000",
+            ),
+            (ProfileError::NegativeTimestamp(-9).to_string(), "-9"),
+            (ProfileError::NoStringStorage(11).to_string(), "11"),
+            (
+                ProfileError::CompressionUnavailable(Compression::Zstd).to_string(),
+                "Zstd",
+            ),
+            (
+                RecorderError::Profile(ProfileError::NegativeTimestamp(-1)).to_string(),
+                "-1",
+            ),
+            (
+                RecorderError::HeapIterationIncomplete { visited: 12 }.to_string(),
+                "12",
+            ),
+        ];
+        for (msg, want) in cases {
+            assert!(msg.contains(want), "{msg:?} should contain {want:?}");
+        }
+    }
 }

@@ -427,6 +427,9 @@ struct KeyRec {
     labels: u32,
     /// Row in the aggregated table, or `NONE` until an untimestamped sample used this key.
     agg: u32,
+    /// The label set has an `end_timestamp_ns` label: fine untimestamped, an error with a
+    /// timestamp (checked here because a key hit skips the label validation).
+    has_ts_label: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -606,9 +609,10 @@ fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a == b
 }
 
-/// Folds a literal string into the sample-key hash. Only the length and up to 32 bytes at the
-/// ends are hashed: the hash merely picks candidates, equality is always verified in full, and
-/// symbol names that differ only in their middle still differ in line or in another frame.
+/// Folds a literal string into the sample-key hash. Strings up to 32 bytes are hashed whole;
+/// longer ones by their length, 16 bytes at each end and 8 in the middle. The hash merely picks
+/// candidates (equality is always verified in full), and hashing every byte of 36 symbol strings
+/// per sample would cost about as much as the rest of the add.
 #[inline]
 fn hash_lit(h: &mut foldhash::fast::FoldHasher<'static>, s: &str) {
     use std::hash::Hasher;
@@ -619,14 +623,13 @@ fn hash_lit(h: &mut foldhash::fast::FoldHasher<'static>, s: &str) {
         w.copy_from_slice(&b[i..i + 8]);
         u64::from_le_bytes(w)
     };
-    let (x, y) = if n >= 16 {
-        let (a, c) = (word(0), word(n - 8));
-        let (p, q) = if n >= 32 {
-            (word(8), word(n - 16))
-        } else {
-            (0, 0)
-        };
-        (a ^ p.rotate_left(23), c ^ q.rotate_left(41))
+    let (x, y) = if n > 16 {
+        // Overlapping reads cover every byte up to 32; beyond, the middle word adds coverage.
+        let mid = if n > 32 { word(n / 2 - 4) } else { 0 };
+        (
+            word(0) ^ word(8).rotate_left(23) ^ mid.rotate_left(47),
+            word(n - 8) ^ word(n - 16).rotate_left(41),
+        )
     } else if n >= 8 {
         (word(0), word(n - 8))
     } else {
@@ -825,6 +828,11 @@ impl Profile {
         let n = self.types.len();
         let k = t.keys[key as usize];
         if sample.end_timestamp_ns != 0 {
+            if k.has_ts_label {
+                return Err(ProfileError::ReservedLabelKey(
+                    END_TIMESTAMP_LABEL.to_owned(),
+                ));
+            }
             t.timed.push(TimedRec {
                 stack: k.stack,
                 labels: k.labels,
@@ -917,10 +925,15 @@ impl Profile {
                 return Ok(k);
             }
             check_table_len(t.keys.len(), "sample key")?;
+            let end_ts = t.preset.end_timestamp;
+            let has_ts_label = locs
+                .iter()
+                .any(|&l| t.labels.items[l as usize].key == end_ts);
             t.keys.push(KeyRec {
                 stack,
                 labels,
                 agg: NONE,
+                has_ts_label,
             });
             Ok(t.key_index.insert(hash))
         })();
@@ -946,8 +959,20 @@ impl Profile {
             if key == END_TIMESTAMP_LABEL && sample.end_timestamp_ns != 0 {
                 return Err(ProfileError::ReservedLabelKey(key.to_owned()));
             }
-            for other in &labels[..i] {
-                if text(t, r, other.key)? == key {
+            if labels.len() <= 16 {
+                for other in &labels[..i] {
+                    if text(t, r, other.key)? == key {
+                        return Err(ProfileError::DuplicateLabelKey(key.to_owned()));
+                    }
+                }
+            }
+        }
+        if labels.len() > 16 {
+            // Many labels: a set instead of comparing every pair.
+            let mut seen = std::collections::HashSet::with_capacity(labels.len());
+            for l in labels {
+                let key = text(t, r, l.key)?;
+                if !seen.insert(key) {
                     return Err(ProfileError::DuplicateLabelKey(key.to_owned()));
                 }
             }
@@ -1520,6 +1545,44 @@ mod tests {
     }
 
     #[test]
+    fn reserved_timestamp_label_is_checked_on_known_keys_too() {
+        let mut p = profile();
+        let f = [Frame::sym("f", "f.rs", 1)];
+        let l = [Label::num(END_TIMESTAMP_LABEL, 3)];
+        // Untimestamped, the label is the caller's own business.
+        add(&mut p, &f, &[1, 1], &l, 0);
+        let timed = Sample {
+            frames: &f,
+            values: &[1, 1],
+            labels: &l,
+            end_timestamp_ns: 9,
+        };
+        assert_eq!(
+            p.add(&timed),
+            Err(ProfileError::ReservedLabelKey(END_TIMESTAMP_LABEL.into()))
+        );
+        assert_eq!(p.sample_count(), 1);
+    }
+
+    #[test]
+    fn duplicate_keys_among_many_labels() {
+        let keys: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
+        let mut labels: Vec<Label<'_>> = keys.iter().map(|k| Label::num(k, 1)).collect();
+        let mut p = profile();
+        add(&mut p, &[], &[1, 1], &labels, 0);
+        labels.push(Label::str("k7", "again"));
+        assert_eq!(
+            p.add(&Sample {
+                frames: &[],
+                values: &[1, 1],
+                labels: &labels,
+                end_timestamp_ns: 0
+            }),
+            Err(ProfileError::DuplicateLabelKey("k7".into()))
+        );
+    }
+
+    #[test]
     fn ids_resolve_through_storage_and_aggregate_with_literals() {
         let st = Arc::new(StringStorage::new());
         let mut p = Profile::new(&TYPES, Some(st.clone()), t0());
@@ -1594,9 +1657,14 @@ mod tests {
 
     #[test]
     fn hash_collisions_never_merge_samples() {
-        // Same length, same 16 bytes at both ends: the sample-key hash sees the same bytes.
-        let a = format!("{}AAAA{}", "p".repeat(20), "s".repeat(20));
-        let b = format!("{}BBBB{}", "p".repeat(20), "s".repeat(20));
+        // 44 bytes differing only at byte 16, which the sample-key hash does not read.
+        let a = format!("{}A{}", "p".repeat(16), "s".repeat(27));
+        let b = format!("{}B{}", "p".repeat(16), "s".repeat(27));
+        assert_eq!(
+            sample_key_hash(&[Frame::sym(&a, "x.rs", 1)], &[]),
+            sample_key_hash(&[Frame::sym(&b, "x.rs", 1)], &[]),
+            "the test needs a real collision"
+        );
         let mut p = profile();
         for _ in 0..3 {
             add(&mut p, &[Frame::sym(&a, "x.rs", 1)], &[1, 0], &[], 0);

@@ -382,7 +382,9 @@ impl StackRecorder {
     ) -> Result<Result<(), RecorderError>, HeapError> {
         let mut failure: Option<ProfileError> = None;
         let n = self.layout.len();
+        let mut visited = 0u64;
         let completed = heap.for_each_live_object(&mut |obj, frames| {
+            visited += 1;
             let placed = self.layout.place(&SampleValues {
                 heap_live_samples: obj.weight as i64,
                 heap_live_size: (obj.size as i64).saturating_mul(obj.weight as i64),
@@ -421,9 +423,7 @@ impl StackRecorder {
         })?;
         Ok(match failure {
             Some(e) => Err(e.into()),
-            None if !completed => Err(RecorderError::Config(
-                "heap iteration stopped before visiting every live object".into(),
-            )),
+            None if !completed => Err(RecorderError::HeapIterationIncomplete { visited }),
             None => Ok(()),
         })
     }
