@@ -113,15 +113,19 @@ impl FunctionTable {
                 0
             };
             let leaf = names.get(leaf_at).map(String::as_str).unwrap_or(NO_FRAMES);
-            *flat.entry(leaf.to_owned()).or_default() += v;
+            // Saturating: a crafted file's values must not overflow into a panic (or wrap).
+            let f = flat.entry(leaf.to_owned()).or_default();
+            *f = f.saturating_add(v);
             // A recursive function counts once per sample in `cum`.
             let mut seen = HashSet::new();
             if names.is_empty() {
-                *cum.entry(NO_FRAMES.to_owned()).or_default() += v;
+                let c = cum.entry(NO_FRAMES.to_owned()).or_default();
+                *c = c.saturating_add(v);
             }
             for n in names {
                 if seen.insert(n.clone()) {
-                    *cum.entry(n).or_default() += v;
+                    let c = cum.entry(n).or_default();
+                    *c = c.saturating_add(v);
                 }
             }
         }
@@ -147,8 +151,8 @@ impl FunctionTable {
         let mut rows = self.rows.clone();
         rows.sort_by(|a, b| {
             let (ka, kb) = if by_cum { (a.2, b.2) } else { (a.1, b.1) };
-            kb.abs()
-                .cmp(&ka.abs())
+            kb.unsigned_abs()
+                .cmp(&ka.unsigned_abs())
                 .then(b.2.cmp(&a.2))
                 .then(a.0.cmp(&b.0))
         });
@@ -270,7 +274,7 @@ pub fn top_text(t: &FunctionTable, n: usize, by_cum: bool, label: &str) -> Strin
     );
     let mut sum = 0i64;
     for (f, flat, cum) in rows.iter().take(shown) {
-        sum += flat;
+        sum = sum.saturating_add(*flat);
         let _ = writeln!(
             out,
             "{:>11} {:>7} {:>7} {:>11} {:>7}  {f}",
@@ -288,7 +292,7 @@ pub fn top_text(t: &FunctionTable, n: usize, by_cum: bool, label: &str) -> Strin
 pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
     let unit = &b.unit;
     let mut out = String::new();
-    let delta_total = b.total - a.total;
+    let delta_total = b.total.saturating_sub(a.total);
     let rel = if a.total != 0 {
         format!(" ({:+.1}%)", delta_total as f64 * 100.0 / a.total as f64)
     } else {
@@ -310,7 +314,8 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
         .map(|f| (f, a.flat(f), b.flat(f)))
         .filter(|(_, x, y)| x != y)
         .collect();
-    rows.sort_by(|x, y| (y.2 - y.1).abs().cmp(&(x.2 - x.1).abs()).then(x.0.cmp(y.0)));
+    let change = |r: &(&str, i64, i64)| r.2.saturating_sub(r.1).unsigned_abs();
+    rows.sort_by(|x, y| change(y).cmp(&change(x)).then(x.0.cmp(y.0)));
     if rows.is_empty() {
         let _ = writeln!(out, "No per-function differences in flat {}.", b.type_name);
         return out;
@@ -330,7 +335,7 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
     );
     for (f, x, y) in rows.into_iter().take(shown) {
         let pct = if x != 0 {
-            format!("{:+.1}%", (y - x) as f64 * 100.0 / x as f64)
+            format!("{:+.1}%", (y as f64 - x as f64) * 100.0 / x as f64)
         } else {
             "new".to_owned()
         };
@@ -339,7 +344,7 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
             "{:>11} {:>11} {:>12} {:>8}  {f}",
             format_value(x, unit),
             format_value(y, unit),
-            signed(y - x, unit),
+            signed(y.saturating_sub(x), unit),
             pct
         );
     }
@@ -373,7 +378,8 @@ pub fn folded(p: &Profile, index: usize) -> Vec<String> {
             .map(|n| n.replace(';', ","))
             .collect::<Vec<_>>()
             .join(";");
-        *acc.entry(line).or_default() += v;
+        let a = acc.entry(line).or_default();
+        *a = a.saturating_add(v);
     }
     let mut lines: Vec<String> = acc.into_iter().map(|(k, v)| format!("{k} {v}")).collect();
     lines.sort();
