@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use export_support::*;
 use ferroprof::export::pyroscope::PyroscopeConfig;
-use ferroprof::export::queue::{Backend, ExportStats, QueueConfig, QueuedExporter};
+use ferroprof::export::queue::{
+    network_exporters_from_lookup, Backend, ExportStats, QueueConfig, QueuedExporter,
+};
 use ferroprof::export::{ExportError, ExportedProfile, Exporter};
 
 fn fast_queue() -> QueueConfig {
@@ -222,4 +224,30 @@ fn shutdown_flushes_the_queue() {
     // After shutdown nothing is accepted, but export still returns at once.
     exp.export(&p).unwrap();
     assert_eq!(exp.stats().dropped, 1);
+}
+
+#[test]
+fn environment_picks_the_network_exporters() {
+    let none = network_exporters_from_lookup(&|_| None).unwrap();
+    assert!(none.is_empty());
+    let env = |k: &str| match k {
+        "DD_PROFILING_ENABLED" => Some("true".to_owned()),
+        "DD_TRACE_AGENT_URL" => Some("http://127.0.0.1:9".to_owned()),
+        "FERROPROF_PYROSCOPE_URL" => Some("http://127.0.0.1:9".to_owned()),
+        _ => None,
+    };
+    let mut both = network_exporters_from_lookup(&env).unwrap();
+    let names: Vec<&str> = both.iter().map(|e| e.name()).collect();
+    assert_eq!(names, ["datadog", "pyroscope"]);
+    for e in &mut both {
+        e.shutdown(Duration::from_millis(100));
+    }
+    let bad = |k: &str| (k == "FERROPROF_DATADOG").then(|| "sometimes".to_owned());
+    let e = network_exporters_from_lookup(&bad)
+        .err()
+        .expect("bad boolean");
+    assert!(
+        e.to_string().contains("FERROPROF_DATADOG=\"sometimes\""),
+        "{e}"
+    );
 }

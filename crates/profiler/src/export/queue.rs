@@ -456,11 +456,19 @@ impl<B: Backend> Worker<B> {
 /// `DD_PROFILING_ENABLED` is true, Pyroscope when `FERROPROF_PYROSCOPE_URL` is set (see the README's
 /// "Configuration (environment)"). Started and ready to hand to the profiler builder.
 pub fn network_exporters_from_env() -> Result<Vec<Box<dyn Exporter>>, ExportError> {
+    network_exporters_from_lookup(&|k| std::env::var(k).ok())
+}
+
+/// [`network_exporters_from_env`] with a custom variable lookup (for tests).
+pub fn network_exporters_from_lookup(
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<Box<dyn Exporter>>, ExportError> {
     let mut out: Vec<Box<dyn Exporter>> = Vec::new();
-    if let Some(dd) = super::datadog::DatadogConfig::from_env_if_enabled()? {
+    if super::datadog::DatadogConfig::enabled_in(env)? {
+        let dd = super::datadog::DatadogConfig::from_lookup(env)?;
         out.push(Box::new(dd.build()?));
     }
-    if let Some(py) = super::pyroscope::PyroscopeConfig::from_env()? {
+    if let Some(py) = super::pyroscope::PyroscopeConfig::from_lookup(env)? {
         out.push(Box::new(py.build()?));
     }
     Ok(out)
