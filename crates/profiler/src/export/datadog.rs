@@ -298,6 +298,9 @@ impl DatadogBackend {
             }
         }
         let endpoint = config.target.endpoint();
+        if let Endpoint::Url(url) = &endpoint {
+            transport::check_tls_available(url)?;
+        }
         let hostname = config.hostname.clone().unwrap_or_else(hostname);
         Ok(DatadogBackend {
             config,

@@ -170,6 +170,7 @@ pub struct PyroscopeBackend {
 impl PyroscopeBackend {
     pub fn new(config: PyroscopeConfig) -> Result<Self, ExportError> {
         config.validate()?;
+        transport::check_tls_available(&config.url)?;
         Ok(PyroscopeBackend { config })
     }
 
@@ -389,6 +390,20 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("FERROPROF_PYROSCOPE_PASSWORD"), "{e}");
+    }
+
+    #[test]
+    fn https_needs_the_tls_feature() {
+        let r = PyroscopeBackend::new(PyroscopeConfig::new("https://profiles.example", "a"));
+        if cfg!(feature = "tls") {
+            assert!(r.is_ok());
+        } else {
+            let e = r.err().unwrap().to_string();
+            assert!(
+                e.contains("https://profiles.example") && e.contains("`tls` feature"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

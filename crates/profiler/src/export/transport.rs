@@ -60,6 +60,22 @@ pub fn post(
     }
 }
 
+/// Fails for an `https` URL when this build has no TLS (the `tls` feature), so the problem shows
+/// when the exporter is built rather than as an obscure error at every upload.
+pub fn check_tls_available(url: &str) -> Result<(), ExportError> {
+    if cfg!(feature = "tls")
+        || !url
+            .trim_start()
+            .to_ascii_lowercase()
+            .starts_with("https://")
+    {
+        return Ok(());
+    }
+    Err(ExportError::Config(format!(
+        "{url} needs HTTPS, but ferroprof was built without its `tls` feature"
+    )))
+}
+
 fn post_url(
     backend: &str,
     url: &str,
@@ -67,6 +83,7 @@ fn post_url(
     body: &Body,
     timeout: Duration,
 ) -> Result<Response, ExportError> {
+    check_tls_available(url)?;
     let config = ureq::Agent::config_builder()
         .timeout_global(Some(timeout))
         .http_status_as_error(false)
