@@ -520,6 +520,19 @@ impl TestAgent {
             );
             return None;
         };
+        // The ports come from binding port 0 and letting go, so another process can take one
+        // in between; the agent then exits at once, and a fresh set of ports is tried.
+        let mut last_log = String::new();
+        for attempt in 0..3 {
+            match Self::spawn_once(&bin, &format!("{tag}-{attempt}")) {
+                Ok(agent) => return Some(agent),
+                Err(log) => last_log = log,
+            }
+        }
+        panic!("test agent did not start in 3 attempts; last log:\n{last_log}");
+    }
+
+    fn spawn_once(bin: &std::path::Path, tag: &str) -> Result<TestAgent, String> {
         let dir =
             std::env::temp_dir().join(format!("ferroprof-ddagent-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -527,7 +540,7 @@ impl TestAgent {
         let socket = dir.join("apm.sock");
         let port = free_port();
         let log = std::fs::File::create(dir.join("agent.log")).unwrap();
-        let mut cmd = Command::new(&bin);
+        let mut cmd = Command::new(bin);
         cmd.current_dir(&dir)
             .arg("--host")
             .arg("127.0.0.1")
@@ -562,17 +575,21 @@ impl TestAgent {
             socket,
             dir,
         };
+        let mut exited = false;
         let ready = wait_for(Duration::from_secs(90), || {
-            if let Ok(Some(status)) = agent.child.try_wait() {
-                panic!("test agent exited early ({status}):\n{}", agent.log());
+            if let Ok(Some(_)) = agent.child.try_wait() {
+                exited = true;
+                return Some(false);
             }
+            // Our own socket existing tells our agent from anything else on the port.
             let info = agent.get("/info").ok()?;
-            (info.contains("endpoints") && agent.socket.exists()).then_some(())
+            (info.contains("endpoints") && agent.socket.exists()).then_some(true)
         });
-        if ready.is_none() {
-            panic!("test agent not ready within 90 s:\n{}", agent.log());
+        match ready {
+            Some(true) => Ok(agent),
+            _ if exited => Err(agent.log()),
+            _ => panic!("test agent not ready within 90 s:\n{}", agent.log()),
         }
-        Some(agent)
     }
 
     pub fn url(&self) -> String {
