@@ -12,3 +12,10 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
 cargo test --workspace
+
+# >>> reliability (issue 6): loom model of the slot protocol and a short run of each fuzz target
+# (skipped when cargo-fuzz is not installed). Conservation, soak, signal and corpus-replay short
+# runs are ordinary tests above. Long runs: scripts/reliability.sh all.
+echo "== reliability (short)"
+./scripts/reliability.sh ci
+# <<< reliability
