@@ -1,18 +1,21 @@
 //! Profiling across `fork`.
 //!
 //! A `pthread_atfork` triple, registered once:
-//! * *prepare* (parent, before fork): takes the profiler's own locks, so the child gets them in
-//!   a consistent state (a fork therefore waits for a serialization in progress);
-//! * *parent*: releases them;
+//! * *prepare* (parent, before fork): takes a reference to the running profiler. It takes no
+//!   lock: a lock taken there makes other threads block on it, and a thread blocked in
+//!   `parking_lot` at fork time leaves a stale entry in its global wait table;
+//! * *parent*: drops the reference;
 //! * *child* (the only thread left): forgets everything that belonged to threads that do not
 //!   exist in the child (reader counts, borrowed unwinder caches, pending signal requests, the
-//!   parent's thread handles), resets the recorder (`reset_after_fork`: both profiles emptied, so
-//!   the parent's samples are not reported twice), releases the locks and, unless disabled with
-//!   `restart_after_fork(false)`, starts fresh sampler and export threads.
+//!   parent's thread handles, locks they held, with the data those locks guarded replaced),
+//!   resets the recorder (`reset_after_fork`: both profiles emptied, so the parent's samples are
+//!   not reported twice) and, unless disabled with `restart_after_fork(false)`, starts fresh
+//!   sampler and export threads.
 //!
-//! A child that should not profile at all can call [`crate::ProfilerGuard::stop`] on its copy of
-//! the guard, or the program can build with `restart_after_fork(false)` and call
-//! [`after_fork`] only in the children that should profile.
+//! A child that should not profile can stop its copy of the guard, or the program builds with
+//! `restart_after_fork(false)` and calls [`after_fork`] in the children that should profile.
+//! Limit: a fork while another thread is blocked on a *contended* lock of the profiler or the
+//! recorder leaves that lock's `parking_lot` wait entry behind in the child.
 
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Once};
@@ -20,7 +23,7 @@ use std::sync::{Arc, Once};
 use crate::state::{self, Shared};
 
 static REGISTER: Once = Once::new();
-/// The profiler whose locks the prepare handler took, until parent/child release them.
+/// The running profiler at the time of the fork, from prepare to parent/child.
 static IN_FORK: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
 
 pub(crate) fn register() {
@@ -35,7 +38,6 @@ pub(crate) fn register() {
 extern "C" fn prepare() {
     crate::tls::with_guard(|| {
         if let Some(sh) = state::active_arc() {
-            sh.fork_lock_all();
             IN_FORK.store(Arc::into_raw(sh) as *mut Shared, Ordering::SeqCst);
         }
     });
@@ -43,13 +45,9 @@ extern "C" fn prepare() {
 
 extern "C" fn parent() {
     let p = IN_FORK.swap(std::ptr::null_mut(), Ordering::SeqCst);
-    if p.is_null() {
-        return;
-    }
-    // SAFETY: `p` came from Arc::into_raw in `prepare` on this thread, which also took the locks.
-    unsafe {
-        let sh = Arc::from_raw(p);
-        sh.fork_unlock_all();
+    if !p.is_null() {
+        // SAFETY: `p` came from Arc::into_raw in `prepare`.
+        drop(unsafe { Arc::from_raw(p) });
     }
 }
 
@@ -65,30 +63,13 @@ extern "C" fn child() {
         state::reset_current_tid();
         crate::unwind::after_fork_in_child();
         crate::sampler::after_fork_in_child();
-        reset_shared(&sh);
-        // SAFETY: the prepare handler took these locks in the parent; this is the only thread.
-        unsafe { sh.fork_unlock_all() };
+        // SAFETY: this is the forked child's only thread.
+        unsafe { sh.after_fork_in_child() };
+        sh.recorder.reset_after_fork();
         if sh.settings.restart_after_fork && !sh.stopping.load(Ordering::SeqCst) {
             let _ = crate::profiler::spawn_threads(&sh);
         }
     });
-}
-
-/// Resets what the child inherited while the locks are held (by the child's only thread).
-fn reset_shared(sh: &Shared) {
-    sh.recorder.reset_after_fork();
-    // SAFETY: the locks are held by this thread since prepare; reach the data without relocking.
-    unsafe {
-        let threads = &mut *sh.threads.data_ptr();
-        // Handles of the parent's threads: joining them in the child would wait forever.
-        std::mem::forget(threads.sampler.take());
-        std::mem::forget(threads.export.take());
-        (*sh.taps_ptr()).clear();
-    }
-    sh.reset_tap_count();
-    for t in &sh.own_tids {
-        t.store(0, Ordering::SeqCst);
-    }
 }
 
 /// Restarts profiling in a forked child when the profiler was built with

@@ -458,9 +458,6 @@ fn join_threads(shared: &Shared) {
     }
 }
 
-static FLUSH_REQUESTED: AtomicU64 = AtomicU64::new(0);
-static FLUSH_DONE: AtomicU64 = AtomicU64::new(0);
-
 fn export_loop(sh: &Arc<Shared>) {
     let period = sh.settings.period;
     let mut next = std::time::Instant::now() + period;
@@ -471,13 +468,12 @@ fn export_loop(sh: &Arc<Shared>) {
         if stopping {
             break;
         }
-        let requested = FLUSH_REQUESTED.load(Ordering::SeqCst);
-        let flush = requested > FLUSH_DONE.load(Ordering::SeqCst);
+        let requested = sh.flush_requested.load(Ordering::SeqCst);
+        let flush = requested > sh.flush_done.load(Ordering::SeqCst);
         if flush || std::time::Instant::now() >= next {
             let _ = export_once(sh);
             if flush {
-                FLUSH_DONE.store(requested, Ordering::SeqCst);
-                sh.wake_all();
+                sh.flush_done.store(requested, Ordering::SeqCst);
             }
             if std::time::Instant::now() >= next {
                 next += period;
@@ -486,7 +482,8 @@ fn export_loop(sh: &Arc<Shared>) {
     }
     // The last profile, then give the exporters a chance to deliver what they hold.
     let _ = export_once(sh);
-    FLUSH_DONE.store(FLUSH_REQUESTED.load(Ordering::SeqCst), Ordering::SeqCst);
+    sh.flush_done
+        .store(sh.flush_requested.load(Ordering::SeqCst), Ordering::SeqCst);
     let mut exporters = sh.exporters.lock();
     for e in exporters.iter_mut() {
         e.shutdown(Duration::from_secs(5));
@@ -612,16 +609,14 @@ impl ProfilerGuard {
         }
         let errors_before = self.shared.stats.export_errors.load(Ordering::SeqCst)
             + self.shared.stats.serialize_errors.load(Ordering::SeqCst);
-        let ticket = FLUSH_REQUESTED.fetch_add(1, Ordering::SeqCst) + 1;
+        let ticket = self.shared.flush_requested.fetch_add(1, Ordering::SeqCst) + 1;
         self.shared.wake_all();
-        let mut g = self.shared.wake_lock.lock();
-        while FLUSH_DONE.load(Ordering::SeqCst) < ticket {
+        while self.shared.flush_done.load(Ordering::SeqCst) < ticket {
             if self.shared.stopping.load(Ordering::SeqCst) {
                 return Err(ProfilerError::Stopped);
             }
-            let _ = self.shared.wake.wait_for(&mut g, Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(2));
         }
-        drop(g);
         let errors_after = self.shared.stats.export_errors.load(Ordering::SeqCst)
             + self.shared.stats.serialize_errors.load(Ordering::SeqCst);
         if errors_after > errors_before {

@@ -119,10 +119,20 @@ pub(crate) fn install_handler(sig: i32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// In a forked child: the process id changed.
+/// In a forked child: the process id changed, and requests in flight were addressed to threads
+/// of the parent; the slots are free again (no other thread exists to answer them).
 pub(crate) fn after_fork_in_child() {
     // SAFETY: getpid has no preconditions.
     PID.store(unsafe { libc::getpid() }, Ordering::SeqCst);
+    for s in SLOTS.iter() {
+        let p = s.load(Ordering::Acquire);
+        if !p.is_null() {
+            // SAFETY: published slots are never freed.
+            let slot = unsafe { &*p };
+            slot.seq.fetch_add(1, Ordering::AcqRel);
+            slot.state.store(IDLE, Ordering::Release);
+        }
+    }
 }
 
 extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use ferroprof_recorder::StackRecorder;
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 
 use crate::export::Exporter;
 use crate::settings::Settings;
@@ -74,11 +74,11 @@ pub(crate) struct Shared {
     pub threads: Mutex<Threads>,
     /// Set when stopping; the sampler and export threads exit.
     pub stopping: AtomicBool,
-    /// Wakes the export thread early (stop, flush).
-    pub wake: Condvar,
-    pub wake_lock: Mutex<()>,
     /// Kernel ids of the profiler's own threads (not sampled).
     pub own_tids: [AtomicI32; 2],
+    /// Flush tickets asked for / served by the export thread.
+    pub flush_requested: AtomicU64,
+    pub flush_done: AtomicU64,
 }
 
 impl Shared {
@@ -99,9 +99,9 @@ impl Shared {
             serialize_lock: Mutex::new(()),
             threads: Mutex::new(Threads::default()),
             stopping: AtomicBool::new(false),
-            wake: Condvar::new(),
-            wake_lock: Mutex::new(()),
             own_tids: [AtomicI32::new(0), AtomicI32::new(0)],
+            flush_requested: AtomicU64::new(0),
+            flush_done: AtomicU64::new(0),
         }
     }
 
@@ -142,51 +142,74 @@ impl Shared {
         self.tap_count.store(taps.len(), Ordering::Release);
     }
 
-    /// The tap list, for the fork child handler that already holds its lock.
-    pub fn taps_ptr(&self) -> *mut Vec<Arc<Tap>> {
-        self.taps.data_ptr()
+    /// Whether a flush was asked for and not done yet.
+    pub fn flush_pending(&self) -> bool {
+        self.flush_requested.load(Ordering::SeqCst) > self.flush_done.load(Ordering::SeqCst)
     }
 
-    pub fn reset_tap_count(&self) {
-        self.tap_count.store(0, Ordering::Release);
-    }
-
-    /// Sleeps up to `d` unless woken (stop or flush). Returns true when stopping.
+    /// Sleeps (the export thread) up to `d` unless woken by a stop or a flush. Returns true
+    /// when stopping. Thread parking is per thread (no lock, no shared wait queue), so a fork
+    /// while the export thread sleeps leaves nothing behind for the child to trip on; an
+    /// `unpark` before the sleep makes it return at once, so no wake-up is lost.
     pub fn wait(&self, d: Duration) -> bool {
-        let mut g = self.wake_lock.lock();
-        if self.stopping.load(Ordering::SeqCst) {
-            return true;
+        if !(self.stopping.load(Ordering::SeqCst) || self.flush_pending()) {
+            std::thread::park_timeout(d);
         }
-        let _ = self.wake.wait_for(&mut g, d);
         self.stopping.load(Ordering::SeqCst)
     }
 
+    /// Wakes the export thread.
     pub fn wake_all(&self) {
-        let _g = self.wake_lock.lock();
-        self.wake.notify_all();
+        let t = self
+            .threads
+            .lock()
+            .export
+            .as_ref()
+            .map(|h| h.thread().clone());
+        if let Some(t) = t {
+            t.unpark();
+        }
     }
 
-    /// Locks held across `fork` so the child finds them consistent (see `crate::fork`).
-    pub fn fork_lock_all(&self) {
-        std::mem::forget(self.serialize_lock.lock());
-        std::mem::forget(self.symbolizer.lock());
-        std::mem::forget(self.exporters.lock());
-        std::mem::forget(self.taps.write());
-        std::mem::forget(self.threads.lock());
-    }
-
-    /// Releases what [`Self::fork_lock_all`] took.
+    /// In a forked child (the only thread): the locks of threads that no longer exist are
+    /// released, and what they might have left half-updated is replaced (the old values are
+    /// leaked, never walked).
     ///
     /// # Safety
-    /// Only after `fork_lock_all` on this thread (or, in a forked child, in the only thread).
-    pub unsafe fn fork_unlock_all(&self) {
-        // SAFETY: each lock was acquired by fork_lock_all and its guard forgotten.
+    /// Only in a forked child, before any other thread exists.
+    pub unsafe fn after_fork_in_child(&self) {
+        // SAFETY: no other thread exists; a held lock belongs to a thread that died in the fork.
         unsafe {
-            self.threads.force_unlock();
-            self.taps.force_unlock_write();
-            self.exporters.force_unlock();
-            self.symbolizer.force_unlock();
-            self.serialize_lock.force_unlock();
+            if self.threads.is_locked() {
+                self.threads.force_unlock();
+            }
+            let threads = &mut *self.threads.data_ptr();
+            // Handles of the parent's threads: joining them in the child would wait forever.
+            std::mem::forget(threads.sampler.take());
+            std::mem::forget(threads.export.take());
+            if self.taps.is_locked() {
+                self.taps.force_unlock_write();
+                std::mem::forget(std::ptr::read(self.taps.data_ptr()));
+                std::ptr::write(self.taps.data_ptr(), Vec::new());
+            } else {
+                (*self.taps.data_ptr()).clear();
+            }
+            self.tap_count.store(0, Ordering::Release);
+            if self.symbolizer.is_locked() {
+                self.symbolizer.force_unlock();
+                std::mem::forget(std::ptr::read(self.symbolizer.data_ptr()));
+                std::ptr::write(self.symbolizer.data_ptr(), ProcessSymbolizer::new());
+            }
+            if self.serialize_lock.is_locked() {
+                self.serialize_lock.force_unlock();
+            }
+            if self.exporters.is_locked() {
+                // Mid-export in the parent: the exporters' own state is theirs to keep sane.
+                self.exporters.force_unlock();
+            }
+        }
+        for t in &self.own_tids {
+            t.store(0, Ordering::SeqCst);
         }
     }
 }

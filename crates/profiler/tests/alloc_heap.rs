@@ -268,3 +268,38 @@ fn the_profilers_own_allocations_are_never_sampled() {
         "the application's allocations are sampled ({app})"
     );
 }
+
+#[test]
+fn allocation_capture_sees_its_window_without_stealing() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Collect::default();
+    let guard = Profiler::builder()
+        .profiles(alloc_heap())
+        .alloc_interval_bytes(INTERVAL)
+        .period(Duration::from_secs(600))
+        .exporter(Box::new(c.clone()))
+        .start()
+        .unwrap();
+    let src = guard.profile_source();
+    let capture = std::thread::spawn(move || src.allocs_profile(Duration::from_millis(400)));
+    // Churn before, during and after the capture window.
+    let t0 = std::time::Instant::now();
+    let mut calls = 0usize;
+    while t0.elapsed() < Duration::from_millis(800) {
+        churn(1000);
+        calls += 1000;
+    }
+    let bytes = capture.join().unwrap().expect("allocs capture");
+    guard.stop().unwrap();
+    let tap = ferroprof_pprof::decode(&bytes).unwrap();
+    let in_window = sum_where(&tap, "alloc-samples", |p, s| has_fn(p, s, "churn"));
+    let ps = c.decoded();
+    let total = sum_all(&ps, "alloc-samples", |p, s| has_fn(p, s, "churn"));
+    eprintln!("churn allocations {calls}: exported estimate {total}, 400 ms window {in_window}");
+    assert!(in_window > 0 && in_window < total);
+    assert!(
+        (total as f64 / calls as f64 - 1.0).abs() < 0.1,
+        "the periodic profile keeps every sample: {total} vs {calls}"
+    );
+    assert!(tap.value_index("heap-live-size").is_none());
+}

@@ -1,0 +1,79 @@
+//! Profiling across fork: the child starts from empty profiles (the parent's samples are not
+//! reported twice), keeps profiling with fresh threads, and the parent is unaffected.
+
+mod profiler_support;
+
+use std::time::{Duration, Instant};
+
+use ferroprof::{Profiler, Profiles};
+use profiler_support::*;
+
+#[inline(never)]
+fn parent_work(d: Duration) -> u64 {
+    let end = Instant::now() + d;
+    let mut x = 3u64;
+    while Instant::now() < end {
+        x = std::hint::black_box(x.rotate_left(3).wrapping_mul(7));
+    }
+    x
+}
+
+#[inline(never)]
+fn child_work(d: Duration) -> u64 {
+    let end = Instant::now() + d;
+    let mut x = 5u64;
+    while Instant::now() < end {
+        x = std::hint::black_box(x.rotate_left(5).wrapping_mul(11));
+    }
+    x
+}
+
+#[test]
+fn a_forked_child_profiles_itself_from_empty_profiles() {
+    let c = Collect::default();
+    let guard = Profiler::builder()
+        .profiles(Profiles {
+            cpu: true,
+            wall: false,
+            alloc: false,
+            heap: false,
+        })
+        .period(Duration::from_secs(600))
+        .exporter(Box::new(c.clone()))
+        .start()
+        .unwrap();
+    parent_work(Duration::from_millis(500));
+
+    // SAFETY: the child only runs the profiler's code and ours, then leaves with _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        child_work(Duration::from_millis(500));
+        let ok = guard.stop().is_ok() && {
+            let ps = c.decoded();
+            let child = sum_all(&ps, "cpu-time", |p, s| has_fn(p, s, "child_work"));
+            let parent = sum_all(&ps, "cpu-time", |p, s| has_fn(p, s, "parent_work"));
+            // The child's only profile: its own work, none of the parent's.
+            eprintln!(
+                "child: {} profiles, child_work {child} ns, parent_work {parent} ns",
+                ps.len()
+            );
+            ps.len() == 1 && child > 100_000_000 && parent == 0
+        };
+        // SAFETY: leave the child without running the test harness's exit path.
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "child crashed: status {status}");
+    assert_eq!(libc::WEXITSTATUS(status), 0, "child's profile is wrong");
+
+    parent_work(Duration::from_millis(200));
+    guard.stop().unwrap();
+    let ps = c.decoded();
+    let parent = sum_all(&ps, "cpu-time", |p, s| has_fn(p, s, "parent_work"));
+    let child = sum_all(&ps, "cpu-time", |p, s| has_fn(p, s, "child_work"));
+    assert!(parent > 400_000_000, "parent cpu {parent}");
+    assert_eq!(child, 0, "the child's samples stay in the child");
+}
