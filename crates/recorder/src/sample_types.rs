@@ -269,7 +269,10 @@ mod tests {
 
     #[test]
     fn names_and_units_match_the_seed() {
-        let got: Vec<(&str, &str)> = SampleType::ALL.iter().map(|t| (t.name(), t.unit())).collect();
+        let got: Vec<(&str, &str)> = SampleType::ALL
+            .iter()
+            .map(|t| (t.name(), t.unit()))
+            .collect();
         assert_eq!(
             got,
             vec![
