@@ -13,6 +13,7 @@ mod loom_model;
 pub mod pprof;
 pub mod profile;
 pub mod sample_types;
+mod spin;
 pub mod stack_recorder;
 pub mod strings;
 mod sync;

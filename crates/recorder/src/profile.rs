@@ -686,7 +686,7 @@ fn sample_key_hash(frames: &[Frame<'_>], labels: &[Label<'_>]) -> u64 {
 /// the sample names an id the profile has not cached.
 struct Resolver<'s> {
     has_storage: bool,
-    guard: Option<parking_lot::MutexGuard<'s, StorageTable>>,
+    guard: Option<crate::spin::SpinGuard<'s, StorageTable>>,
 }
 
 impl<'s> Resolver<'s> {

@@ -14,14 +14,13 @@
 
 use std::time::{Instant, SystemTime};
 
-use parking_lot::Mutex;
-
 use crate::error::{HeapError, ProfileError, RecorderError};
 use crate::gate::Gate;
 use crate::heap::{HeapConfig, HeapRecorder, HeapStats};
 use crate::pprof::{Compression, EncodeOptions, EncodedProfile, Symbolizer};
 use crate::profile::{Frame, Label, LabelValue, Profile, Sample, Str};
 use crate::sample_types::{SampleLayout, SampleTypeConfig, SampleValues};
+use crate::spin::{SpinGuard, SpinLock};
 use crate::strings::{StringId, StringStorage};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -94,7 +93,7 @@ impl SlotData {
 
 struct Slot {
     gate: Gate,
-    data: Mutex<SlotData>,
+    data: SpinLock<SlotData>,
 }
 
 /// The serializer's bookkeeping; its mutex also makes serializations run one at a time.
@@ -121,10 +120,10 @@ pub struct StackRecorder {
     strings: Arc<StringStorage>,
     heap: Option<HeapRecorder>,
     slots: [Slot; 2],
-    serializer: Mutex<SerializerState>,
+    serializer: SpinLock<SerializerState>,
     /// Mirror of `SerializerState::active_slot` readable while a serialization runs.
     active_slot: AtomicU8,
-    lifetime: Mutex<LifetimeStats>,
+    lifetime: SpinLock<LifetimeStats>,
 }
 
 impl StackRecorder {
@@ -147,7 +146,7 @@ impl StackRecorder {
         let start = SystemTime::now();
         let slot = |open: bool| Slot {
             gate: Gate::new(open),
-            data: Mutex::new(SlotData {
+            data: SpinLock::new(SlotData {
                 profile: Profile::new(layout.types(), Some(strings.clone()), start),
                 recorded_samples: 0,
             }),
@@ -160,9 +159,9 @@ impl StackRecorder {
             strings,
             heap,
             slots,
-            serializer: Mutex::new(SerializerState { active_slot: 1 }),
+            serializer: SpinLock::new(SerializerState { active_slot: 1 }),
             active_slot: AtomicU8::new(1),
-            lifetime: Mutex::new(LifetimeStats::default()),
+            lifetime: SpinLock::new(LifetimeStats::default()),
         })
     }
 
@@ -289,7 +288,7 @@ impl StackRecorder {
         &self,
         symbolizer: Option<&mut dyn Symbolizer>,
     ) -> Result<SerializedProfile, RecorderError> {
-        let mut ser = self.serializer.lock();
+        let mut ser = self.serializer.lock_long();
         let finish = SystemTime::now();
         let active = ser.active_slot;
         let (old, next) = if active == 1 {
@@ -437,9 +436,11 @@ impl StackRecorder {
 
     /// In a forked child, before profiling restarts: slot 1 active, both profiles empty.
     ///
-    /// The fork may have caught another thread inside a slot or a serialization; that thread
-    /// does not exist in the child, so whatever it held is released by force. Call this only
-    /// when no other thread uses the recorder (as in a freshly forked child).
+    /// Best when the fork was bracketed by [`Self::before_fork`] (then nothing was caught
+    /// half-way). Otherwise the fork may have caught another thread inside a slot or a
+    /// serialization; that thread does not exist in the child, so what it held is released by
+    /// force and a profile it was changing is leaked, never read. Call this only when no other
+    /// thread uses the recorder (as in a freshly forked child).
     pub fn reset_after_fork(&self) {
         let start = SystemTime::now();
         for slot in &self.slots {
@@ -461,9 +462,50 @@ impl StackRecorder {
         ser.active_slot = 1;
         self.active_slot.store(1, Ordering::Relaxed);
         drop(ser);
+        let (lifetime, _) = lock_abandoned(&self.lifetime);
+        drop(lifetime);
         if let Some(heap) = &self.heap {
             heap.after_fork();
         }
+    }
+
+    /// Fork preparation (a `pthread_atfork` prepare handler): waits for a running
+    /// serialization, closes both slots to samplers and waits for those inside to leave, and
+    /// holds the string storage, so the fork cannot catch any of them half-way through an
+    /// update. Samplers calling meanwhile get [`RecorderError::NoActiveSlot`]; they never wait.
+    /// Must be followed, in the same thread, by [`Self::after_fork_in_parent`] in the parent and
+    /// [`Self::after_fork_in_child`] in the child. (The heap recorder's own locks are not
+    /// covered.)
+    pub fn before_fork(&self) {
+        // Kept (guard forgotten) until after the fork; released with a plain store then.
+        std::mem::forget(self.serializer.lock_long());
+        for slot in &self.slots {
+            slot.gate.close();
+        }
+        for slot in &self.slots {
+            slot.gate.wait_empty();
+        }
+        self.strings.lock_for_fork();
+    }
+
+    /// In the parent after a fork prepared by [`Self::before_fork`]: reopens the active slot.
+    pub fn after_fork_in_parent(&self) {
+        self.strings.unlock_after_fork();
+        let active = self.active_slot.load(Ordering::Relaxed);
+        self.slots[usize::from(active == 2)].gate.open();
+        // SAFETY: `before_fork`, in this thread, took the serializer lock and forgot its guard;
+        // no guard of it exists until this release.
+        unsafe { self.serializer.force_unlock() };
+    }
+
+    /// In the child after a fork prepared by [`Self::before_fork`]: [`Self::reset_after_fork`]
+    /// plus releasing what the preparation held.
+    pub fn after_fork_in_child(&self) {
+        self.strings.unlock_after_fork();
+        // SAFETY: `before_fork`, in this thread, took the serializer lock and forgot its guard;
+        // `reset_after_fork` below takes and releases it normally afterwards.
+        unsafe { self.serializer.force_unlock() };
+        self.reset_after_fork();
     }
 
     /// Testing aid: 1 or 2.
@@ -509,17 +551,17 @@ fn elapsed_ns(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// Locks a mutex whose owner may have vanished in a fork; `true` when it had to be forced.
-fn lock_abandoned<T>(m: &Mutex<T>) -> (parking_lot::MutexGuard<'_, T>, bool) {
-    if let Some(g) = m.try_lock() {
+/// Locks a lock whose holder may have vanished in a fork; `true` when it had to be forced.
+fn lock_abandoned<T>(l: &SpinLock<T>) -> (SpinGuard<'_, T>, bool) {
+    if let Some(g) = l.try_lock() {
         return (g, false);
     }
     // SAFETY: only reached from `reset_after_fork`, whose contract is that no other thread uses
     // the recorder: the lock is held by a thread of the parent process that does not exist in
-    // this child and will never unlock it. Releasing it on its behalf is what re-initialising
-    // the mutex would do; the data it guarded is reset right after.
-    unsafe { m.force_unlock() };
-    (m.lock(), true)
+    // this child, so no guard of it will ever be used here; the caller never reads the data a
+    // vanished holder may have been changing.
+    unsafe { l.force_unlock() };
+    (l.lock(), true)
 }
 
 #[cfg(test)]
@@ -645,6 +687,62 @@ mod tests {
         if let Err(e) = built {
             assert!(matches!(e, RecorderError::Config(m) if m.contains("Zstd")));
         }
+    }
+
+    #[test]
+    fn fork_hooks_in_the_parent() {
+        let r = StackRecorder::new(no_heap()).unwrap();
+        r.serialize(None).unwrap();
+        one(&r, 1);
+        r.before_fork();
+        assert!(r.is_slot_locked(1) && r.is_slot_locked(2));
+        assert!(r.serializer.try_lock().is_none());
+        // Samplers are turned away, not kept waiting.
+        let err = r
+            .record_sample(&[], &SampleValues::default(), &[], 0)
+            .unwrap_err();
+        assert_eq!(err, RecorderError::NoActiveSlot { active_slot: 2 });
+        r.after_fork_in_parent();
+        assert_eq!(r.active_slot(), 2);
+        assert!(r.is_slot_locked(1) && !r.is_slot_locked(2));
+        one(&r, 2);
+        let p = r.serialize(None).unwrap();
+        let d = ferroprof_pprof::decode(&p.encoded.bytes).unwrap();
+        assert_eq!(d.total("cpu-samples"), Some(3));
+    }
+
+    #[test]
+    fn fork_hooks_in_the_child() {
+        let r = StackRecorder::new(no_heap()).unwrap();
+        r.serialize(None).unwrap();
+        one(&r, 1);
+        r.strings().intern("kept").unwrap();
+        r.before_fork();
+        r.after_fork_in_child();
+        assert_eq!(r.active_slot(), 1);
+        assert!(!r.is_slot_locked(1) && r.is_slot_locked(2));
+        assert_eq!(r.strings().len(), 1);
+        let p = r.serialize(None).unwrap();
+        assert_eq!(p.stats.recorded_samples, 0);
+        one(&r, 4);
+        let p = r.serialize(None).unwrap();
+        let d = ferroprof_pprof::decode(&p.encoded.bytes).unwrap();
+        assert_eq!(d.total("cpu-samples"), Some(4));
+    }
+
+    #[test]
+    fn fork_reset_leaks_a_profile_caught_mid_update() {
+        let r = StackRecorder::new(no_heap()).unwrap();
+        one(&r, 1);
+        // As if a sampler of the parent held slot 1's data lock when the fork happened.
+        std::mem::forget(r.slots[0].data.lock());
+        std::mem::forget(r.lifetime.lock());
+        r.reset_after_fork();
+        one(&r, 2);
+        let p = r.serialize(None).unwrap();
+        let d = ferroprof_pprof::decode(&p.encoded.bytes).unwrap();
+        assert_eq!(d.total("cpu-samples"), Some(2));
+        assert_eq!(r.stats().lifetime.serialization_successes, 1);
     }
 
     #[test]

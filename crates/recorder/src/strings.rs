@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, MutexGuard};
+use crate::spin::{SpinGuard, SpinLock};
 
 use crate::error::StringError;
 
@@ -162,12 +162,31 @@ impl Table {
 }
 
 /// Thread-safe refcounted string table.
-#[derive(Debug, Default)]
 pub struct StringStorage {
-    table: Mutex<Table>,
+    /// A spin lock rather than a parking one so a forked child can always take it back (see
+    /// `crate::spin`); it is held for one lookup or insert at a time.
+    table: SpinLock<Table>,
     /// Mirrors the generation outside the lock so profiles can validate their id caches with a
     /// single atomic load.
     generation: AtomicU64,
+}
+
+impl Default for StringStorage {
+    fn default() -> Self {
+        StringStorage {
+            table: SpinLock::new(Table::default()),
+            generation: AtomicU64::new(0),
+        }
+    }
+}
+
+impl std::fmt::Debug for StringStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StringStorage")
+            .field("len", &self.len())
+            .field("generation", &self.generation())
+            .finish()
+    }
 }
 
 impl StringStorage {
@@ -308,8 +327,21 @@ impl StringStorage {
     }
 
     /// Locks the table for a batch of reads (profiles resolve many ids at once).
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Table> {
+    pub(crate) fn lock(&self) -> SpinGuard<'_, Table> {
         self.table.lock()
+    }
+
+    /// Fork preparation: takes the lock and keeps it (no guard) until
+    /// [`Self::unlock_after_fork`], so a fork never catches the table half-way through an update.
+    pub(crate) fn lock_for_fork(&self) {
+        std::mem::forget(self.table.lock());
+    }
+
+    /// Releases the lock taken by [`Self::lock_for_fork`], in the parent or in the child.
+    pub(crate) fn unlock_after_fork(&self) {
+        // SAFETY: `lock_for_fork` forgot its guard, so no guard of this lock exists; the
+        // thread that took it (the forking one) is the one releasing it.
+        unsafe { self.table.force_unlock() };
     }
 }
 
@@ -453,6 +485,15 @@ mod tests {
         // Ids are recycled: never more than one round's worth of entries.
         assert!(s.lock().entries.len() <= 101);
         assert!(s.memory_bytes() > 0);
+    }
+
+    #[test]
+    fn fork_lock_is_held_until_released() {
+        let s = StringStorage::new();
+        s.lock_for_fork();
+        assert!(s.table.try_lock().is_none());
+        s.unlock_after_fork();
+        assert_eq!(s.intern("after").unwrap().value(), 1);
     }
 
     #[test]

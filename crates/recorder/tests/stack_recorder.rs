@@ -433,10 +433,12 @@ fn two_samplers_and_a_serializer_lose_no_sample() {
         .unwrap(),
     );
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let samplers: Vec<_> = (0..2)
         .map(|t| {
             let r = r.clone();
             let stop = stop.clone();
+            let started = started.clone();
             std::thread::spawn(move || {
                 let names = ["a", "b", "c"];
                 let (mut recorded, mut dropped, mut i) = (0i64, 0u64, 0i64);
@@ -447,14 +449,20 @@ fn two_samplers_and_a_serializer_lose_no_sample() {
                         Frame::sym("main", "m.rs", 1),
                     ];
                     let labels = [Label::num("thread id", t)];
-                    let ts = if i % 7 == 0 { i } else { 0 };
+                    // Some timestamped samples, not so many that encoding them dominates.
+                    let ts = if i % 101 == 0 { i } else { 0 };
                     let v = SampleValues {
                         cpu_or_wall_samples: 1,
                         wall_time_ns: i % 1000,
                         ..Default::default()
                     };
                     match r.record_sample(&frames, &v, &labels, ts) {
-                        Ok(()) => recorded += i % 1000,
+                        Ok(()) => {
+                            recorded += i % 1000;
+                            if i == 1 {
+                                started.fetch_add(1, std::sync::atomic::Ordering::Release);
+                            }
+                        }
                         Err(RecorderError::NoActiveSlot { .. }) => dropped += 1,
                         Err(e) => panic!("{e}"),
                     }
@@ -463,11 +471,17 @@ fn two_samplers_and_a_serializer_lose_no_sample() {
             })
         })
         .collect();
+    // Both samplers are recording before the serializations start.
+    while started.load(std::sync::atomic::Ordering::Acquire) < 2 {
+        std::thread::yield_now();
+    }
     let mut seen = 0i64;
     let mut samples = 0u64;
+    let mut nonempty = 0;
     for _ in 0..SERIALIZATIONS {
         let p = r.serialize(None).unwrap();
         samples += p.stats.recorded_samples;
+        nonempty += usize::from(p.stats.recorded_samples > 0);
         seen += decode(&p).total("wall-time").unwrap_or(0);
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -482,7 +496,11 @@ fn two_samplers_and_a_serializer_lose_no_sample() {
     samples += last.stats.recorded_samples;
     seen += decode(&last).total("wall-time").unwrap_or(0);
     assert_eq!(seen, recorded, "dropped (with an error) {dropped}");
-    assert!(samples > 0);
+    assert!(
+        nonempty >= 1,
+        "the first profile holds the samples recorded before it"
+    );
+    eprintln!("{samples} samples in {nonempty} non-empty profiles, {dropped} dropped");
     assert_eq!(
         r.stats().lifetime.serialization_successes,
         SERIALIZATIONS as u64 + 1
