@@ -1,0 +1,212 @@
+//! Whole-process benchmarks, each variant in its own process, rounds interleaved so machine
+//! noise hits every variant alike. Reports medians and ratios (markdown, also written to
+//! `target/ferroprof-bench-report.md`).
+//!
+//! `cargo bench -p ferroprof-bench --bench whole_process`
+//! Knobs: FERROPROF_BENCH_ROUNDS (default 7), FERROPROF_BENCH_OPS (allocation operations per
+//! thread, default 5 000 000; dhat runs 1/25 of it), FERROPROF_BENCH_CPU_ROUNDS (default 6000).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ferroprof_bench::median;
+
+fn env_u64(k: &str, d: u64) -> u64 {
+    std::env::var(k)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(d)
+}
+
+fn examples_dir() -> PathBuf {
+    // target/<profile>/deps/whole_process-<hash> -> target/release/examples
+    let exe = std::env::current_exe().expect("current exe");
+    let target = exe
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::parent)
+        .expect("target dir");
+    target.join("release").join("examples")
+}
+
+fn build_examples() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let st = Command::new(cargo)
+        .args(["build", "--release", "-p", "ferroprof-bench", "--examples"])
+        .status()
+        .expect("run cargo");
+    assert!(st.success(), "building the benchmark programs failed");
+}
+
+/// Runs one program and parses its `RESULT k=v ...` line.
+fn run(dir: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> BTreeMap<String, f64> {
+    let mut cmd = Command::new(dir.join(name));
+    cmd.args(args);
+    cmd.env_remove("_RJEM_MALLOC_CONF");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap_or_else(|e| panic!("{name}: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{name} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .unwrap_or_else(|| panic!("{name}: no RESULT line in {text}"));
+    line.split_whitespace()
+        .skip(1)
+        .filter_map(|kv| kv.split_once('='))
+        .filter_map(|(k, v)| v.parse().ok().map(|v| (k.to_owned(), v)))
+        .collect()
+}
+
+struct Series(BTreeMap<String, Vec<f64>>);
+
+impl Series {
+    fn push(&mut self, variant: &str, v: f64) {
+        self.0.entry(variant.to_owned()).or_default().push(v);
+    }
+    fn median(&self, variant: &str) -> f64 {
+        let mut v = self.0.get(variant).cloned().unwrap_or_default();
+        median(&mut v)
+    }
+}
+
+fn main() {
+    let rounds = env_u64("FERROPROF_BENCH_ROUNDS", 7);
+    let ops = env_u64("FERROPROF_BENCH_OPS", 5_000_000);
+    let cpu_rounds = env_u64("FERROPROF_BENCH_CPU_ROUNDS", 6000);
+    build_examples();
+    let dir = examples_dir();
+    let mut report = String::new();
+    let ops_s = ops.to_string();
+    let dhat_ops = (ops / 25).max(1000).to_string();
+
+    // Allocation-heavy workload.
+    let mut alloc = Series(BTreeMap::new());
+    let mut samples = Vec::new();
+    for r in 0..rounds {
+        eprintln!("alloc round {}/{rounds}", r + 1);
+        let v = run(&dir, "alloc_system", &[&ops_s], &[]);
+        alloc.push("system", v["ns_per_op"]);
+        let v = run(&dir, "alloc_ferroprof", &[&ops_s], &[]);
+        alloc.push("ferroprof", v["ns_per_op"]);
+        samples.push(v["samples"]);
+        let v = run(&dir, "alloc_jemalloc", &[&ops_s], &[]);
+        alloc.push("jemalloc", v["ns_per_op"]);
+        let conf = [(
+            "_RJEM_MALLOC_CONF",
+            "prof:true,prof_active:true,lg_prof_sample:19",
+        )];
+        let v = run(&dir, "alloc_jemalloc", &[&ops_s], &conf);
+        alloc.push("jemalloc_prof", v["ns_per_op"]);
+        let v = run(&dir, "alloc_dhat", &[&dhat_ops], &[]);
+        alloc.push("dhat", v["ns_per_op"]);
+    }
+    let sys = alloc.median("system");
+    let je = alloc.median("jemalloc");
+    report.push_str(&format!(
+        "### Allocation workload (2 threads, 16-1040 B, live set 4096/thread, {ops} ops/thread, median of {rounds})\n\n\
+         | allocator | ns/op | vs System | vs its own base |\n|---|---|---|---|\n"
+    ));
+    for (name, label, base) in [
+        ("system", "System", sys),
+        (
+            "ferroprof",
+            "SamplingAllocator(System), 512 KiB, heap on",
+            sys,
+        ),
+        ("jemalloc", "jemalloc (profiling compiled, off)", je),
+        ("jemalloc_prof", "jemalloc prof:true lg_prof_sample:19", je),
+        ("dhat", "dhat", sys),
+    ] {
+        let m = alloc.median(name);
+        report.push_str(&format!(
+            "| {label} | {m:.2} | {:+.1}% | {:+.1}% |\n",
+            (m / sys - 1.0) * 100.0,
+            (m / base - 1.0) * 100.0
+        ));
+    }
+    report.push_str(&format!(
+        "\nferroprof samples per run (median): {:.0}\n\n",
+        median(&mut samples)
+    ));
+
+    // CPU profiling overhead.
+    let mut cpu = Series(BTreeMap::new());
+    let mut handler = Vec::new();
+    let mut frames = Vec::new();
+    let cr = cpu_rounds.to_string();
+    for r in 0..rounds {
+        eprintln!("cpu round {}/{rounds}", r + 1);
+        for mode in ["none", "ferroprof", "pprof"] {
+            let v = run(&dir, "cpu_workload", &[mode, &cr], &[]);
+            cpu.push(&format!("{mode}_wall"), v["wall_ns"]);
+            cpu.push(&format!("{mode}_cpu"), v["cpu_ns"]);
+            if mode == "ferroprof" {
+                handler.push(v["handler_ns"]);
+                frames.push(v["frames"]);
+            }
+        }
+    }
+    let base_w = cpu.median("none_wall");
+    let base_c = cpu.median("none_cpu");
+    report.push_str(&format!(
+        "### CPU profiling at 100 Hz (2 busy threads, ~47-frame stacks, median of {rounds})\n\n\
+         | profiler | wall ms | wall overhead | CPU ms | CPU overhead |\n|---|---|---|---|---|\n"
+    ));
+    for (mode, label) in [
+        ("none", "none"),
+        ("ferroprof", "ferroprof"),
+        ("pprof", "pprof-rs"),
+    ] {
+        let w = cpu.median(&format!("{mode}_wall"));
+        let c = cpu.median(&format!("{mode}_cpu"));
+        report.push_str(&format!(
+            "| {label} | {:.1} | {:+.2}% | {:.1} | {:+.2}% |\n",
+            w / 1e6,
+            (w / base_w - 1.0) * 100.0,
+            c / 1e6,
+            (c / base_c - 1.0) * 100.0
+        ));
+    }
+    report.push_str(&format!(
+        "\nferroprof signal handler: median {:.0} ns per sample at a median {:.0} frames\n\n",
+        median(&mut handler),
+        median(&mut frames)
+    ));
+
+    // RSS right after start, and after a second of sampling.
+    let mut rss = Series(BTreeMap::new());
+    for _ in 0..3 {
+        for mode in ["ferroprof", "pprof"] {
+            let v = run(&dir, "rss_start", &[mode], &[]);
+            rss.push(&format!("{mode}_start"), v["start_bytes"]);
+            rss.push(&format!("{mode}_after"), v["after_1s_bytes"]);
+        }
+    }
+    report.push_str(
+        "### RSS added by the profiler (median of 3)\n\n| profiler | right after start | after 1 s |\n|---|---|---|\n",
+    );
+    for (mode, label) in [("ferroprof", "ferroprof"), ("pprof", "pprof-rs")] {
+        report.push_str(&format!(
+            "| {label} | {:.2} MB | {:.2} MB |\n",
+            rss.median(&format!("{mode}_start")) / 1e6,
+            rss.median(&format!("{mode}_after")) / 1e6
+        ));
+    }
+    println!("{report}");
+    let out = dir
+        .parent()
+        .and_then(Path::parent)
+        .map(|t| t.join("ferroprof-bench-report.md"));
+    if let Some(out) = out {
+        let _ = std::fs::write(&out, &report);
+        eprintln!("report written to {}", out.display());
+    }
+}

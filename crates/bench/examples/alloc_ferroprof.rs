@@ -1,0 +1,42 @@
+//! Allocation workload on `SamplingAllocator(System)` with allocation and heap profiling on.
+use std::alloc::System;
+use std::time::Duration;
+
+use ferroprof::{Profiler, Profiles, SamplingAllocator};
+
+#[global_allocator]
+static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
+
+fn main() {
+    let ops = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(5_000_000u64);
+    let interval = std::env::var("FERROPROF_BENCH_INTERVAL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(512 * 1024u64);
+    let dir = std::env::temp_dir().join(format!("ferroprof-bench-{}", std::process::id()));
+    let guard = Profiler::builder()
+        .service("bench")
+        .profiles(Profiles {
+            cpu: false,
+            wall: false,
+            alloc: true,
+            heap: true,
+        })
+        .alloc_interval_bytes(interval)
+        .period(Duration::from_secs(3600))
+        .output_dir(&dir)
+        .start()
+        .expect("profiler starts");
+    let d = ferroprof_bench::alloc_workload(ops);
+    let stats = guard.stats();
+    println!(
+        "RESULT ns_per_op={:.3} samples={}",
+        d.as_nanos() as f64 / ops as f64,
+        stats.alloc_samples
+    );
+    guard.stop().expect("stop");
+    let _ = std::fs::remove_dir_all(&dir);
+}

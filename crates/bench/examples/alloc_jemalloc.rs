@@ -1,0 +1,13 @@
+//! Allocation workload on jemalloc (built with profiling support). Its profiler is switched on
+//! at run time with `_RJEM_MALLOC_CONF=prof:true,lg_prof_sample:19` (512 KiB mean interval).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+fn main() {
+    let ops = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(5_000_000u64);
+    let d = ferroprof_bench::alloc_workload(ops);
+    println!("RESULT ns_per_op={:.3}", d.as_nanos() as f64 / ops as f64);
+}

@@ -1,0 +1,126 @@
+//! Workloads shared by the benchmark programs (`examples/`) and the criterion benches.
+//!
+//! * [`alloc_workload`]: 2 threads, each keeping a live set of 4096 objects and replacing a
+//!   random one per operation with a new block of 16..=1040 bytes (free + allocation).
+//! * [`cpu_workload`]: CPU-bound hashing at a fixed recursion depth, so stacks have a known
+//!   number of frames.
+//! * [`rss_bytes`], [`process_cpu_ns`]: measurements.
+
+use std::time::{Duration, Instant};
+
+/// Objects each allocating thread keeps alive.
+pub const LIVE_PER_THREAD: usize = 4096;
+/// Allocating threads.
+pub const ALLOC_THREADS: usize = 2;
+
+/// xorshift64: the workloads' deterministic randomness.
+#[inline(always)]
+pub fn next(r: &mut u64) -> u64 {
+    *r ^= *r << 13;
+    *r ^= *r >> 7;
+    *r ^= *r << 17;
+    *r
+}
+
+/// One allocating thread: `ops` replacements in a live set of [`LIVE_PER_THREAD`] blocks.
+#[inline(never)]
+pub fn alloc_thread(ops: u64, seed: u64) -> u64 {
+    let mut r = seed | 1;
+    let mut live: Vec<Option<Box<[u8]>>> = (0..LIVE_PER_THREAD).map(|_| None).collect();
+    let mut check = 0u64;
+    for _ in 0..ops {
+        let x = next(&mut r);
+        let slot = (x as usize) % LIVE_PER_THREAD;
+        let size = 16 + ((x >> 32) % 1025) as usize;
+        let mut b = vec![0u8; size].into_boxed_slice();
+        b[0] = x as u8;
+        if let Some(old) = live[slot].replace(b) {
+            check = check.wrapping_add(old[0] as u64);
+        }
+    }
+    check
+}
+
+/// Runs the allocation workload on [`ALLOC_THREADS`] threads, `ops` operations each; returns
+/// the wall time.
+pub fn alloc_workload(ops: u64) -> Duration {
+    let t0 = Instant::now();
+    let hs: Vec<_> = (0..ALLOC_THREADS as u64)
+        .map(|i| std::thread::spawn(move || alloc_thread(ops, 0x9E37_79B9 + i)))
+        .collect();
+    for h in hs {
+        std::hint::black_box(h.join().unwrap());
+    }
+    t0.elapsed()
+}
+
+/// Hashing work at the bottom of a recursion `depth` frames deep.
+#[inline(never)]
+pub fn deep(depth: u32, work: u64) -> u64 {
+    if depth == 0 {
+        let mut x = 0x2545_F491_4F6C_DD1Du64 ^ work;
+        for i in 0..work {
+            x = std::hint::black_box(x.rotate_left(7).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i);
+        }
+        x
+    } else {
+        std::hint::black_box(deep(depth - 1, work)).wrapping_add(depth as u64)
+    }
+}
+
+/// Runs `threads` threads, each doing `rounds` rounds of [`deep`] work; returns the wall time.
+pub fn cpu_workload(threads: usize, rounds: u64, depth: u32) -> Duration {
+    let t0 = Instant::now();
+    let hs: Vec<_> = (0..threads)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut acc = 0u64;
+                for _ in 0..rounds {
+                    acc = acc.wrapping_add(deep(depth, 20_000));
+                }
+                acc
+            })
+        })
+        .collect();
+    for h in hs {
+        std::hint::black_box(h.join().unwrap());
+    }
+    t0.elapsed()
+}
+
+/// Resident set size of this process.
+pub fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(0) as u64
+}
+
+/// CPU time consumed by this process so far (all threads).
+pub fn process_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Median of `v` (sorted in place).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
