@@ -873,7 +873,7 @@ impl Profile {
     fn add_key(&mut self, hash: u64, sample: &Sample<'_>) -> Result<u32, ProfileError> {
         let storage = self.storage.clone();
         let r = Resolver::new(storage.as_deref(), &self.t, sample);
-        self.validate_labels(&r, sample)?;
+        self.validate(&r, sample)?;
 
         let t = &mut self.t;
         let mut locs = std::mem::take(&mut t.scratch);
@@ -941,9 +941,16 @@ impl Profile {
         result
     }
 
-    /// Label checks, done before anything is added so a bad sample leaves no trace.
-    fn validate_labels(&self, r: &Resolver<'_>, sample: &Sample<'_>) -> Result<(), ProfileError> {
+    /// Checks done before anything is added, so a bad sample leaves no trace: every storage id
+    /// resolves, and the labels are well formed.
+    fn validate(&self, r: &Resolver<'_>, sample: &Sample<'_>) -> Result<(), ProfileError> {
         let t = &self.t;
+        for f in sample.frames {
+            if let Frame::Symbol { name, filename, .. } = *f {
+                text(t, r, name)?;
+                text(t, r, filename)?;
+            }
+        }
         let labels = sample.labels;
         for (i, l) in labels.iter().enumerate() {
             let key = text(t, r, l.key)?;
@@ -1610,7 +1617,12 @@ mod tests {
         assert_eq!(d.stack(&d.sample[0])[0].filename, "alloc.rs");
         assert_eq!(d.label_str(&d.sample[0], "thread name"), Some("worker"));
         // Unknown id: a typed error naming it.
-        let bad = [Frame::ids(StringId::from_raw(999), file, 1)];
+        // Unknown id after a good literal frame: nothing of the sample is kept.
+        let before = decode(&p);
+        let bad = [
+            Frame::sym("fresh_literal", "fresh.rs", 1),
+            Frame::ids(StringId::from_raw(999), file, 1),
+        ];
         assert_eq!(
             p.add(&Sample {
                 frames: &bad,
@@ -1620,6 +1632,7 @@ mod tests {
             }),
             Err(ProfileError::String(StringError::UnknownId(999)))
         );
+        assert_eq!(decode(&p), before);
     }
 
     #[test]
