@@ -1,0 +1,128 @@
+//! `go tool pprof` (the reference reader) must accept the default (gzip) output: sample types,
+//! stacks, labels and timestamped samples.
+
+use std::path::{Path, PathBuf};
+
+use ferroprof_recorder::heap::HeapConfig;
+use ferroprof_recorder::profile::{END_TIMESTAMP_LABEL, LOCAL_ROOT_SPAN_ID_LABEL};
+use ferroprof_recorder::{
+    Frame, Label, RecorderConfig, ResolvedFrame, SampleTypeConfig, SampleValues, StackRecorder,
+    Symbolizer,
+};
+
+fn go_binary() -> Option<PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("go"))
+            .find(|p| p.is_file())
+    });
+    if found.is_none() {
+        if std::env::var_os("CI").is_some() {
+            panic!("go is not installed (CI must run scripts/test-deps.sh)");
+        }
+        eprintln!("\n*** SKIPPING go tool pprof test: go not installed; run `. scripts/test-deps.sh` ***\n");
+    }
+    found
+}
+
+fn go_pprof(go: &Path, dir: &Path, args: &[&str]) -> String {
+    let out = std::process::Command::new(go)
+        .arg("tool")
+        .arg("pprof")
+        .args(args)
+        .env("PPROF_TMPDIR", dir)
+        .env("HOME", dir)
+        .output()
+        .expect("run go tool pprof");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "go tool pprof {args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+struct Inlining;
+impl Symbolizer for Inlining {
+    fn symbolize(&mut self, address: u64, out: &mut Vec<ResolvedFrame>) {
+        if address == 0xabc0 {
+            for (name, line) in [("inlined_helper", 7), ("physical_caller", 70)] {
+                out.push(ResolvedFrame {
+                    name: name.into(),
+                    filename: "lib.rs".into(),
+                    line,
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn go_tool_pprof_reads_the_default_output() {
+    let Some(go) = go_binary() else { return };
+    let r = StackRecorder::new(RecorderConfig {
+        sample_types: SampleTypeConfig::all(),
+        heap: HeapConfig::native(),
+        ..RecorderConfig::default()
+    })
+    .unwrap();
+    let frames = [
+        Frame::Address(0xabc0),
+        Frame::sym("go_visible_worker", "worker.rs", 12),
+        Frame::sym("main", "main.rs", 3),
+    ];
+    let v = SampleValues {
+        cpu_time_ns: 5_000_000,
+        cpu_or_wall_samples: 1,
+        wall_time_ns: 10_000_000,
+        ..Default::default()
+    };
+    let labels = [
+        Label::str("thread name", "worker-1"),
+        Label::num(LOCAL_ROOT_SPAN_ID_LABEL, 77),
+    ];
+    r.record_sample(&frames, &v, &labels, 0).unwrap();
+    r.record_sample(&frames, &v, &labels, 1_700_000_000_000_000_000)
+        .unwrap();
+    r.record_endpoint(77, "GET /things").unwrap();
+    r.track_allocation(1, 2, 4096, Some("Vec<u8>"), &frames[1..])
+        .unwrap();
+    let p = r.serialize(Some(&mut Inlining)).unwrap();
+
+    let dir =
+        std::env::temp_dir().join(format!("ferroprof-recorder-gopprof-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("profile.pb.gz");
+    std::fs::write(&file, &p.encoded.bytes).unwrap();
+    let file = file.to_str().unwrap();
+
+    let raw = go_pprof(&go, &dir, &["-raw", file]);
+    for want in [
+        "cpu-time/nanoseconds",
+        "heap-live-size/bytes",
+        "timeline/nanoseconds",
+        "go_visible_worker",
+        "inlined_helper",
+        "physical_caller",
+        "worker-1",
+        "GET /things",
+        END_TIMESTAMP_LABEL,
+    ] {
+        assert!(
+            raw.contains(want),
+            "{want:?} missing from go tool pprof -raw:\n{raw}"
+        );
+    }
+    let top = go_pprof(&go, &dir, &["-top", "-sample_index=cpu-time", file]);
+    assert!(top.contains("inlined_helper"), "{top}");
+    let heap = go_pprof(&go, &dir, &["-top", "-sample_index=heap-live-size", file]);
+    assert!(
+        heap.contains("go_visible_worker") && heap.contains("8kB"),
+        "{heap}"
+    );
+    if std::env::var_os("FERROPROF_SHOW_GO_PPROF").is_some() {
+        eprintln!("{raw}\n{top}\n{heap}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
