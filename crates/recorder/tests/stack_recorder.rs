@@ -617,3 +617,32 @@ fn memory_of_strings_stays_flat_over_many_profiles() {
     r.serialize(None).unwrap();
     assert_eq!(r.strings().len(), 0);
 }
+
+#[test]
+fn zstd_output_decodes_like_gzip() {
+    // Tests build with the `zstd` feature (the crate dev-depends on itself with it).
+    let make = |compression| {
+        let r = StackRecorder::new(RecorderConfig {
+            compression,
+            ..no_heap()
+        })
+        .unwrap();
+        r.record_sample(&stack(), &cpu(3), &[Label::str("k", "v")], 0)
+            .unwrap();
+        r.record_sample(&stack(), &cpu(1), &[Label::str("k", "v")], 42)
+            .unwrap();
+        r.serialize(None).unwrap().encoded
+    };
+    let z = make(Compression::Zstd);
+    let g = make(Compression::Gzip);
+    assert_eq!(z.compression, Compression::Zstd);
+    assert_eq!(&z.bytes[..4], &[0x28, 0xb5, 0x2f, 0xfd]);
+    assert_eq!(&g.bytes[..2], &[0x1f, 0x8b]);
+    let (dz, dg) = (
+        ferroprof_pprof::decode(&z.bytes).unwrap(),
+        ferroprof_pprof::decode(&g.bytes).unwrap(),
+    );
+    assert_eq!(dz.sample, dg.sample);
+    assert_eq!(dz.string_table, dg.string_table);
+    assert_eq!(dz.total("cpu-samples"), Some(4));
+}
