@@ -4,7 +4,7 @@
 //!
 //! `cargo bench -p ferroprof-bench --bench whole_process`
 //! Knobs: FERROPROF_BENCH_ROUNDS (default 7), FERROPROF_BENCH_OPS (allocation operations per
-//! thread, default 5 000 000; dhat runs 1/25 of it), FERROPROF_BENCH_CPU_ROUNDS (default 6000).
+//! thread, default 5 000 000; dhat runs 1/25 of it), FERROPROF_BENCH_CPU_ROUNDS (default 60 000).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -80,7 +80,7 @@ impl Series {
 fn main() {
     let rounds = env_u64("FERROPROF_BENCH_ROUNDS", 7);
     let ops = env_u64("FERROPROF_BENCH_OPS", 5_000_000);
-    let cpu_rounds = env_u64("FERROPROF_BENCH_CPU_ROUNDS", 6000);
+    let cpu_rounds = env_u64("FERROPROF_BENCH_CPU_ROUNDS", 60_000);
     build_examples();
     let dir = examples_dir();
     let mut report = String::new();
@@ -93,26 +93,33 @@ fn main() {
     for r in 0..rounds {
         eprintln!("alloc round {}/{rounds}", r + 1);
         let v = run(&dir, "alloc_system", &[&ops_s], &[]);
-        alloc.push("system", v["ns_per_op"]);
+        alloc.push("system", v["cpu_ns_per_op"]);
+        alloc.push("system_wall", v["ns_per_op"]);
         let v = run(&dir, "alloc_ferroprof", &[&ops_s], &[]);
-        alloc.push("ferroprof", v["ns_per_op"]);
+        alloc.push("ferroprof", v["cpu_ns_per_op"]);
+        alloc.push("ferroprof_wall", v["ns_per_op"]);
         samples.push(v["samples"]);
         let v = run(&dir, "alloc_jemalloc", &[&ops_s], &[]);
-        alloc.push("jemalloc", v["ns_per_op"]);
+        alloc.push("jemalloc", v["cpu_ns_per_op"]);
+        alloc.push("jemalloc_wall", v["ns_per_op"]);
         let conf = [(
             "_RJEM_MALLOC_CONF",
             "prof:true,prof_active:true,lg_prof_sample:19",
         )];
         let v = run(&dir, "alloc_jemalloc", &[&ops_s], &conf);
-        alloc.push("jemalloc_prof", v["ns_per_op"]);
+        alloc.push("jemalloc_prof", v["cpu_ns_per_op"]);
+        alloc.push("jemalloc_prof_wall", v["ns_per_op"]);
         let v = run(&dir, "alloc_dhat", &[&dhat_ops], &[]);
-        alloc.push("dhat", v["ns_per_op"]);
+        alloc.push("dhat", v["cpu_ns_per_op"]);
+        alloc.push("dhat_wall", v["ns_per_op"]);
     }
     let sys = alloc.median("system");
     let je = alloc.median("jemalloc");
     report.push_str(&format!(
         "### Allocation workload (2 threads, 16-1040 B, live set 4096/thread, {ops} ops/thread, median of {rounds})\n\n\
-         | allocator | ns/op | vs System | vs its own base |\n|---|---|---|---|\n"
+         CPU time per operation (process CPU / operations; robust to other load on the machine), \
+         and wall time per operation per thread.\n\n\
+         | allocator | CPU ns/op | vs System | vs its own base | wall ns/op |\n|---|---|---|---|---|\n"
     ));
     for (name, label, base) in [
         ("system", "System", sys),
@@ -127,9 +134,10 @@ fn main() {
     ] {
         let m = alloc.median(name);
         report.push_str(&format!(
-            "| {label} | {m:.2} | {:+.1}% | {:+.1}% |\n",
+            "| {label} | {m:.2} | {:+.1}% | {:+.1}% | {:.2} |\n",
             (m / sys - 1.0) * 100.0,
-            (m / base - 1.0) * 100.0
+            (m / base - 1.0) * 100.0,
+            alloc.median(&format!("{name}_wall"))
         ));
     }
     report.push_str(&format!(
@@ -141,6 +149,8 @@ fn main() {
     let mut cpu = Series(BTreeMap::new());
     let mut handler = Vec::new();
     let mut frames = Vec::new();
+    let mut samples_cpu = Vec::new();
+    let mut stop_ms = Vec::new();
     let cr = cpu_rounds.to_string();
     for r in 0..rounds {
         eprintln!("cpu round {}/{rounds}", r + 1);
@@ -151,6 +161,8 @@ fn main() {
             if mode == "ferroprof" {
                 handler.push(v["handler_ns"]);
                 frames.push(v["frames"]);
+                samples_cpu.push(v["samples"]);
+                stop_ms.push(v["stop_ms"]);
             }
         }
     }
@@ -175,10 +187,15 @@ fn main() {
             (c / base_c - 1.0) * 100.0
         ));
     }
+    let samples_m = median(&mut samples_cpu);
     report.push_str(&format!(
-        "\nferroprof signal handler: median {:.0} ns per sample at a median {:.0} frames\n\n",
+        "\nferroprof signal handler: median {:.0} ns per sample at a median {:.0} frames; \
+         {samples_m:.0} samples per run; whole-process CPU cost per sample (CPU overhead / samples): \
+         {:.1} us; final serialization with symbolization at stop: {:.1} ms\n\n",
         median(&mut handler),
-        median(&mut frames)
+        median(&mut frames),
+        (cpu.median("ferroprof_cpu") - base_c) / samples_m.max(1.0) / 1e3,
+        median(&mut stop_ms)
     ));
 
     // RSS right after start, and after a second of sampling.

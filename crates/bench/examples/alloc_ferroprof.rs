@@ -30,11 +30,14 @@ fn main() {
         .output_dir(&dir)
         .start()
         .expect("profiler starts");
+    let cpu0 = ferroprof_bench::process_cpu_ns();
     let d = ferroprof_bench::alloc_workload(ops);
+    let cpu = ferroprof_bench::process_cpu_ns() - cpu0;
     let stats = guard.stats();
     println!(
-        "RESULT ns_per_op={:.3} samples={}",
+        "RESULT ns_per_op={:.3} cpu_ns_per_op={:.3} samples={}",
         d.as_nanos() as f64 / ops as f64,
+        cpu as f64 / (ops * ferroprof_bench::ALLOC_THREADS as u64) as f64,
         stats.alloc_samples
     );
     guard.stop().expect("stop");

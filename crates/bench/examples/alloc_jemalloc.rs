@@ -8,6 +8,12 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(5_000_000u64);
+    let cpu0 = ferroprof_bench::process_cpu_ns();
     let d = ferroprof_bench::alloc_workload(ops);
-    println!("RESULT ns_per_op={:.3}", d.as_nanos() as f64 / ops as f64);
+    let cpu = ferroprof_bench::process_cpu_ns() - cpu0;
+    println!(
+        "RESULT ns_per_op={:.3} cpu_ns_per_op={:.3}",
+        d.as_nanos() as f64 / ops as f64,
+        cpu as f64 / (ops * ferroprof_bench::ALLOC_THREADS as u64) as f64
+    );
 }
