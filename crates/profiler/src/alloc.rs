@@ -41,6 +41,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use ferroprof_recorder::{Frame, Label, SampleValues};
 
 use crate::filter::FILTER;
+use crate::fork;
 use crate::state::{self, Shared, TapKind};
 use crate::tls::{self, ThreadState, STATE};
 use crate::unwind::{self, MAX_FRAMES};
@@ -268,29 +269,34 @@ fn record(sh: &Shared, p: *mut u8, size: usize, weight: i64, addrs: &[u64]) {
         ..Default::default()
     };
     tls::in_recorder(|| {
-        if sh
-            .recorder
-            .record_sample(&frames, &values, &labels, 0)
-            .is_err()
-        {
-            sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
-        }
-        sh.stats.alloc_samples.fetch_add(1, Ordering::Relaxed);
+        // Never inside the recorder while a fork is under way (see `fork`).
+        fork::outside_fork(|| {
+            if sh
+                .recorder
+                .record_sample(&frames, &values, &labels, 0)
+                .is_err()
+            {
+                sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            sh.stats.alloc_samples.fetch_add(1, Ordering::Relaxed);
+            if sh.heap_enabled() {
+                let w = weight.clamp(1, u32::MAX as i64) as u32;
+                match sh
+                    .recorder
+                    .track_allocation(p as u64, w, size as u64, None, &frames)
+                {
+                    Ok(()) => FILTER.insert(p as usize),
+                    Err(_) => {
+                        sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        });
+        // Outside the fork gate: taking the taps lock in there could wait for a thread that
+        // holds it and waits at the gate.
         sh.for_each_tap(TapKind::Alloc, |r| {
             let _ = r.record_sample(&frames, &values, &labels, 0);
         });
-        if sh.heap_enabled() {
-            let w = weight.clamp(1, u32::MAX as i64) as u32;
-            match sh
-                .recorder
-                .track_allocation(p as u64, w, size as u64, None, &frames)
-            {
-                Ok(()) => FILTER.insert(p as usize),
-                Err(_) => {
-                    sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
     });
 }
 
@@ -303,7 +309,10 @@ fn on_free_slow(p: *mut u8) {
     }
     tls::with_guard(|| {
         state::with_active(|sh| {
-            if tls::in_recorder(|| sh.recorder.untrack_allocation(p as u64)) {
+            let untracked = fork::outside_fork(|| {
+                tls::in_recorder(|| sh.recorder.untrack_allocation(p as u64))
+            });
+            if untracked {
                 FILTER.remove(p as usize);
             }
         })

@@ -1,10 +1,10 @@
 //! Profiling across `fork`.
 //!
 //! A `pthread_atfork` triple, registered once:
-//! * *prepare* (parent, before fork): takes a reference to the running profiler. It takes no
-//!   lock: a lock taken there makes other threads block on it, and a thread blocked in
-//!   `parking_lot` at fork time leaves a stale entry in its global wait table;
-//! * *parent*: drops the reference;
+//! * *prepare* (parent, before fork): closes the fork gate (below) and takes a reference to the
+//!   running profiler. It takes no lock: a lock taken there makes other threads block on it, and
+//!   a thread blocked in `parking_lot` at fork time leaves a stale entry in its global wait table;
+//! * *parent*: drops the reference and opens the gate;
 //! * *child* (the only thread left): forgets everything that belonged to threads that do not
 //!   exist in the child (reader counts, borrowed unwinder caches, pending signal requests, the
 //!   parent's thread handles, locks they held, with the data those locks guarded replaced),
@@ -14,17 +14,100 @@
 //!
 //! A child that should not profile can stop its copy of the guard, or the program builds with
 //! `restart_after_fork(false)` and calls [`after_fork`] in the children that should profile.
-//! Limit: a fork while another thread is blocked on a *contended* lock of the profiler or the
-//! recorder leaves that lock's `parking_lot` wait entry behind in the child.
+//! Limit: a fork while another thread is blocked on a *contended* lock of the profiler leaves that
+//! lock's `parking_lot` wait entry behind in the child.
+//!
+//! The recorder's own locks (its slots, the heap recorder's shards, the string table) are taken
+//! by application threads too, on the allocation and free paths, where the child cannot replace
+//! what they guard. So every call into the running profiler's recorder goes through a *fork
+//! gate* ([`outside_fork`]): *prepare* closes it and waits until no thread is inside; threads
+//! arriving meanwhile wait for the fork to finish (as they would for malloc's own locks); *parent*
+//! and *child* open it again. No thread is ever inside the recorder at the moment of the fork.
+//! Code inside the gate takes only recorder locks (taps are recorded outside it), and no thread
+//! holds one of those while waiting at the gate, so draining it always finishes.
 
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
+use std::time::Duration;
 
 use crate::state::{self, Shared};
 
 static REGISTER: Once = Once::new();
 /// The running profiler at the time of the fork, from prepare to parent/child.
 static IN_FORK: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The fork gate: the number of threads inside the recorder through [`outside_fork`], plus
+/// `FORKING` while a fork is being prepared.
+static GATE: AtomicUsize = AtomicUsize::new(0);
+const FORKING: usize = 1 << (usize::BITS - 1);
+
+thread_local! {
+    /// Set on the thread running the prepare handler until the fork is done: whatever it does
+    /// meanwhile (other libraries' fork handlers may allocate) must not wait for its own fork.
+    static FORKING_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f`, a call into the running profiler's recorder, never while a fork is under way: waits
+/// for a fork being prepared to finish first. `f` must take no lock but the recorder's own.
+pub(crate) fn outside_fork<R>(f: impl FnOnce() -> R) -> R {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            GATE.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let mut round = 0u32;
+    loop {
+        // SeqCst on both sides (here and in `close_gate`): either the prepare handler sees this
+        // thread counted, or this thread sees FORKING.
+        if GATE.fetch_add(1, Ordering::SeqCst) & FORKING == 0 {
+            let _leave = Leave;
+            return f();
+        }
+        GATE.fetch_sub(1, Ordering::SeqCst);
+        if FORKING_THREAD.with(Cell::get) {
+            // The forking thread itself (from another library's prepare handler): it cannot be
+            // inside the recorder when the fork happens, since it is the one forking.
+            return f();
+        }
+        while GATE.load(Ordering::SeqCst) & FORKING != 0 {
+            if round < 64 {
+                std::thread::yield_now();
+            } else {
+                // The prepare handler may wait for a serialization: do not burn a CPU meanwhile.
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            round = round.saturating_add(1);
+        }
+    }
+}
+
+/// Closes the gate and waits until no thread is inside.
+fn close_gate() {
+    FORKING_THREAD.with(|f| f.set(true));
+    GATE.fetch_or(FORKING, Ordering::SeqCst);
+    let mut round = 0u32;
+    while GATE.load(Ordering::SeqCst) & !FORKING != 0 {
+        if round < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        round = round.saturating_add(1);
+    }
+}
+
+/// Opens the gate again (in the child nobody can be counted: the prepare handler waited for
+/// that, and the word is reset to be sure).
+fn open_gate(child: bool) {
+    if child {
+        GATE.store(0, Ordering::SeqCst);
+    } else {
+        GATE.fetch_and(!FORKING, Ordering::SeqCst);
+    }
+    FORKING_THREAD.with(|f| f.set(false));
+}
 
 pub(crate) fn register() {
     REGISTER.call_once(|| {
@@ -36,6 +119,7 @@ pub(crate) fn register() {
 }
 
 extern "C" fn prepare() {
+    close_gate();
     crate::tls::with_guard(|| {
         if let Some(sh) = state::active_arc() {
             IN_FORK.store(Arc::into_raw(sh) as *mut Shared, Ordering::SeqCst);
@@ -49,11 +133,13 @@ extern "C" fn parent() {
         // SAFETY: `p` came from Arc::into_raw in `prepare`.
         drop(unsafe { Arc::from_raw(p) });
     }
+    open_gate(false);
 }
 
 extern "C" fn child() {
     let p = IN_FORK.swap(std::ptr::null_mut(), Ordering::SeqCst);
     if p.is_null() {
+        open_gate(true);
         return;
     }
     // SAFETY: as in `parent`; in the child this thread is the only one.
@@ -66,6 +152,7 @@ extern "C" fn child() {
         // SAFETY: this is the forked child's only thread.
         unsafe { sh.after_fork_in_child() };
         sh.recorder.reset_after_fork();
+        open_gate(true);
         if sh.settings.restart_after_fork && !sh.stopping.load(Ordering::SeqCst) {
             let _ = crate::profiler::spawn_threads(&sh);
         }

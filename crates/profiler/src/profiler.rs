@@ -495,7 +495,10 @@ fn export_once(sh: &Shared) -> Result<(), ProfilerError> {
     let exported = {
         let _s = sh.serialize_lock.lock();
         let mut sym = sh.symbolizer.lock();
-        let serialized = tls::in_recorder(|| sym.pass(|sym| sh.recorder.serialize(Some(sym))));
+        // Through the fork gate: a fork never catches a serialization half-way (see `fork`).
+        let serialized = tls::in_recorder(|| {
+            fork::outside_fork(|| sym.pass(|sym| sh.recorder.serialize(Some(sym))))
+        });
         match serialized {
             Ok(p) => ExportedProfile {
                 encoded: p.encoded,
@@ -749,35 +752,37 @@ impl ProfileSource for Source {
             let types = [SampleType::HeapLiveSamples, SampleType::HeapLiveSize];
             let mut profile = Profile::new(&types, Some(sh.recorder.strings().clone()), start);
             tls::in_recorder(|| {
-                heap.prepare_iteration().map_err(|e| e.to_string())?;
-                let mut add_err = None;
-                let iterated = heap.for_each_live_object(&mut |obj, frames| {
-                    let w = obj.weight as i64;
-                    let values = [w, w.saturating_mul(obj.size as i64)];
-                    let sample = Sample {
-                        frames,
-                        values: &values,
-                        labels: &[],
-                        end_timestamp_ns: 0,
-                    };
-                    if let Err(e) = profile.add(&sample) {
-                        add_err.get_or_insert(e);
+                fork::outside_fork(|| {
+                    heap.prepare_iteration().map_err(|e| e.to_string())?;
+                    let mut add_err = None;
+                    let iterated = heap.for_each_live_object(&mut |obj, frames| {
+                        let w = obj.weight as i64;
+                        let values = [w, w.saturating_mul(obj.size as i64)];
+                        let sample = Sample {
+                            frames,
+                            values: &values,
+                            labels: &[],
+                            end_timestamp_ns: 0,
+                        };
+                        if let Err(e) = profile.add(&sample) {
+                            add_err.get_or_insert(e);
+                        }
+                        true
+                    });
+                    let finished = heap.finish_iteration();
+                    iterated.map_err(|e| e.to_string())?;
+                    finished.map_err(|e| e.to_string())?;
+                    if let Some(e) = add_err {
+                        return Err(e.to_string());
                     }
-                    true
-                });
-                let finished = heap.finish_iteration();
-                iterated.map_err(|e| e.to_string())?;
-                finished.map_err(|e| e.to_string())?;
-                if let Some(e) = add_err {
-                    return Err(e.to_string());
-                }
-                let opts = ferroprof_recorder::pprof::EncodeOptions {
-                    compression: Compression::Gzip,
-                };
-                let encoded = sym
-                    .pass(|sym| profile.encode(SystemTime::now(), &opts, Some(sym)))
-                    .map_err(|e| e.to_string())?;
-                Ok(encoded.bytes)
+                    let opts = ferroprof_recorder::pprof::EncodeOptions {
+                        compression: Compression::Gzip,
+                    };
+                    let encoded = sym
+                        .pass(|sym| profile.encode(SystemTime::now(), &opts, Some(sym)))
+                        .map_err(|e| e.to_string())?;
+                    Ok(encoded.bytes)
+                })
             })
         })
     }

@@ -703,17 +703,20 @@ impl Sampler {
         let sh = &self.shared;
         let frames = &self.frames;
         tls::in_recorder(|| {
-            if sh
-                .recorder
-                .record_sample(frames, &values, &labels, 0)
-                .is_err()
-            {
-                sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
-            } else {
-                sh.stats
-                    .cpu_samples
-                    .fetch_add(count as u64, Ordering::Relaxed);
-            }
+            // Never inside the recorder while a fork is under way (see `fork`); taps outside.
+            crate::fork::outside_fork(|| {
+                if sh
+                    .recorder
+                    .record_sample(frames, &values, &labels, 0)
+                    .is_err()
+                {
+                    sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    sh.stats
+                        .cpu_samples
+                        .fetch_add(count as u64, Ordering::Relaxed);
+                }
+            });
             sh.for_each_tap(TapKind::Cpu, |r| {
                 let _ = r.record_sample(frames, &values, &labels, 0);
             });
