@@ -1,19 +1,22 @@
 //! The filter every free goes through before any heap-tracking lookup.
 //!
-//! A counting filter: one byte counter per 16-byte address granule modulo 2^20 (1 MiB of
-//! counters, in `.bss`: untouched pages cost no memory). Tracking an address increments its
-//! counter, untracking decrements it. A zero counter proves the address is not tracked, so a free
-//! of untracked memory costs one byte load, usually from a cache line its neighbours just used
-//! (the index keeps address locality). A non-zero counter only means "maybe": the recorder is
-//! then asked, and answers exactly. Collisions therefore never lose a free; they only cost a
-//! lookup. A counter that reaches 255 sticks there (forever "maybe"), which is still correct.
+//! A counting filter: one byte counter per 256-byte address granule, modulo 2^20 granules (1 MiB
+//! of counters in `.bss`; untouched pages cost no memory, and all read as the one shared zero
+//! page). Tracking an address increments its counter, untracking decrements it. A zero counter
+//! proves the address is not tracked, so a free of untracked memory costs one byte load. The
+//! index keeps address locality and is coarse on purpose: a heap of H bytes reads at most H/256
+//! filter bytes (8 KiB for a 2 MiB live set), which stay in cache next to the program's own data;
+//! a finer granule made every free a likely cache miss. A non-zero counter only means "maybe"
+//! (another block in the same granule is tracked, or an address 256 MiB away aliases): the
+//! recorder is then asked, and answers exactly. Collisions therefore never lose a free; they only
+//! cost a lookup. A counter that reaches 255 sticks there (forever "maybe"), still correct.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
 const BITS: u32 = 20;
 const SIZE: usize = 1 << BITS;
-/// Allocations are at least 16-byte aligned on the supported targets; the low bits carry nothing.
-const GRANULE_SHIFT: u32 = 4;
+/// 256-byte granules (see the module docs for why this coarse).
+const GRANULE_SHIFT: u32 = 8;
 
 #[repr(C, align(4096))]
 pub(crate) struct FreeFilter {

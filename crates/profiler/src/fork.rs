@@ -147,6 +147,7 @@ extern "C" fn child() {
     crate::tls::with_guard(|| {
         state::after_fork_in_child();
         state::reset_current_tid();
+        state::reset_current_thread_name();
         crate::unwind::after_fork_in_child();
         crate::sampler::after_fork_in_child();
         // SAFETY: this is the forked child's only thread.

@@ -307,23 +307,45 @@ pub(crate) fn reset_current_tid() {
     STATE.with(|s| s.tid.set(0));
 }
 
-/// The calling thread's name (at most 15 bytes), read from the kernel into `buf`.
+/// Allocation samples between two reads of the calling thread's name (it rarely changes).
+pub(crate) const NAME_REFRESH: u8 = 64;
+
+/// The calling thread's name (at most 15 bytes), cached per thread and copied into `buf`.
 pub(crate) fn current_thread_name(buf: &mut [u8; 16]) -> &str {
-    // SAFETY: PR_GET_NAME writes at most 16 bytes, NUL-terminated, into the buffer.
-    let rc = unsafe {
-        libc::prctl(
-            libc::PR_GET_NAME,
-            buf.as_mut_ptr() as libc::c_ulong,
-            0,
-            0,
-            0,
-        )
-    };
-    if rc != 0 {
-        return "";
-    }
-    let len = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    std::str::from_utf8(&buf[..len]).unwrap_or("")
+    let len = STATE.with(|s| {
+        let age = s.name_age.get();
+        if s.name_len.get() == 0xff || age >= NAME_REFRESH {
+            let mut fresh = [0u8; 16];
+            // SAFETY: PR_GET_NAME writes at most 16 bytes, NUL-terminated, into the buffer.
+            let rc = unsafe {
+                libc::prctl(
+                    libc::PR_GET_NAME,
+                    fresh.as_mut_ptr() as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                )
+            };
+            let len = if rc == 0 {
+                fresh.iter().position(|&b| b == 0).unwrap_or(15)
+            } else {
+                0
+            };
+            s.name.set(fresh);
+            s.name_len.set(len as u8);
+            s.name_age.set(0);
+        } else {
+            s.name_age.set(age + 1);
+        }
+        *buf = s.name.get();
+        s.name_len.get() as usize
+    });
+    std::str::from_utf8(&buf[..len.min(15)]).unwrap_or("")
+}
+
+/// Forgets the cached name (a forked child's thread may be renamed).
+pub(crate) fn reset_current_thread_name() {
+    STATE.with(|s| s.name_len.set(0xff));
 }
 
 /// When the process started, from /proc/self/stat (falls back to now).

@@ -25,6 +25,11 @@ pub(crate) struct ThreadState {
     pub stack_hi: Cell<usize>,
     /// This thread's kernel id, cached; 0 = not known yet.
     pub tid: Cell<i32>,
+    /// This thread's name (kernel `comm`, at most 15 bytes), cached for allocation samples and
+    /// re-read every [`crate::state::NAME_REFRESH`] samples; `name_len` 0xff = not read yet.
+    pub name: Cell<[u8; 16]>,
+    pub name_len: Cell<u8>,
+    pub name_age: Cell<u8>,
 }
 
 thread_local! {
@@ -37,6 +42,9 @@ thread_local! {
             stack_lo: Cell::new(0),
             stack_hi: Cell::new(0),
             tid: Cell::new(0),
+            name: Cell::new([0; 16]),
+            name_len: Cell::new(0xff),
+            name_age: Cell::new(0),
         }
     };
 }
