@@ -7,7 +7,8 @@
 #   scripts/reliability.sh conservation [secs]  4 samplers vs a serializer flipping every ms (30)
 #   scripts/reliability.sh fuzz [secs]          each cargo-fuzz target for secs seconds (300)
 #   scripts/reliability.sh soak [cycles]        serialize cycles with churning content (10000)
-#   scripts/reliability.sh signals [secs]       1 kHz CPU profiling + allocation on 8 threads (60)
+#   scripts/reliability.sh signals [secs] [forks]  1 kHz CPU + allocation on 8 threads (60 s),
+#                                               stray SIGPROF, forks under load (50)
 #   scripts/reliability.sh all                  all of the above, long
 #   scripts/reliability.sh ci                   loom (bounded) + a short fuzz run when available
 #
@@ -42,14 +43,12 @@ run_soak() {
 }
 
 run_signals() {
-    local secs="${1:-60}"
-    if [ ! -f crates/profiler/tests/signals.rs ]; then
-        log "signals: crates/profiler/tests/signals.rs not present yet, skipped"
-        return 0
-    fi
-    log "signals for ${secs}s"
+    local secs="${1:-60}" forks="${2:-50}"
+    log "signals: 1 kHz + allocation on 8 threads for ${secs}s, stray SIGPROF"
     FERROPROF_SIGNALS_SECS="$secs" cargo test --release -p ferroprof --test signals \
-        -- --ignored --nocapture --test-threads=1
+        -- --include-ignored --nocapture --test-threads=1
+    log "fork under load: $forks forks"
+    FERROPROF_FORKS="$forks" cargo test --release -p ferroprof --test fork_stress -- --nocapture
 }
 
 have_cargo_fuzz() { cargo fuzz --version >/dev/null 2>&1; }
@@ -121,7 +120,7 @@ case "$cmd" in
         run_fuzz 15 no
         ;;
     *)
-        sed -n '2,16p' "$0" >&2
+        sed -n '2,17p' "$0" >&2
         exit 2
         ;;
 esac
