@@ -516,6 +516,8 @@ fn export_once(sh: &Shared) -> Result<(), ProfilerError> {
             },
             Err(e) => {
                 sh.stats.serialize_errors.fetch_add(1, Ordering::Relaxed);
+                // Counted and logged; the export loop carries on with the next period.
+                log::warn!("ferroprof: serializing the profile failed: {e}");
                 return Err(e.into());
             }
         }
@@ -525,6 +527,7 @@ fn export_once(sh: &Shared) -> Result<(), ProfilerError> {
     for e in exporters.iter_mut() {
         if let Err(err) = e.export(&exported) {
             sh.stats.export_errors.fetch_add(1, Ordering::Relaxed);
+            log::warn!("ferroprof: {} exporter: {err}", e.name());
             first_err.get_or_insert(err);
         } else {
             sh.stats.exports.fetch_add(1, Ordering::Relaxed);

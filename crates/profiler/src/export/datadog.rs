@@ -297,6 +297,11 @@ impl DatadogBackend {
                 ));
             }
         }
+        if let DatadogTarget::Agent(base) = &config.target {
+            // `DatadogConfig::agent` takes any string: a URL without a scheme (`localhost:8126`)
+            // would otherwise fail on every upload instead of here.
+            DatadogTarget::from_agent_url(base)?;
+        }
         let endpoint = config.target.endpoint();
         if let Endpoint::Url(url) = &endpoint {
             transport::check_tls_available(url)?;
