@@ -362,8 +362,7 @@ fn invalid_backend_configuration_is_an_error_at_build() {
     ] {
         clear(
             ferroprof::export::datadog::DatadogTarget::from_agent_url(url)
-                .err()
-                .expect("bad agent URL"),
+                .expect_err("bad agent URL"),
             url,
         );
     }
@@ -391,7 +390,7 @@ fn invalid_backend_configuration_is_an_error_at_build() {
     // Agentless without a key: the error names the variable, never a key value.
     let get = |k: &str| (k == "DD_PROFILING_AGENTLESS").then(|| "true".to_owned());
     clear(
-        DatadogConfig::from_lookup(&get).err().expect("no key"),
+        DatadogConfig::from_lookup(&get).expect_err("no key"),
         "DD_API_KEY",
     );
 }
