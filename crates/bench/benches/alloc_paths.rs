@@ -71,6 +71,8 @@ fn alloc_paths(c: &mut Criterion) {
         "samples recorded in the every-alloc run: {}",
         stats.alloc_samples
     );
+    // The baseline again: the spread between the two system runs shows the noise level.
+    g.bench_function("system_again", |b| b.iter(|| alloc_free(&System, layout)));
     g.finish();
 }
 

@@ -23,7 +23,8 @@ fn main() {
             cpu: false,
             wall: false,
             alloc: true,
-            heap: true,
+            // FERROPROF_BENCH_HEAP=0: allocation samples only, no live-heap tracking.
+            heap: std::env::var("FERROPROF_BENCH_HEAP").map_or(true, |v| v != "0"),
         })
         .alloc_interval_bytes(interval)
         .period(Duration::from_secs(3600))

@@ -559,6 +559,9 @@ pub struct ProfilerStats {
     pub handler_avg_ns: u64,
     /// Average frames per captured stack.
     pub handler_avg_frames: u64,
+    /// CPU time the sampler thread used so far (listing threads, reading their clocks,
+    /// signalling, recording), in nanoseconds; 0 when it does not run.
+    pub sampler_cpu_ns: u64,
     pub alloc_samples: u64,
     pub record_errors: u64,
     pub exports: u64,
@@ -656,6 +659,10 @@ impl ProfilerGuard {
             cpu_signal_failures: l(&s.cpu_signal_failures),
             handler_avg_ns: l(&s.handler_ns_total) / done,
             handler_avg_frames: l(&s.handler_frames_total) / done,
+            sampler_cpu_ns: match self.shared.own_tids[0].load(Ordering::Relaxed) {
+                0 => 0,
+                tid => sampler::thread_cpu_ns(tid).unwrap_or(0),
+            },
             alloc_samples: l(&s.alloc_samples),
             record_errors: l(&s.record_errors),
             exports: l(&s.exports),

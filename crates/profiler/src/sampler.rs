@@ -238,7 +238,7 @@ fn clock_ns(clock: libc::clockid_t) -> Option<u64> {
 }
 
 /// CPU time consumed by thread `tid` of this process.
-fn thread_cpu_ns(tid: i32) -> Option<u64> {
+pub(crate) fn thread_cpu_ns(tid: i32) -> Option<u64> {
     // The kernel's clock id for another thread's CPU clock: CPUCLOCK_SCHED | PERTHREAD, tid
     // stored inverted above the low three bits.
     let clock = ((!(tid as libc::clockid_t)) << 3) | 6;
