@@ -366,7 +366,7 @@ struct ThreadInfo {
     /// CPU clock of the thread right after its last stack capture.
     idle_ref: u64,
     /// A new thread names itself shortly after it starts (Rust does it in the new thread):
-    /// its name is re-read on its first visits.
+    /// its name is re-read on its first visits until it changes.
     name_checks_left: u8,
     pending: Option<Pending>,
     /// A request the thread never answered (it blocks the signal): not signalled again unless
@@ -551,16 +551,20 @@ impl Sampler {
             stack: Vec::new(),
             has_stack: false,
             idle_ref: 0,
-            name_checks_left: 8,
+            name_checks_left: 100,
             pending: None,
             abandoned: None,
             seen: tick,
         });
         info.seen = tick;
         if info.name_checks_left > 0 {
+            // Re-read until the thread renamed itself (it starts with its creator's name), for
+            // its first visits only: a thread not scheduled for a while names itself late.
             info.name_checks_left -= 1;
-            if info.name_checks_left < 7 {
-                info.name = read_comm(tid);
+            let fresh = read_comm(tid);
+            if fresh != info.name {
+                info.name = fresh;
+                info.name_checks_left = 0;
             }
         }
         self.shared.stats.cpu_ticks.fetch_add(1, Ordering::Relaxed);

@@ -73,13 +73,13 @@ fn cpu_time_follows_work_and_sleepers_get_wall_time_only() {
     let c = Collect::default();
     let guard = Profiler::builder()
         .service("cpu-wall-test")
-        .cpu_hz(250)
+        .cpu_hz(400)
         .profiles(cpu_wall())
         .period(Duration::from_secs(600))
         .exporter(Box::new(c.clone()))
         .start()
         .expect("profiler starts");
-    let run = Duration::from_secs(3);
+    let run = Duration::from_secs(4);
     let until = Instant::now() + run;
     let burners: Vec<_> = (0..2)
         .map(|i| {
