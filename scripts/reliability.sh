@@ -120,7 +120,7 @@ case "$cmd" in
         run_fuzz 15 no
         ;;
     *)
-        sed -n '2,15p' "$0" >&2
+        sed -n '2,16p' "$0" >&2
         exit 2
         ;;
 esac
