@@ -151,6 +151,39 @@ pub struct LiveObject {
     pub frozen: bool,
 }
 
+/// Sizes of a prepared snapshot (see [`HeapRecorder::snapshot_sizes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotSizes {
+    /// Object records copied (objects younger than the minimum age included).
+    pub objects: usize,
+    /// Stack slots: every stack index of the snapshot is below this (see [`SnapshotStack`]).
+    pub stacks: usize,
+}
+
+/// One object's stack during [`HeapRecorder::for_each_live_object_by_stack`].
+#[derive(Debug, Clone, Copy)]
+pub struct SnapshotStack<'a> {
+    index: usize,
+    words: &'a [u64],
+}
+
+impl SnapshotStack<'_> {
+    /// Names the stack within the snapshot: equal for objects of the same stack, below
+    /// [`SnapshotSizes::stacks`] (or equal to it for a stack the snapshot lacks, which has no
+    /// frames).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Decodes the frames, innermost first, into `out` (cleared first).
+    pub fn frames(&self, out: &mut Vec<Frame<'static>>) {
+        out.clear();
+        if let Some(frames) = self.words.get(1..) {
+            out.extend(frames.chunks_exact(2).map(|w| decode_frame(w[0], w[1])));
+        }
+    }
+}
+
 /// Snapshot of the heap recorder's stats (the seed's `heap_recorder_state_snapshot`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HeapStats {
@@ -1386,6 +1419,36 @@ impl HeapRecorder {
         &self,
         f: &mut dyn FnMut(&LiveObject, &[Frame<'_>]) -> bool,
     ) -> Result<bool, HeapError> {
+        // Flyweight: one frame buffer for the whole iteration, rebuilt only when the stack
+        // changes.
+        let mut frames: Vec<Frame<'static>> = Vec::new();
+        let mut current_stack = None;
+        self.for_each_live_object_by_stack(&mut |live, stack| {
+            if current_stack != Some(stack.index) {
+                stack.frames(&mut frames);
+                current_stack = Some(stack.index);
+            }
+            f(live, &frames)
+        })
+    }
+
+    /// Sizes of the prepared snapshot, for pre-sizing what iterating it will build.
+    pub fn snapshot_sizes(&self) -> Result<SnapshotSizes, HeapError> {
+        let it = self.iter.lock();
+        let snapshot = it.snapshot.as_ref().ok_or(HeapError::NotPrepared)?;
+        Ok(SnapshotSizes {
+            objects: snapshot.records.len(),
+            stacks: snapshot.stacks.iter().map(Vec::len).sum(),
+        })
+    }
+
+    /// Like [`Self::for_each_live_object`], but hands over each object's stack undecoded, with
+    /// an index that names it within this snapshot: objects sharing a stack share the index, so
+    /// a caller can work a stack out once and reuse the result for every object of it.
+    pub fn for_each_live_object_by_stack(
+        &self,
+        f: &mut dyn FnMut(&LiveObject, SnapshotStack<'_>) -> bool,
+    ) -> Result<bool, HeapError> {
         let snapshot = self
             .iter
             .lock()
@@ -1393,10 +1456,13 @@ impl HeapRecorder {
             .clone()
             .ok_or(HeapError::NotPrepared)?;
         let min_age = u64::from(self.min_iteration_age);
-        // Flyweight: one frame buffer for the whole iteration, rebuilt only when the stack
-        // changes.
-        let mut frames: Vec<Frame<'static>> = Vec::new();
-        let mut current_stack = None;
+        // Dense stack indexes: each shard's slots follow the previous shards'.
+        let mut shard_base = Vec::with_capacity(snapshot.stacks.len());
+        let mut base = 0usize;
+        for shard in &snapshot.stacks {
+            shard_base.push(base);
+            base += shard.len();
+        }
         for (i, rec) in snapshot.records.iter().enumerate() {
             let delta = gen_delta(snapshot.gen, rec.alloc_gen);
             let age = delta.max(0) as u64;
@@ -1410,13 +1476,14 @@ impl HeapRecorder {
                     std::hint::black_box(words.first());
                 }
             }
-            if current_stack != Some(rec.stack()) {
-                frames.clear();
-                if let Some(words) = snapshot.words(rec.stack()) {
-                    frames.extend(words[1..].chunks_exact(2).map(|w| decode_frame(w[0], w[1])));
-                }
-                current_stack = Some(rec.stack());
-            }
+            let (shard, slot) = split_stack_ref(rec.stack());
+            let words = snapshot.words(rec.stack()).unwrap_or(&[]);
+            let stack = SnapshotStack {
+                // A reference outside the snapshot (never made) gets an index past every real
+                // one, with no frames.
+                index: shard_base.get(shard).map_or(base, |b| b + slot),
+                words,
+            };
             let live = LiveObject {
                 id: rec.id,
                 weight: rec.weight,
@@ -1426,7 +1493,7 @@ impl HeapRecorder {
                 gen_age: age,
                 frozen: rec.frozen(),
             };
-            if !f(&live, &frames) {
+            if !f(&live, stack) {
                 return Ok(false);
             }
         }

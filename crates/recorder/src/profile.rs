@@ -213,7 +213,19 @@ impl IdIndex {
     }
 
     fn grow(&mut self) {
-        let n = (self.slots.len() * 2).max(16);
+        self.rebuild((self.slots.len() * 2).max(16));
+    }
+
+    /// Makes room for `additional` more ids without growing on the way.
+    fn reserve(&mut self, additional: usize) {
+        let need = ((self.len() + additional) * 2).next_power_of_two().max(16);
+        if need > self.slots.len() {
+            self.rebuild(need);
+        }
+        self.hashes.reserve(additional);
+    }
+
+    fn rebuild(&mut self, n: usize) {
         self.slots = vec![EMPTY_SLOT; n];
         for id in 0..self.hashes.len() {
             self.place(self.hashes[id], id as u32);
@@ -224,6 +236,9 @@ impl IdIndex {
         (self.slots.capacity() + self.hashes.capacity()) * 8
     }
 }
+
+/// Entries of the address cache: 4096 (64 KiB), enough for the frames many stacks share.
+const ADDR_CACHE_BITS: u32 = 12;
 
 /// Ids must stay below `NONE` and fit the index's 32-bit id half.
 const MAX_TABLE_LEN: usize = (u32::MAX - 1) as usize;
@@ -325,13 +340,7 @@ impl SliceSet {
     }
 
     fn intern(&mut self, ids: &[u32]) -> Result<u32, ProfileError> {
-        use std::hash::Hasher;
-        let mut h = hasher();
-        h.write_usize(ids.len());
-        for &x in ids {
-            h.write_u32(x);
-        }
-        let hash = h.finish();
+        let hash = hash_ids(ids);
         let (items, spans) = (&self.items, &self.spans);
         if let Some(id) = self.index.find(hash, |id| {
             let (off, len) = spans[id as usize];
@@ -391,6 +400,24 @@ fn check_table_len(len: usize, what: &str) -> Result<(), ProfileError> {
         )));
     }
     Ok(())
+}
+
+/// Hash of a slice of ids: one folded multiply per four ids (stacks are long, and a new stack is
+/// hashed once per lookup). Equality is always verified, so this only spreads ids over slots.
+fn hash_ids(ids: &[u32]) -> u64 {
+    let pair = |c: &[u32]| ((c[0] as u64) << 32) | c[1] as u64;
+    let mut acc = K0 ^ ids.len() as u64;
+    let mut quads = ids.chunks_exact(4);
+    for q in &mut quads {
+        acc = folded_multiply(acc ^ pair(&q[..2]), pair(&q[2..]) ^ K1);
+    }
+    let rest = quads.remainder();
+    if !rest.is_empty() {
+        let mut w = [0u32; 4];
+        w[..rest.len()].copy_from_slice(rest);
+        acc = folded_multiply(acc ^ pair(&w[..2]), pair(&w[2..]) ^ K2);
+    }
+    folded_multiply(acc, K1)
 }
 
 fn hash_function(f: Function) -> u64 {
@@ -488,6 +515,9 @@ struct Tables {
     preset: Preset,
     /// Reused by the slow path so it does not allocate per sample.
     scratch: Vec<u32>,
+    /// Direct-mapped address -> location id cache of [`Profile::intern_stack`] (empty until
+    /// first used). Location ids never change while the tables live, so entries stay valid.
+    addr_cache: Vec<(u64, u32)>,
 }
 
 impl Tables {
@@ -526,6 +556,7 @@ impl Tables {
                 types,
             },
             scratch: Vec::new(),
+            addr_cache: Vec::new(),
         }
     }
 
@@ -632,6 +663,41 @@ impl Tables {
             + self.timed_values.capacity() * 8
             + self.id_cache.capacity() * 4
             + self.function_src.capacity() * 8
+            + self.addr_cache.capacity() * std::mem::size_of::<(u64, u32)>()
+    }
+
+    /// Location id of an address frame, through the address cache.
+    #[inline]
+    fn address_location(&mut self, a: u64) -> Result<u32, ProfileError> {
+        if self.addr_cache.is_empty() {
+            self.addr_cache = vec![(0, NONE); 1 << ADDR_CACHE_BITS];
+        }
+        let slot = (a.wrapping_mul(K0) >> (64 - ADDR_CACHE_BITS)) as usize;
+        let (cached, id) = self.addr_cache[slot];
+        if cached == a && id != NONE {
+            return Ok(id);
+        }
+        let loc = Location::Address(a);
+        let id = self.locations.intern(loc, hash_location(loc), "location")?;
+        self.addr_cache[slot] = (a, id);
+        Ok(id)
+    }
+
+    /// Row of the aggregated sample (stack, labels), added with zero values when new.
+    #[inline]
+    fn agg_row(&mut self, stack: u32, labels: u32, n: usize) -> Result<u32, ProfileError> {
+        let hash = hash_pair(stack, labels);
+        let agg = &self.agg;
+        if let Some(r) = self
+            .agg_index
+            .find(hash, |r| agg[r as usize] == (stack, labels))
+        {
+            return Ok(r);
+        }
+        check_table_len(self.agg.len(), "aggregated sample")?;
+        self.agg.push((stack, labels));
+        self.agg_values.resize(self.agg_values.len() + n, 0);
+        Ok(self.agg_index.insert(hash))
     }
 }
 
@@ -809,8 +875,76 @@ fn intern_str(t: &mut Tables, r: &Resolver<'_>, s: Str<'_>) -> Result<u32, Profi
     }
 }
 
+/// Appends the location id of every frame to `locs`, interning what is new.
+fn intern_frames(
+    t: &mut Tables,
+    r: &Resolver<'_>,
+    frames: &[Frame<'_>],
+    locs: &mut Vec<u32>,
+) -> Result<(), ProfileError> {
+    for f in frames {
+        let loc = match *f {
+            Frame::Address(a) => Location::Address(a),
+            Frame::Symbol {
+                name,
+                filename,
+                line,
+            } => {
+                let src = id_pair(name, filename);
+                let name = intern_str(t, r, name)?;
+                let filename = intern_str(t, r, filename)?;
+                let func = Function { name, filename };
+                let function = t.functions.intern(func, hash_function(func), "function")?;
+                if t.function_src.len() < t.functions.items.len() {
+                    t.function_src.resize(t.functions.items.len(), NO_SOURCE);
+                }
+                if let Some(src) = src {
+                    t.function_src[function as usize] = src;
+                }
+                Location::Symbol { function, line }
+            }
+        };
+        locs.push(t.locations.intern(loc, hash_location(loc), "location")?);
+    }
+    Ok(())
+}
+
+/// Appends the label id of every label to `ids`, interning what is new.
+fn intern_labels(
+    t: &mut Tables,
+    r: &Resolver<'_>,
+    labels: &[Label<'_>],
+    ids: &mut Vec<u32>,
+) -> Result<(), ProfileError> {
+    for l in labels {
+        let key = intern_str(t, r, l.key)?;
+        let rec = match l.value {
+            LabelValue::Num(num) => LabelRec {
+                key,
+                str: NONE,
+                num,
+            },
+            LabelValue::Str(s) => LabelRec {
+                key,
+                str: intern_str(t, r, s)?,
+                num: 0,
+            },
+        };
+        ids.push(t.labels.intern(rec, hash_label(rec), "label")?);
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Profile
+
+/// A stack interned in a profile, valid until its next reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StackId(u32);
+
+/// A label set interned in a profile, valid until its next reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LabelSetId(u32);
 
 /// A profile being recorded.
 pub struct Profile {
@@ -861,15 +995,7 @@ impl Profile {
         if sample.end_timestamp_ns < 0 {
             return Err(ProfileError::NegativeTimestamp(sample.end_timestamp_ns));
         }
-        if let Some(storage) = &self.storage {
-            let g = storage.generation();
-            if g != self.t.cache_generation {
-                // Ids freed by the advance may now name other strings.
-                self.t.id_cache.clear();
-                self.t.function_src.fill(NO_SOURCE);
-                self.t.cache_generation = g;
-            }
-        }
+        self.sync_generation();
 
         let hash = sample_key_hash(sample.frames, sample.labels);
         let t = &self.t;
@@ -880,6 +1006,125 @@ impl Profile {
             None => self.add_key(hash, sample)?,
         };
         self.record(key, sample)
+    }
+
+    /// Drops the storage id mappings when the storage's generation moved.
+    #[inline]
+    fn sync_generation(&mut self) {
+        if let Some(storage) = &self.storage {
+            let g = storage.generation();
+            if g != self.t.cache_generation {
+                // Ids freed by the advance may now name other strings.
+                self.t.id_cache.clear();
+                self.t.function_src.fill(NO_SOURCE);
+                self.t.cache_generation = g;
+            }
+        }
+    }
+
+    /// Pre-sizes the tables for `samples` more aggregated samples over at most `stacks` new
+    /// stacks, so a bulk add does not rehash on the way.
+    pub(crate) fn reserve(&mut self, samples: usize, stacks: usize) {
+        let t = &mut self.t;
+        t.agg.reserve(samples);
+        t.agg_values.reserve(samples * self.types.len());
+        t.agg_index.reserve(samples);
+        t.stacks.spans.reserve(stacks);
+        t.stacks.index.reserve(stacks);
+    }
+
+    /// Bulk path, part 1: interns a stack (innermost frame first) as [`Profile::add`] would,
+    /// with the same validation; a failed stack leaves the profile unchanged. The id is valid
+    /// until the next [`Profile::reset`].
+    pub(crate) fn intern_stack(&mut self, frames: &[Frame<'_>]) -> Result<StackId, ProfileError> {
+        if frames.len() > MAX_FRAMES {
+            return Err(ProfileError::TooManyFrames {
+                got: frames.len(),
+                limit: MAX_FRAMES,
+            });
+        }
+        self.sync_generation();
+        let mut locs = std::mem::take(&mut self.t.scratch);
+        locs.clear();
+        let result = if frames.iter().all(|f| matches!(f, Frame::Address(_))) {
+            // Nothing to validate; locations come through the address cache.
+            let t = &mut self.t;
+            frames
+                .iter()
+                .try_for_each(|f| {
+                    if let Frame::Address(a) = *f {
+                        locs.push(t.address_location(a)?);
+                    }
+                    Ok(())
+                })
+                .and_then(|()| t.stacks.intern(&locs))
+        } else {
+            let storage = self.storage.clone();
+            let sample = Sample {
+                frames,
+                values: &[],
+                labels: &[],
+                end_timestamp_ns: 0,
+            };
+            let r = Resolver::new(storage.as_deref(), &self.t, &sample);
+            self.validate(&r, &sample).and_then(|()| {
+                let t = &mut self.t;
+                intern_frames(t, &r, frames, &mut locs)?;
+                t.stacks.intern(&locs)
+            })
+        };
+        self.t.scratch = locs;
+        result.map(StackId)
+    }
+
+    /// Bulk path, part 2: interns a label set as [`Profile::add`] would (same validation, for
+    /// an untimestamped sample). The id is valid until the next [`Profile::reset`].
+    pub(crate) fn intern_label_set(
+        &mut self,
+        labels: &[Label<'_>],
+    ) -> Result<LabelSetId, ProfileError> {
+        self.sync_generation();
+        let storage = self.storage.clone();
+        let sample = Sample {
+            frames: &[],
+            values: &[],
+            labels,
+            end_timestamp_ns: 0,
+        };
+        let r = Resolver::new(storage.as_deref(), &self.t, &sample);
+        self.validate(&r, &sample)?;
+        let t = &mut self.t;
+        let mut ids = std::mem::take(&mut t.scratch);
+        ids.clear();
+        let result =
+            intern_labels(t, &r, labels, &mut ids).and_then(|()| t.label_sets.intern(&ids));
+        t.scratch = ids;
+        result.map(LabelSetId)
+    }
+
+    /// Bulk path, part 3: adds `values` to the untimestamped sample (stack, labels), exactly as
+    /// [`Profile::add`] of a sample resolving to them would.
+    pub(crate) fn add_interned(
+        &mut self,
+        stack: StackId,
+        labels: LabelSetId,
+        values: &[i64],
+    ) -> Result<(), ProfileError> {
+        let n = self.types.len();
+        if values.len() != n {
+            return Err(ProfileError::WrongValueCount {
+                expected: n,
+                got: values.len(),
+            });
+        }
+        let t = &mut self.t;
+        debug_assert!((stack.0 as usize) < t.stacks.spans.len());
+        debug_assert!((labels.0 as usize) < t.label_sets.spans.len());
+        let start = t.agg_row(stack.0, labels.0, n)? as usize * n;
+        for (acc, v) in t.agg_values[start..start + n].iter_mut().zip(values) {
+            *acc = acc.saturating_add(*v);
+        }
+        Ok(())
     }
 
     /// Applies the values of a sample whose key is known.
@@ -905,20 +1150,7 @@ impl Profile {
         let row = if k.agg != NONE {
             k.agg
         } else {
-            let hash = hash_pair(k.stack, k.labels);
-            let agg = &t.agg;
-            let row = match t
-                .agg_index
-                .find(hash, |r| agg[r as usize] == (k.stack, k.labels))
-            {
-                Some(r) => r,
-                None => {
-                    check_table_len(t.agg.len(), "aggregated sample")?;
-                    t.agg.push((k.stack, k.labels));
-                    t.agg_values.resize(t.agg_values.len() + n, 0);
-                    t.agg_index.insert(hash)
-                }
-            };
+            let row = t.agg_row(k.stack, k.labels, n)?;
             t.keys[key as usize].agg = row;
             row
         };
@@ -940,48 +1172,10 @@ impl Profile {
         let mut locs = std::mem::take(&mut t.scratch);
         locs.clear();
         let result = (|| {
-            for f in sample.frames {
-                let loc = match *f {
-                    Frame::Address(a) => Location::Address(a),
-                    Frame::Symbol {
-                        name,
-                        filename,
-                        line,
-                    } => {
-                        let src = id_pair(name, filename);
-                        let name = intern_str(t, &r, name)?;
-                        let filename = intern_str(t, &r, filename)?;
-                        let func = Function { name, filename };
-                        let function = t.functions.intern(func, hash_function(func), "function")?;
-                        if t.function_src.len() < t.functions.items.len() {
-                            t.function_src.resize(t.functions.items.len(), NO_SOURCE);
-                        }
-                        if let Some(src) = src {
-                            t.function_src[function as usize] = src;
-                        }
-                        Location::Symbol { function, line }
-                    }
-                };
-                locs.push(t.locations.intern(loc, hash_location(loc), "location")?);
-            }
+            intern_frames(t, &r, sample.frames, &mut locs)?;
             let stack = t.stacks.intern(&locs)?;
             locs.clear();
-            for l in sample.labels {
-                let key = intern_str(t, &r, l.key)?;
-                let rec = match l.value {
-                    LabelValue::Num(num) => LabelRec {
-                        key,
-                        str: NONE,
-                        num,
-                    },
-                    LabelValue::Str(s) => LabelRec {
-                        key,
-                        str: intern_str(t, &r, s)?,
-                        num: 0,
-                    },
-                };
-                locs.push(t.labels.intern(rec, hash_label(rec), "label")?);
-            }
+            intern_labels(t, &r, sample.labels, &mut locs)?;
             let labels = t.label_sets.intern(&locs)?;
             // The key may already be indexed under this hash, missed only because its ids were
             // not cached yet; reuse it rather than indexing a twin.

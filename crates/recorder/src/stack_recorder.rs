@@ -12,18 +12,36 @@
 //! a time, behind its own mutex) resets the inactive slot, opens its gate, closes the active gate
 //! and waits for the samplers inside to leave; from then on it owns the old slot alone.
 
+use std::collections::HashMap;
 use std::time::{Instant, SystemTime};
 
 use crate::error::{HeapError, ProfileError, RecorderError};
 use crate::gate::Gate;
-use crate::heap::{HeapConfig, HeapRecorder, HeapStats};
+use crate::heap::{HeapConfig, HeapRecorder, HeapStats, LiveObject};
 use crate::pprof::{Compression, EncodeOptions, EncodedProfile, Symbolizer};
-use crate::profile::{Frame, Label, LabelValue, Profile, Sample, Str};
+use crate::profile::{Frame, Label, LabelSetId, LabelValue, Profile, Sample, StackId, Str};
 use crate::sample_types::{SampleLayout, SampleTypeConfig, SampleValues};
 use crate::spin::{SpinGuard, SpinLock};
 use crate::strings::{StringId, StringStorage};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
+
+/// The labels of a live object's heap sample: its class (when known) and its age.
+fn heap_labels(obj: &LiveObject) -> Vec<Label<'static>> {
+    let age = Label {
+        key: Str::Lit(GC_GEN_AGE_LABEL),
+        value: LabelValue::Num(i64::try_from(obj.gen_age).unwrap_or(i64::MAX)),
+    };
+    if obj.class == StringId::EMPTY {
+        vec![age]
+    } else {
+        let class = Label {
+            key: Str::Lit(ALLOCATION_CLASS_LABEL),
+            value: LabelValue::Str(Str::Id(obj.class)),
+        };
+        vec![class, age]
+    }
+}
 
 /// Label key of the class of a live heap object.
 pub const ALLOCATION_CLASS_LABEL: &str = "allocation class";
@@ -374,44 +392,72 @@ impl StackRecorder {
     }
 
     /// Adds one sample per live object into the slot being serialized.
+    ///
+    /// The result is what one [`Profile::add`] per object would give, built in bulk: each heap
+    /// stack is interned into the profile once (the heap recorder deduplicates stacks, so
+    /// objects sharing one share its snapshot index), the label set once per (class, age), and
+    /// each object then costs one aggregated-row lookup.
     fn add_heap_samples(
         &self,
         heap: &HeapRecorder,
         data: &mut SlotData,
     ) -> Result<Result<(), RecorderError>, HeapError> {
+        let sizes = heap.snapshot_sizes()?;
+        data.profile
+            .reserve(sizes.objects.min(sizes.stacks), sizes.stacks);
         let mut failure: Option<ProfileError> = None;
         let n = self.layout.len();
         let mut visited = 0u64;
-        let completed = heap.for_each_live_object(&mut |obj, frames| {
+        let mut added = 0u64;
+        // Snapshot stack index -> profile stack (`None` until first seen); one past the end
+        // for a stack the snapshot lacks.
+        let mut stacks: Vec<Option<StackId>> = vec![None; sizes.stacks + 1];
+        let mut frames: Vec<Frame<'static>> = Vec::new();
+        // (class, age) -> label set; ages are few, so the last one answers most lookups.
+        let mut label_sets: HashMap<(StringId, u64), LabelSetId, foldhash::fast::RandomState> =
+            HashMap::default();
+        let mut last_labels: Option<((StringId, u64), LabelSetId)> = None;
+        let profile = &mut data.profile;
+        let completed = heap.for_each_live_object_by_stack(&mut |obj, stack| {
             visited += 1;
             let placed = self.layout.place(&SampleValues {
                 heap_live_samples: obj.weight as i64,
                 heap_live_size: (obj.size as i64).saturating_mul(obj.weight as i64),
                 ..SampleValues::default()
             });
-            let age = Label {
-                key: Str::Lit(GC_GEN_AGE_LABEL),
-                value: LabelValue::Num(i64::try_from(obj.gen_age).unwrap_or(i64::MAX)),
-            };
-            let class = Label {
-                key: Str::Lit(ALLOCATION_CLASS_LABEL),
-                value: LabelValue::Str(Str::Id(obj.class)),
-            };
-            let both = [class, age];
-            let labels: &[Label<'_>] = if obj.class != StringId::EMPTY {
-                &both
-            } else {
-                &both[1..]
-            };
-            let sample = Sample {
-                frames,
-                values: &placed[..n],
-                labels,
-                end_timestamp_ns: 0,
-            };
-            match data.profile.add(&sample) {
+            let result = (|| {
+                let stack_id = match stacks.get(stack.index()).copied().flatten() {
+                    Some(id) => id,
+                    None => {
+                        stack.frames(&mut frames);
+                        let id = profile.intern_stack(&frames)?;
+                        if let Some(slot) = stacks.get_mut(stack.index()) {
+                            *slot = Some(id);
+                        }
+                        id
+                    }
+                };
+                let key = (obj.class, obj.gen_age);
+                let labels = match last_labels {
+                    Some((k, id)) if k == key => id,
+                    _ => {
+                        let id = match label_sets.get(&key) {
+                            Some(&id) => id,
+                            None => {
+                                let id = profile.intern_label_set(&heap_labels(obj))?;
+                                label_sets.insert(key, id);
+                                id
+                            }
+                        };
+                        last_labels = Some((key, id));
+                        id
+                    }
+                };
+                profile.add_interned(stack_id, labels, &placed[..n])
+            })();
+            match result {
                 Ok(()) => {
-                    data.recorded_samples += 1;
+                    added += 1;
                     true
                 }
                 Err(e) => {
@@ -420,6 +466,7 @@ impl StackRecorder {
                 }
             }
         })?;
+        data.recorded_samples += added;
         Ok(match failure {
             Some(e) => Err(e.into()),
             None if !completed => Err(RecorderError::HeapIterationIncomplete { visited }),
