@@ -4,7 +4,7 @@
 //!
 //! `cargo bench -p ferroprof-bench --bench whole_process`
 //! Knobs: FERROPROF_BENCH_ROUNDS (default 7), FERROPROF_BENCH_OPS (allocation operations per
-//! thread, default 5 000 000; dhat runs 1/25 of it), FERROPROF_BENCH_CPU_ROUNDS (default 60 000).
+//! thread, default 5 000 000; dhat runs 1/25 of it), FERROPROF_BENCH_CPU_ROUNDS (default 80 000).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -80,7 +80,7 @@ impl Series {
 fn main() {
     let rounds = env_u64("FERROPROF_BENCH_ROUNDS", 7);
     let ops = env_u64("FERROPROF_BENCH_OPS", 5_000_000);
-    let cpu_rounds = env_u64("FERROPROF_BENCH_CPU_ROUNDS", 60_000);
+    let cpu_rounds = env_u64("FERROPROF_BENCH_CPU_ROUNDS", 80_000);
     build_examples();
     let dir = examples_dir();
     let mut report = String::new();
@@ -152,6 +152,7 @@ fn main() {
     let mut samples_cpu = Vec::new();
     let mut stop_ms = Vec::new();
     let mut sampler_cost = Vec::new();
+    let mut own_share = Vec::new();
     let cr = cpu_rounds.to_string();
     for r in 0..rounds {
         eprintln!("cpu round {}/{rounds}", r + 1);
@@ -164,6 +165,9 @@ fn main() {
                 frames.push(v["frames"]);
                 samples_cpu.push(v["samples"]);
                 sampler_cost.push(v["sampler_cpu_ns"] / v["samples"].max(1.0) + v["handler_ns"]);
+                own_share.push(
+                    (v["sampler_cpu_ns"] + v["handler_ns"] * v["signals"]) / v["cpu_ns"] * 100.0,
+                );
                 stop_ms.push(v["stop_ms"]);
             }
         }
@@ -193,12 +197,14 @@ fn main() {
     report.push_str(&format!(
         "\nferroprof signal handler: median {:.0} ns per sample at a median {:.0} frames; \
          {samples_m:.0} samples per run; profiler CPU per sample (sampler thread CPU / samples + \
-         handler): {:.1} us; whole-process CPU overhead / samples (includes kernel signal \
-         delivery and noise): {:.1} us; final serialization with symbolization at stop: \
-         {:.1} ms\n\n",
+         handler): {:.1} us; the profiler's own CPU (sampler thread + handlers, kernel signal \
+         delivery excluded) = {:.2}% of the workload's CPU; whole-process CPU overhead / samples \
+         (includes kernel signal delivery and noise): {:.1} us; final serialization with \
+         symbolization at stop: {:.1} ms\n\n",
         median(&mut handler),
         median(&mut frames),
         median(&mut sampler_cost) / 1e3,
+        median(&mut own_share),
         (cpu.median("ferroprof_cpu") - base_c) / samples_m.max(1.0) / 1e3,
         median(&mut stop_ms)
     ));

@@ -416,7 +416,8 @@ impl Sampler {
         tls::enter_profiler_thread();
         let hz = self.shared.settings.cpu_hz.max(1) as u64;
         let period = 1_000_000_000 / hz;
-        unwind::refresh(true);
+        // The snapshot was built by `start`; only changes are picked up from here on.
+        unwind::refresh(false);
         let mut next = monotonic_ns() + period;
         loop {
             sleep_until(next);
@@ -484,26 +485,31 @@ impl Sampler {
 
     pub(crate) fn run_tick(&mut self, now: u64, ticks: i64) {
         self.tick += 1;
-        let mut tids = std::mem::take(&mut self.tids);
-        let listed = match self.lister.as_mut() {
-            Some(l) => l.list(&mut tids),
-            None => false,
-        };
-        if !listed {
-            self.tids = tids;
-            return;
-        }
         let hz = self.shared.settings.cpu_hz.max(1) as u64;
+        let mut tids = std::mem::take(&mut self.tids);
+        // Threads are listed every ~50 ms (new threads are found within that); in between the
+        // known ones are visited, and one whose CPU clock cannot be read any more has exited.
+        let list_every = (hz / 20).max(1);
+        if self.tick % list_every == 1 % list_every || tids.is_empty() {
+            let listed = match self.lister.as_mut() {
+                Some(l) => l.list(&mut tids),
+                None => false,
+            };
+            if !listed {
+                self.tids = tids;
+                return;
+            }
+        }
         let mut new_threads = false;
-        for &tid in &tids {
+        tids.retain(|&tid| {
             if self.shared.is_own_thread(tid) {
-                continue;
+                return false;
             }
             if !self.threads.contains_key(&tid) {
                 new_threads = true;
             }
-            self.visit(tid, now, ticks);
-        }
+            self.visit(tid, now, ticks)
+        });
         let tick = self.tick;
         let mut vanished = Vec::new();
         self.threads.retain(|_, t| {
@@ -539,9 +545,10 @@ impl Sampler {
         }
     }
 
-    fn visit(&mut self, tid: i32, now: u64, ticks: i64) {
+    /// Samples thread `tid` for this tick; false when the thread no longer exists.
+    fn visit(&mut self, tid: i32, now: u64, ticks: i64) -> bool {
         let Some(cpu) = thread_cpu_ns(tid) else {
-            return;
+            return false;
         };
         let tick = self.tick;
         let info = self.threads.entry(tid).or_insert_with(|| ThreadInfo {
@@ -560,11 +567,14 @@ impl Sampler {
         if info.name_checks_left > 0 {
             // Re-read until the thread renamed itself (it starts with its creator's name), for
             // its first visits only: a thread not scheduled for a while names itself late.
+            // Every visit at first, then every tenth.
             info.name_checks_left -= 1;
-            let fresh = read_comm(tid);
-            if fresh != info.name {
-                info.name = fresh;
-                info.name_checks_left = 0;
+            if info.name_checks_left > 90 || info.name_checks_left % 10 == 0 {
+                let fresh = read_comm(tid);
+                if fresh != info.name {
+                    info.name = fresh;
+                    info.name_checks_left = 0;
+                }
             }
         }
         self.shared.stats.cpu_ticks.fetch_add(1, Ordering::Relaxed);
@@ -580,7 +590,7 @@ impl Sampler {
                 info.last_cpu = cpu;
                 info.last_wall = now;
             } else {
-                return;
+                return true;
             }
         }
 
@@ -591,7 +601,7 @@ impl Sampler {
                 self.complete(tid);
             } else if now.saturating_sub(p.sent_at) > ABANDON_AFTER.as_nanos() as u64 {
                 info.abandoned = info.pending.take();
-                return;
+                return true;
             } else {
                 // Not answered yet: the thread's user stack has not changed since the request,
                 // so this tick is covered by the same stack.
@@ -602,7 +612,7 @@ impl Sampler {
                     .stats
                     .cpu_merged_ticks
                     .fetch_add(ticks as u64, Ordering::Relaxed);
-                return;
+                return true;
             }
         }
 
@@ -618,10 +628,10 @@ impl Sampler {
             } else {
                 info.last_wall = now;
             }
-            return;
+            return true;
         }
         let Some(idx) = self.alloc_slot() else {
-            return;
+            return true;
         };
         let s = Self::slot(idx);
         let seq = s.seq.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
@@ -649,6 +659,7 @@ impl Sampler {
             s.state.store(IDLE, Ordering::Release);
             self.free_slots.push(idx);
         }
+        true
     }
 
     /// Records the finished request of `tid` and frees its slot.
