@@ -117,7 +117,7 @@ case "$cmd" in
         # Short versions of the conservation, soak, signal and corpus-replay runs are ordinary
         # tests in `cargo test`; this adds what needs its own build.
         run_loom 2
-        run_fuzz 15 no
+        run_fuzz 15 yes
         ;;
     *)
         sed -n '2,16p' "$0" >&2

@@ -14,7 +14,7 @@ echo "== cargo test"
 cargo test --workspace
 
 # >>> reliability (issue 6): loom model of the slot protocol and a short run of each fuzz target
-# (skipped when cargo-fuzz is not installed). Conservation, soak, signal and corpus-replay short
+# (cargo-fuzz is installed when missing). Conservation, soak, signal and corpus-replay short
 # runs are ordinary tests above. Long runs: scripts/reliability.sh all.
 echo "== reliability (short)"
 ./scripts/reliability.sh ci
