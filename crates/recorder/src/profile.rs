@@ -340,6 +340,7 @@ impl SliceSet {
     }
 
     fn intern(&mut self, ids: &[u32]) -> Result<u32, ProfileError> {
+        self.catch_up_index();
         let hash = hash_ids(ids);
         let (items, spans) = (&self.items, &self.spans);
         if let Some(id) = self.index.find(hash, |id| {
@@ -359,6 +360,37 @@ impl SliceSet {
         self.items.extend_from_slice(ids);
         self.spans.push((off, ids.len() as u32));
         Ok(self.index.insert(hash))
+    }
+
+    /// Appends `ids` as a new entry without looking it up or indexing it: the entry may equal an
+    /// existing one. The index catches up on the next [`SliceSet::intern`].
+    fn push_unindexed(&mut self, ids: &[u32]) -> Result<u32, ProfileError> {
+        check_table_len(self.spans.len(), "slice")?;
+        if self.items.len() + ids.len() > u32::MAX as usize {
+            return Err(ProfileError::Encode(format!(
+                "profile holds too many stack/label entries ({})",
+                self.items.len()
+            )));
+        }
+        let id = self.spans.len() as u32;
+        let off = self.items.len() as u32;
+        self.items.extend_from_slice(ids);
+        self.spans.push((off, ids.len() as u32));
+        Ok(id)
+    }
+
+    /// Indexes the entries appended by [`SliceSet::push_unindexed`] since the last lookup, so a
+    /// lookup sees every entry (a duplicate entry is indexed too; either one matches).
+    #[inline]
+    fn catch_up_index(&mut self) {
+        let indexed = self.index.len();
+        if indexed < self.spans.len() {
+            self.index.reserve(self.spans.len() - indexed);
+            for id in indexed..self.spans.len() {
+                let hash = hash_ids(self.get(id as u32));
+                self.index.insert(hash);
+            }
+        }
     }
 }
 
@@ -515,7 +547,7 @@ struct Tables {
     preset: Preset,
     /// Reused by the slow path so it does not allocate per sample.
     scratch: Vec<u32>,
-    /// Direct-mapped address -> location id cache of [`Profile::intern_stack`] (empty until
+    /// Direct-mapped address -> location id cache of [`Profile::push_stack_unindexed`] (empty until
     /// first used). Location ids never change while the tables live, so entries stay valid.
     addr_cache: Vec<(u64, u32)>,
 }
@@ -686,6 +718,7 @@ impl Tables {
     /// Row of the aggregated sample (stack, labels), added with zero values when new.
     #[inline]
     fn agg_row(&mut self, stack: u32, labels: u32, n: usize) -> Result<u32, ProfileError> {
+        self.catch_up_agg_index();
         let hash = hash_pair(stack, labels);
         let agg = &self.agg;
         if let Some(r) = self
@@ -698,6 +731,18 @@ impl Tables {
         self.agg.push((stack, labels));
         self.agg_values.resize(self.agg_values.len() + n, 0);
         Ok(self.agg_index.insert(hash))
+    }
+
+    /// Indexes the rows appended by [`Profile::push_unindexed_row`] since the last lookup.
+    #[inline]
+    fn catch_up_agg_index(&mut self) {
+        let indexed = self.agg_index.len();
+        if indexed < self.agg.len() {
+            self.agg_index.reserve(self.agg.len() - indexed);
+            for &(stack, labels) in &self.agg[indexed..] {
+                self.agg_index.insert(hash_pair(stack, labels));
+            }
+        }
     }
 }
 
@@ -943,8 +988,12 @@ fn intern_labels(
 pub(crate) struct StackId(u32);
 
 /// A label set interned in a profile, valid until its next reset.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct LabelSetId(u32);
+
+/// An aggregated row of a profile, valid until its next reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RowId(u32);
 
 /// A profile being recorded.
 pub struct Profile {
@@ -1022,21 +1071,34 @@ impl Profile {
         }
     }
 
-    /// Pre-sizes the tables for `samples` more aggregated samples over at most `stacks` new
-    /// stacks, so a bulk add does not rehash on the way.
-    pub(crate) fn reserve(&mut self, samples: usize, stacks: usize) {
+    /// Pre-sizes the tables for `rows` more aggregated rows over at most `stacks` new stacks
+    /// added through [`Profile::push_stack_unindexed`] and [`Profile::push_unindexed_row`], so a
+    /// bulk add does not reallocate on the way. (Their indexes are left alone: those entries are
+    /// only indexed if a later lookup needs them.)
+    pub(crate) fn reserve_unindexed(&mut self, rows: usize, stacks: usize) {
         let t = &mut self.t;
-        t.agg.reserve(samples);
-        t.agg_values.reserve(samples * self.types.len());
-        t.agg_index.reserve(samples);
+        t.agg.reserve(rows);
+        t.agg_values.reserve(rows * self.types.len());
         t.stacks.spans.reserve(stacks);
-        t.stacks.index.reserve(stacks);
+        // Most new stacks bring at least one new location (their own call site).
+        t.locations.items.reserve(stacks);
+        t.locations.index.reserve(stacks);
     }
 
-    /// Bulk path, part 1: interns a stack (innermost frame first) as [`Profile::add`] would,
-    /// with the same validation; a failed stack leaves the profile unchanged. The id is valid
-    /// until the next [`Profile::reset`].
-    pub(crate) fn intern_stack(&mut self, frames: &[Frame<'_>]) -> Result<StackId, ProfileError> {
+    /// Bulk path, part 1: appends a stack (innermost frame first) with the validation of
+    /// [`Profile::add`]; a failed stack leaves the profile unchanged. The id is valid until the
+    /// next [`Profile::reset`].
+    ///
+    /// Unlike `add`, this always appends a new stack entry, without looking it up or indexing it
+    /// (the index catches up on the next lookup, so later lookups still see it; a later `add` of
+    /// an equal stack may aggregate into a row of its own). It is for a caller
+    /// whose stacks are distinct from each other and that only needs rows of its own on them: an
+    /// equal stack already in the profile is merely stored twice, which the encoding does not
+    /// show (samples list location ids, not stack ids). Locations are still deduplicated.
+    pub(crate) fn push_stack_unindexed(
+        &mut self,
+        frames: &[Frame<'_>],
+    ) -> Result<StackId, ProfileError> {
         if frames.len() > MAX_FRAMES {
             return Err(ProfileError::TooManyFrames {
                 got: frames.len(),
@@ -1057,7 +1119,7 @@ impl Profile {
                     }
                     Ok(())
                 })
-                .and_then(|()| t.stacks.intern(&locs))
+                .and_then(|()| t.stacks.push_unindexed(&locs))
         } else {
             let storage = self.storage.clone();
             let sample = Sample {
@@ -1070,7 +1132,7 @@ impl Profile {
             self.validate(&r, &sample).and_then(|()| {
                 let t = &mut self.t;
                 intern_frames(t, &r, frames, &mut locs)?;
-                t.stacks.intern(&locs)
+                t.stacks.push_unindexed(&locs)
             })
         };
         self.t.scratch = locs;
@@ -1102,14 +1164,17 @@ impl Profile {
         result.map(LabelSetId)
     }
 
-    /// Bulk path, part 3: adds `values` to the untimestamped sample (stack, labels), exactly as
-    /// [`Profile::add`] of a sample resolving to them would.
-    pub(crate) fn add_interned(
+    /// Bulk path, part 3: appends the untimestamped row (stack, labels) holding `values`, as the
+    /// first [`Profile::add`] of a sample resolving to them would, but without looking it up or
+    /// indexing it (the index catches up on the next lookup). The caller guarantees no row for
+    /// (stack, labels) exists yet: `stack` came from [`Profile::push_stack_unindexed`] and each
+    /// (stack, labels) gets one call; further values go through [`Profile::add_to_row`].
+    pub(crate) fn push_unindexed_row(
         &mut self,
         stack: StackId,
         labels: LabelSetId,
         values: &[i64],
-    ) -> Result<(), ProfileError> {
+    ) -> Result<RowId, ProfileError> {
         let n = self.types.len();
         if values.len() != n {
             return Err(ProfileError::WrongValueCount {
@@ -1120,8 +1185,25 @@ impl Profile {
         let t = &mut self.t;
         debug_assert!((stack.0 as usize) < t.stacks.spans.len());
         debug_assert!((labels.0 as usize) < t.label_sets.spans.len());
-        let start = t.agg_row(stack.0, labels.0, n)? as usize * n;
-        for (acc, v) in t.agg_values[start..start + n].iter_mut().zip(values) {
+        check_table_len(t.agg.len(), "aggregated sample")?;
+        let row = t.agg.len() as u32;
+        t.agg.push((stack.0, labels.0));
+        t.agg_values.extend_from_slice(values);
+        Ok(RowId(row))
+    }
+
+    /// Adds `values` to a row made by [`Profile::push_unindexed_row`], as another
+    /// [`Profile::add`] of a sample resolving to it would.
+    pub(crate) fn add_to_row(&mut self, row: RowId, values: &[i64]) -> Result<(), ProfileError> {
+        let n = self.types.len();
+        if values.len() != n {
+            return Err(ProfileError::WrongValueCount {
+                expected: n,
+                got: values.len(),
+            });
+        }
+        let start = row.0 as usize * n;
+        for (acc, v) in self.t.agg_values[start..start + n].iter_mut().zip(values) {
             *acc = acc.saturating_add(*v);
         }
         Ok(())
@@ -2150,6 +2232,35 @@ mod tests {
         assert_eq!(d.label_num(s, END_TIMESTAMP_LABEL), Some(i64::MAX));
         assert_eq!(d.stack(s)[0].line, -1);
         assert_eq!(d.stack(s)[1].address, u64::MAX);
+    }
+
+    #[test]
+    fn unindexed_stacks_and_rows_encode_like_added_ones() {
+        let frames = [Frame::Address(0x10), Frame::sym("main", "m.rs", 1)];
+        let other = [Frame::Address(0x20), Frame::sym("main", "m.rs", 1)];
+        let heap = [Label::num("gc gen age", 1)];
+        let mut p = profile();
+        add(&mut p, &frames, &[1, 0], &[], 0);
+        p.reserve_unindexed(2, 2);
+        // An equal stack appended again, and a new one.
+        let labels = p.intern_label_set(&heap).unwrap();
+        let s1 = p.push_stack_unindexed(&frames).unwrap();
+        let r1 = p.push_unindexed_row(s1, labels, &[0, 5]).unwrap();
+        p.add_to_row(r1, &[0, 2]).unwrap();
+        let s2 = p.push_stack_unindexed(&other).unwrap();
+        p.push_unindexed_row(s2, labels, &[0, 3]).unwrap();
+        let mut q = profile();
+        add(&mut q, &frames, &[1, 0], &[], 0);
+        add(&mut q, &frames, &[0, 5], &heap, 0);
+        add(&mut q, &frames, &[0, 2], &heap, 0);
+        add(&mut q, &other, &[0, 3], &heap, 0);
+        assert_eq!(decode(&p), decode(&q));
+        // Lookups catch up with the appended entries.
+        add(&mut p, &other, &[0, 1], &heap, 0);
+        add(&mut q, &other, &[0, 1], &heap, 0);
+        add(&mut p, &frames, &[4, 0], &[], 0);
+        add(&mut q, &frames, &[4, 0], &[], 0);
+        assert_eq!(decode(&p), decode(&q));
     }
 
     #[test]

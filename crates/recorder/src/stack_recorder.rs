@@ -19,7 +19,7 @@ use crate::error::{HeapError, ProfileError, RecorderError};
 use crate::gate::Gate;
 use crate::heap::{HeapConfig, HeapRecorder, HeapStats, LiveObject};
 use crate::pprof::{Compression, EncodeOptions, EncodedProfile, Symbolizer};
-use crate::profile::{Frame, Label, LabelSetId, LabelValue, Profile, Sample, StackId, Str};
+use crate::profile::{Frame, Label, LabelSetId, LabelValue, Profile, RowId, Sample, StackId, Str};
 use crate::sample_types::{SampleLayout, SampleTypeConfig, SampleValues};
 use crate::spin::{SpinGuard, SpinLock};
 use crate::strings::{StringId, StringStorage};
@@ -394,24 +394,41 @@ impl StackRecorder {
     /// Adds one sample per live object into the slot being serialized.
     ///
     /// The result is what one [`Profile::add`] per object would give, built in bulk: each heap
-    /// stack is interned into the profile once (the heap recorder deduplicates stacks, so
-    /// objects sharing one share its snapshot index), the label set once per (class, age), and
-    /// each object then costs one aggregated-row lookup.
+    /// stack is added to the profile once (the heap recorder deduplicates stacks, so objects
+    /// sharing one share its snapshot index), the label set once per (class, age), and an
+    /// object then adds to the row of its (stack, label set), found through the snapshot's
+    /// stack index rather than a hash lookup.
+    ///
+    /// Stacks and rows are appended without indexing them ([`Profile::push_stack_unindexed`]):
+    /// the snapshot's stacks are distinct, each gets a stack entry of its own, so its rows are
+    /// new rows (even when the samplers recorded an equal stack into this slot, the rows differ
+    /// in stack id and the encoding lists locations, so the output is the same). Nothing looks
+    /// them up afterwards: the slot is encoded and reset.
     fn add_heap_samples(
         &self,
         heap: &HeapRecorder,
         data: &mut SlotData,
     ) -> Result<Result<(), RecorderError>, HeapError> {
+        /// A snapshot stack's profile stack and the row of its first label set.
+        #[derive(Clone, Copy)]
+        struct StackRows {
+            stack: StackId,
+            labels: LabelSetId,
+            row: RowId,
+        }
         let sizes = heap.snapshot_sizes()?;
         data.profile
-            .reserve(sizes.objects.min(sizes.stacks), sizes.stacks);
+            .reserve_unindexed(sizes.objects.min(sizes.stacks), sizes.stacks);
         let mut failure: Option<ProfileError> = None;
         let n = self.layout.len();
         let mut visited = 0u64;
         let mut added = 0u64;
-        // Snapshot stack index -> profile stack (`None` until first seen); one past the end
-        // for a stack the snapshot lacks.
-        let mut stacks: Vec<Option<StackId>> = vec![None; sizes.stacks + 1];
+        // Snapshot stack index -> profile stack and first row (`None` until first seen); one
+        // past the end for a stack the snapshot lacks.
+        let mut stacks: Vec<Option<StackRows>> = vec![None; sizes.stacks + 1];
+        // Rows of a stack's further label sets (objects of one stack with other classes/ages).
+        let mut other_rows: HashMap<(usize, LabelSetId), RowId, foldhash::fast::RandomState> =
+            HashMap::default();
         let mut frames: Vec<Frame<'static>> = Vec::new();
         // (class, age) -> label set; ages are few, so the last one answers most lookups.
         let mut label_sets: HashMap<(StringId, u64), LabelSetId, foldhash::fast::RandomState> =
@@ -425,18 +442,8 @@ impl StackRecorder {
                 heap_live_size: (obj.size as i64).saturating_mul(obj.weight as i64),
                 ..SampleValues::default()
             });
+            let values = &placed[..n];
             let result = (|| {
-                let stack_id = match stacks.get(stack.index()).copied().flatten() {
-                    Some(id) => id,
-                    None => {
-                        stack.frames(&mut frames);
-                        let id = profile.intern_stack(&frames)?;
-                        if let Some(slot) = stacks.get_mut(stack.index()) {
-                            *slot = Some(id);
-                        }
-                        id
-                    }
-                };
                 let key = (obj.class, obj.gen_age);
                 let labels = match last_labels {
                     Some((k, id)) if k == key => id,
@@ -453,7 +460,25 @@ impl StackRecorder {
                         id
                     }
                 };
-                profile.add_interned(stack_id, labels, &placed[..n])
+                let index = stack.index().min(sizes.stacks);
+                match stacks[index] {
+                    Some(e) if e.labels == labels => profile.add_to_row(e.row, values),
+                    Some(e) => match other_rows.get(&(index, labels)) {
+                        Some(&row) => profile.add_to_row(row, values),
+                        None => {
+                            let row = profile.push_unindexed_row(e.stack, labels, values)?;
+                            other_rows.insert((index, labels), row);
+                            Ok(())
+                        }
+                    },
+                    None => {
+                        stack.frames(&mut frames);
+                        let stack = profile.push_stack_unindexed(&frames)?;
+                        let row = profile.push_unindexed_row(stack, labels, values)?;
+                        stacks[index] = Some(StackRows { stack, labels, row });
+                        Ok(())
+                    }
+                }
             })();
             match result {
                 Ok(()) => {
