@@ -365,6 +365,10 @@ struct ThreadInfo {
     has_stack: bool,
     /// CPU clock of the thread right after its last stack capture.
     idle_ref: u64,
+    /// Idle ticks not recorded yet, and the thread's CPU and wall clocks at the last of them.
+    idle_ticks: i64,
+    idle_cpu: u64,
+    idle_wall: u64,
     /// A new thread names itself shortly after it starts (Rust does it in the new thread):
     /// its name is re-read on its first visits until it changes.
     name_checks_left: u8,
@@ -511,6 +515,15 @@ impl Sampler {
             self.visit(tid, now, ticks)
         });
         let tick = self.tick;
+        let gone: Vec<i32> = self
+            .threads
+            .iter()
+            .filter(|(_, t)| t.seen != tick && t.idle_ticks > 0)
+            .map(|(&tid, _)| tid)
+            .collect();
+        for tid in gone {
+            self.flush_idle(tid);
+        }
         let mut vanished = Vec::new();
         self.threads.retain(|_, t| {
             if t.seen == tick {
@@ -558,6 +571,9 @@ impl Sampler {
             stack: Vec::new(),
             has_stack: false,
             idle_ref: 0,
+            idle_ticks: 0,
+            idle_cpu: 0,
+            idle_wall: 0,
             name_checks_left: 100,
             pending: None,
             abandoned: None,
@@ -619,17 +635,24 @@ impl Sampler {
         let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
         if info.has_stack && cpu.saturating_sub(info.idle_ref) < IDLE_SLACK_NS {
             // Has not run since its stack was captured: same stack, no need to interrupt it.
+            // Consecutive idle ticks are added up and recorded as one sample (same stack, same
+            // labels: the aggregated profile is identical), at most every ~100 ms.
             if self.wall_enabled {
-                let wall = now.saturating_sub(info.last_wall) as i64;
-                let cpu_ns = cpu.saturating_sub(info.last_cpu) as i64;
-                info.last_wall = now;
-                info.last_cpu = cpu;
-                self.record(tid, cpu_ns, wall, ticks);
+                info.idle_ticks += ticks;
+                info.idle_cpu = cpu;
+                info.idle_wall = now;
+                let flush_every = (self.shared.settings.cpu_hz as i64 / 10).max(1);
+                if info.idle_ticks >= flush_every {
+                    self.flush_idle(tid);
+                }
             } else {
                 info.last_wall = now;
+                info.last_cpu = cpu;
             }
             return true;
         }
+        // About to look at the thread again: what it accumulated idle goes out first.
+        self.flush_idle(tid);
         let Some(idx) = self.alloc_slot() else {
             return true;
         };
@@ -660,6 +683,22 @@ impl Sampler {
             self.free_slots.push(idx);
         }
         true
+    }
+
+    /// Records the idle ticks `tid` accumulated, on its current stack.
+    fn flush_idle(&mut self, tid: i32) {
+        let Some(info) = self.threads.get_mut(&tid) else {
+            return;
+        };
+        if info.idle_ticks == 0 {
+            return;
+        }
+        let ticks = std::mem::take(&mut info.idle_ticks);
+        let wall = info.idle_wall.saturating_sub(info.last_wall) as i64;
+        let cpu = info.idle_cpu.saturating_sub(info.last_cpu) as i64;
+        info.last_wall = info.idle_wall;
+        info.last_cpu = info.idle_cpu;
+        self.record(tid, cpu, wall, ticks);
     }
 
     /// Records the finished request of `tid` and frees its slot.
@@ -740,6 +779,10 @@ impl Sampler {
 
     /// On stop: gives pending requests a moment to finish, records them, abandons the rest.
     fn finish(&mut self) {
+        let idle: Vec<i32> = self.threads.keys().copied().collect();
+        for tid in idle {
+            self.flush_idle(tid);
+        }
         let deadline = monotonic_ns() + 100_000_000;
         loop {
             let pending: Vec<i32> = self
