@@ -1469,11 +1469,21 @@ impl HeapRecorder {
             if age < min_age {
                 continue;
             }
-            // Stacks are scattered allocations: touching one a few records ahead lets its cache
-            // miss overlap with the work on this one.
+            // Stacks are scattered allocations, reached through a slot table too big for the
+            // cache: prefetching the slot two distances ahead and the stack words it points to
+            // one distance ahead lets both cache misses overlap with the work on this record.
+            if let Some(far) = snapshot.records.get(i + 2 * PREFETCH_DISTANCE) {
+                let (shard, slot) = split_stack_ref(far.stack());
+                if let Some(s) = snapshot.stacks.get(shard).and_then(|s| s.get(slot)) {
+                    crate::profile::prefetch(s);
+                }
+            }
             if let Some(ahead) = snapshot.records.get(i + PREFETCH_DISTANCE) {
                 if let Some(words) = snapshot.words(ahead.stack()) {
-                    std::hint::black_box(words.first());
+                    // Every cache line of the stack (8 words a line).
+                    for line in words.chunks(8) {
+                        crate::profile::prefetch(&line[0]);
+                    }
                 }
             }
             let (shard, slot) = split_stack_ref(rec.stack());
