@@ -240,6 +240,11 @@ impl IdIndex {
 /// Entries of the address cache: 4096 (64 KiB), enough for the frames many stacks share.
 const ADDR_CACHE_BITS: u32 = 12;
 
+#[inline(always)]
+fn addr_cache_slot(a: u64) -> usize {
+    (a.wrapping_mul(K0) >> (64 - ADDR_CACHE_BITS)) as usize
+}
+
 /// Ids must stay below `NONE` and fit the index's 32-bit id half.
 const MAX_TABLE_LEN: usize = (u32::MAX - 1) as usize;
 
@@ -704,7 +709,7 @@ impl Tables {
         if self.addr_cache.is_empty() {
             self.addr_cache = vec![(0, NONE); 1 << ADDR_CACHE_BITS];
         }
-        let slot = (a.wrapping_mul(K0) >> (64 - ADDR_CACHE_BITS)) as usize;
+        let slot = addr_cache_slot(a);
         let (cached, id) = self.addr_cache[slot];
         if cached == a && id != NONE {
             return Ok(id);
@@ -1153,6 +1158,26 @@ impl Profile {
         };
         self.t.scratch = locs;
         result.map(StackId)
+    }
+
+    /// Prefetches what [`Profile::push_stack_unindexed`] of `frames` will look up for address
+    /// frames the address cache does not hold (their slot in the location index), so a caller
+    /// working one stack behind overlaps those cache misses with its work on the previous one.
+    pub(crate) fn prefetch_stack(&self, frames: &[Frame<'_>]) {
+        let t = &self.t;
+        let slots = &t.locations.index.slots;
+        if slots.is_empty() || t.addr_cache.is_empty() {
+            return;
+        }
+        for f in frames {
+            if let Frame::Address(a) = *f {
+                let (cached, id) = t.addr_cache[addr_cache_slot(a)];
+                if cached != a || id == NONE {
+                    let hash = hash_location(Location::Address(a));
+                    prefetch(&slots[hash as usize & (slots.len() - 1)]);
+                }
+            }
+        }
     }
 
     /// Bulk path, part 2: interns a label set as [`Profile::add`] would (same validation, for

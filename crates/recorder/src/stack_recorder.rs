@@ -435,62 +435,88 @@ impl StackRecorder {
             HashMap::default();
         let mut last_labels: Option<((StringId, u64), LabelSetId)> = None;
         let profile = &mut data.profile;
-        let completed = heap.for_each_live_object_by_stack(&mut |obj, stack| {
-            visited += 1;
+        // One object's work, on its stack's frames (decoded one object ahead).
+        let mut add_one = |profile: &mut Profile,
+                           stacks: &mut [Option<StackRows>],
+                           obj: &LiveObject,
+                           index: usize,
+                           frames: &[Frame<'static>]|
+         -> Result<(), ProfileError> {
             let placed = self.layout.place(&SampleValues {
                 heap_live_samples: obj.weight as i64,
                 heap_live_size: (obj.size as i64).saturating_mul(obj.weight as i64),
                 ..SampleValues::default()
             });
             let values = &placed[..n];
-            let result = (|| {
-                let key = (obj.class, obj.gen_age);
-                let labels = match last_labels {
-                    Some((k, id)) if k == key => id,
-                    _ => {
-                        let id = match label_sets.get(&key) {
-                            Some(&id) => id,
-                            None => {
-                                let id = profile.intern_label_set(&heap_labels(obj))?;
-                                label_sets.insert(key, id);
-                                id
-                            }
-                        };
-                        last_labels = Some((key, id));
-                        id
-                    }
-                };
-                let index = stack.index().min(sizes.stacks);
-                match stacks[index] {
-                    Some(e) if e.labels == labels => profile.add_to_row(e.row, values),
-                    Some(e) => match other_rows.get(&(index, labels)) {
-                        Some(&row) => profile.add_to_row(row, values),
+            let key = (obj.class, obj.gen_age);
+            let labels = match last_labels {
+                Some((k, id)) if k == key => id,
+                _ => {
+                    let id = match label_sets.get(&key) {
+                        Some(&id) => id,
                         None => {
-                            let row = profile.push_unindexed_row(e.stack, labels, values)?;
-                            other_rows.insert((index, labels), row);
-                            Ok(())
+                            let id = profile.intern_label_set(&heap_labels(obj))?;
+                            label_sets.insert(key, id);
+                            id
                         }
-                    },
+                    };
+                    last_labels = Some((key, id));
+                    id
+                }
+            };
+            match stacks[index] {
+                Some(e) if e.labels == labels => profile.add_to_row(e.row, values),
+                Some(e) => match other_rows.get(&(index, labels)) {
+                    Some(&row) => profile.add_to_row(row, values),
                     None => {
-                        stack.frames(&mut frames);
-                        let stack = profile.push_stack_unindexed(&frames)?;
-                        let row = profile.push_unindexed_row(stack, labels, values)?;
-                        stacks[index] = Some(StackRows { stack, labels, row });
+                        let row = profile.push_unindexed_row(e.stack, labels, values)?;
+                        other_rows.insert((index, labels), row);
                         Ok(())
                     }
+                },
+                None => {
+                    let stack = profile.push_stack_unindexed(frames)?;
+                    let row = profile.push_unindexed_row(stack, labels, values)?;
+                    stacks[index] = Some(StackRows { stack, labels, row });
+                    Ok(())
                 }
-            })();
+            }
+        };
+        // Objects are handled one behind the iteration: the next object's stack entry and
+        // location-index slots are prefetched while the previous one is worked on.
+        let mut pending: Option<(LiveObject, usize)> = None;
+        let mut pending_frames: Vec<Frame<'static>> = Vec::new();
+        let completed = heap.for_each_live_object_by_stack(&mut |obj, stack| {
+            visited += 1;
+            let index = stack.index().min(sizes.stacks);
+            crate::profile::prefetch(&stacks[index]);
+            stack.frames(&mut frames);
+            profile.prefetch_stack(&frames);
+            let result = match pending.take() {
+                Some((prev, prev_index)) => {
+                    add_one(profile, &mut stacks, &prev, prev_index, &pending_frames)
+                        .map(|()| added += 1)
+                }
+                None => Ok(()),
+            };
+            std::mem::swap(&mut frames, &mut pending_frames);
+            pending = Some((*obj, index));
             match result {
-                Ok(()) => {
-                    added += 1;
-                    true
-                }
+                Ok(()) => true,
                 Err(e) => {
                     failure = Some(e);
                     false
                 }
             }
         })?;
+        if failure.is_none() {
+            if let Some((prev, prev_index)) = pending.take() {
+                match add_one(profile, &mut stacks, &prev, prev_index, &pending_frames) {
+                    Ok(()) => added += 1,
+                    Err(e) => failure = Some(e),
+                }
+            }
+        }
         data.recorded_samples += added;
         Ok(match failure {
             Some(e) => Err(e.into()),
