@@ -616,6 +616,8 @@ fn copy_stack_slots(shard: &Mutex<StackShard>) -> Vec<Option<Arc<[u64]>>> {
     let mut out = Vec::new();
     loop {
         let g = shard.lock();
+        // All at once rather than by doubling (each doubling copies what is there).
+        out.reserve(g.slots.len().saturating_sub(out.len()));
         let end = g.slots.len().min(out.len() + CHUNK);
         out.extend(g.slots[out.len()..end].iter().map(|s| s.words.clone()));
         if end == g.slots.len() {

@@ -377,6 +377,13 @@ impl SliceSet {
                 self.items.len()
             )));
         }
+        if self.items.capacity() - self.items.len() < ids.len() && !self.spans.is_empty() {
+            // Growing by doubling would copy (and page-fault) the whole table again and again:
+            // make room at once for the entries reserved in `spans`, as deep as those so far.
+            let mean = self.items.len().div_ceil(self.spans.len());
+            let expected = mean * (self.spans.capacity() - self.spans.len());
+            self.items.reserve(expected.max(ids.len()));
+        }
         let id = self.spans.len() as u32;
         let off = self.items.len() as u32;
         self.items.extend_from_slice(ids);
