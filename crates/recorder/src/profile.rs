@@ -1123,9 +1123,13 @@ impl Profile {
     /// whose stacks are distinct from each other and that only needs rows of its own on them: an
     /// equal stack already in the profile is merely stored twice, which the encoding does not
     /// show (samples list location ids, not stack ids). Locations are still deduplicated.
+    ///
+    /// `hints` is empty, or what [`Profile::prefetch_stack`] of `frames` gave since the last
+    /// reset.
     pub(crate) fn push_stack_unindexed(
         &mut self,
         frames: &[Frame<'_>],
+        hints: &[u32],
     ) -> Result<StackId, ProfileError> {
         if frames.len() > MAX_FRAMES {
             return Err(ProfileError::TooManyFrames {
@@ -1139,11 +1143,16 @@ impl Profile {
         let result = if frames.iter().all(|f| matches!(f, Frame::Address(_))) {
             // Nothing to validate; locations come through the address cache.
             let t = &mut self.t;
+            let hint = |i: usize| hints.get(i).copied().unwrap_or(NONE);
             frames
                 .iter()
-                .try_for_each(|f| {
+                .enumerate()
+                .try_for_each(|(i, f)| {
                     if let Frame::Address(a) = *f {
-                        locs.push(t.address_location(a)?);
+                        locs.push(match hint(i) {
+                            NONE => t.address_location(a)?,
+                            id => id,
+                        });
                     }
                     Ok(())
                 })
@@ -1167,24 +1176,33 @@ impl Profile {
         result.map(StackId)
     }
 
-    /// Prefetches what [`Profile::push_stack_unindexed`] of `frames` will look up for address
-    /// frames the address cache does not hold (their slot in the location index), so a caller
-    /// working one stack behind overlaps those cache misses with its work on the previous one.
-    pub(crate) fn prefetch_stack(&self, frames: &[Frame<'_>]) {
+    /// Looks `frames` up in the address cache ahead of [`Profile::push_stack_unindexed`]: sets
+    /// `hints` to the location id of every cached address frame (`NONE` for the others) and
+    /// prefetches the location-index slot of each uncached one, so a caller working one stack
+    /// behind overlaps those cache misses with its work on the previous stack, and does not look
+    /// the cached frames up twice. (Location ids never change until the next reset, so a hint
+    /// stays right even if its cache entry is evicted in between.)
+    pub(crate) fn prefetch_stack(&self, frames: &[Frame<'_>], hints: &mut Vec<u32>) {
+        hints.clear();
         let t = &self.t;
-        let slots = &t.locations.index.slots;
-        if slots.is_empty() || t.addr_cache.is_empty() {
+        if t.addr_cache.is_empty() {
             return;
         }
-        for f in frames {
-            if let Frame::Address(a) = *f {
+        let slots = &t.locations.index.slots;
+        hints.extend(frames.iter().map(|f| match *f {
+            Frame::Address(a) => {
                 let (cached, id) = t.addr_cache[addr_cache_slot(a)];
-                if cached != a || id == NONE {
+                if cached == a && id != NONE {
+                    return id;
+                }
+                if !slots.is_empty() {
                     let hash = hash_location(Location::Address(a));
                     prefetch(&slots[hash as usize & (slots.len() - 1)]);
                 }
+                NONE
             }
-        }
+            Frame::Symbol { .. } => NONE,
+        }));
     }
 
     /// Bulk path, part 2: interns a label set as [`Profile::add`] would (same validation, for
@@ -2292,10 +2310,12 @@ mod tests {
         p.reserve_unindexed(2, 2);
         // An equal stack appended again, and a new one.
         let labels = p.intern_label_set(&heap).unwrap();
-        let s1 = p.push_stack_unindexed(&frames).unwrap();
+        let s1 = p.push_stack_unindexed(&frames, &[]).unwrap();
         let r1 = p.push_unindexed_row(s1, labels, &[0, 5]).unwrap();
         p.add_to_row(r1, &[0, 2]).unwrap();
-        let s2 = p.push_stack_unindexed(&other).unwrap();
+        let mut hints = Vec::new();
+        p.prefetch_stack(&other, &mut hints);
+        let s2 = p.push_stack_unindexed(&other, &hints).unwrap();
         p.push_unindexed_row(s2, labels, &[0, 3]).unwrap();
         let mut q = profile();
         add(&mut q, &frames, &[1, 0], &[], 0);

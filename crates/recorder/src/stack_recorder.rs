@@ -440,7 +440,8 @@ impl StackRecorder {
                            stacks: &mut [Option<StackRows>],
                            obj: &LiveObject,
                            index: usize,
-                           frames: &[Frame<'static>]|
+                           frames: &[Frame<'static>],
+                           hints: &[u32]|
          -> Result<(), ProfileError> {
             let placed = self.layout.place(&SampleValues {
                 heap_live_samples: obj.weight as i64,
@@ -475,7 +476,7 @@ impl StackRecorder {
                     }
                 },
                 None => {
-                    let stack = profile.push_stack_unindexed(frames)?;
+                    let stack = profile.push_stack_unindexed(frames, hints)?;
                     let row = profile.push_unindexed_row(stack, labels, values)?;
                     stacks[index] = Some(StackRows { stack, labels, row });
                     Ok(())
@@ -486,20 +487,28 @@ impl StackRecorder {
         // location-index slots are prefetched while the previous one is worked on.
         let mut pending: Option<(LiveObject, usize)> = None;
         let mut pending_frames: Vec<Frame<'static>> = Vec::new();
+        // Location ids of the frames the address cache held at prefetch time.
+        let (mut hints, mut pending_hints) = (Vec::new(), Vec::new());
         let completed = heap.for_each_live_object_by_stack(&mut |obj, stack| {
             visited += 1;
             let index = stack.index().min(sizes.stacks);
             crate::profile::prefetch(&stacks[index]);
             stack.frames(&mut frames);
-            profile.prefetch_stack(&frames);
+            profile.prefetch_stack(&frames, &mut hints);
             let result = match pending.take() {
-                Some((prev, prev_index)) => {
-                    add_one(profile, &mut stacks, &prev, prev_index, &pending_frames)
-                        .map(|()| added += 1)
-                }
+                Some((prev, prev_index)) => add_one(
+                    profile,
+                    &mut stacks,
+                    &prev,
+                    prev_index,
+                    &pending_frames,
+                    &pending_hints,
+                )
+                .map(|()| added += 1),
                 None => Ok(()),
             };
             std::mem::swap(&mut frames, &mut pending_frames);
+            std::mem::swap(&mut hints, &mut pending_hints);
             pending = Some((*obj, index));
             match result {
                 Ok(()) => true,
@@ -511,7 +520,14 @@ impl StackRecorder {
         })?;
         if failure.is_none() {
             if let Some((prev, prev_index)) = pending.take() {
-                match add_one(profile, &mut stacks, &prev, prev_index, &pending_frames) {
+                match add_one(
+                    profile,
+                    &mut stacks,
+                    &prev,
+                    prev_index,
+                    &pending_frames,
+                    &pending_hints,
+                ) {
                     Ok(()) => added += 1,
                     Err(e) => failure = Some(e),
                 }
