@@ -48,8 +48,9 @@ fn main() {
             (
                 m,
                 format!(
-                    " handler_ns={} frames={} samples={} signals={} sampler_cpu_ns={} stop_ms={stop_ms:.1}",
-                    s.handler_avg_ns, s.handler_avg_frames, s.cpu_samples, s.cpu_signals, s.sampler_cpu_ns
+                    " handler_ns={} frames={} samples={} signals={} sampler_cpu_ns={} builds={} stop_ms={stop_ms:.1}",
+                    s.handler_avg_ns, s.handler_avg_frames, s.cpu_samples, s.cpu_signals, s.sampler_cpu_ns,
+                    s.snapshot_builds
                 ),
             )
         }

@@ -559,6 +559,8 @@ pub struct ProfilerStats {
     pub handler_avg_ns: u64,
     /// Average frames per captured stack.
     pub handler_avg_frames: u64,
+    /// Unwinding snapshots (module list + stack mappings) built in this process so far.
+    pub snapshot_builds: u64,
     /// CPU time the sampler thread used so far (listing threads, reading their clocks,
     /// signalling, recording), in nanoseconds; 0 when it does not run.
     pub sampler_cpu_ns: u64,
@@ -659,6 +661,7 @@ impl ProfilerGuard {
             cpu_signal_failures: l(&s.cpu_signal_failures),
             handler_avg_ns: l(&s.handler_ns_total) / done,
             handler_avg_frames: l(&s.handler_frames_total) / done,
+            snapshot_builds: unwind::snapshot_builds() as u64,
             sampler_cpu_ns: match self.shared.own_tids[0].load(Ordering::Relaxed) {
                 0 => 0,
                 tid => sampler::thread_cpu_ns(tid).unwrap_or(0),

@@ -391,6 +391,7 @@ pub(crate) struct Sampler {
     tick: u64,
     frames: Vec<Frame<'static>>,
     last_refresh: u64,
+    maps_wanted: bool,
     last_names: u64,
     wall_enabled: bool,
 }
@@ -410,6 +411,7 @@ impl Sampler {
             tick: 0,
             frames: Vec::with_capacity(MAX_FRAMES),
             last_refresh: 0,
+            maps_wanted: false,
             last_names: 0,
             wall_enabled,
         }
@@ -545,9 +547,12 @@ impl Sampler {
         // New threads bring new stacks: refresh the maps, at most every 50 ms; check for newly
         // loaded objects every second.
         let since = self.tick - self.last_refresh;
-        let wanted = new_threads || unwind::maps_stale();
-        if (wanted && since * 1000 >= 20 * hz) || since >= hz {
-            unwind::refresh(wanted);
+        // New threads bring stacks the snapshot does not know yet; the request is kept until the
+        // rate limit lets it through.
+        self.maps_wanted |= new_threads || unwind::maps_stale();
+        if (self.maps_wanted && since * 1000 >= 20 * hz) || since >= hz {
+            unwind::refresh(self.maps_wanted);
+            self.maps_wanted = false;
             self.last_refresh = self.tick;
         }
         if self.tick - self.last_names >= hz {

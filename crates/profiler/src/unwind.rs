@@ -246,6 +246,13 @@ static READERS: AtomicUsize = AtomicUsize::new(0);
 static RETIRED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 /// Set by readers that found no stack mapping for their `sp`: the maps need a refresh.
 static MAPS_STALE: AtomicBool = AtomicBool::new(false);
+/// Snapshots built so far (for stats).
+static BUILDS: AtomicUsize = AtomicUsize::new(0);
+
+/// Number of snapshots built in this process.
+pub(crate) fn snapshot_builds() -> usize {
+    BUILDS.load(Ordering::Relaxed)
+}
 
 /// Rebuilds and publishes the snapshot when the loaded objects changed, when `maps_changed`
 /// (new threads, hence new stacks) or when a reader asked for it. Returns whether it rebuilt.
@@ -263,6 +270,7 @@ pub(crate) fn refresh(maps_changed: bool) -> bool {
         return false;
     }
     let new = Box::into_raw(Box::new(Snapshot::build()));
+    BUILDS.fetch_add(1, Ordering::Relaxed);
     let old = SNAPSHOT.swap(new, Ordering::SeqCst);
     if !old.is_null() {
         retired.push(old as usize);
@@ -373,7 +381,11 @@ pub(crate) fn unwind(
     let sp = regs.sp;
     let range = match bounds {
         Some((lo, hi)) if (lo as u64) <= sp && sp < hi as u64 => Some((sp, hi as u64)),
-        _ => snap.stack_of(sp).or_else(|| thread_pointer_bound(sp)),
+        _ => snap.stack_of(sp).or_else(|| {
+            // A stack newer than the snapshot: ask for a refresh, use the fallback meanwhile.
+            MAPS_STALE.store(true, Ordering::Relaxed);
+            thread_pointer_bound(sp)
+        }),
     };
     let Some((lo, hi)) = range else {
         MAPS_STALE.store(true, Ordering::Relaxed);
