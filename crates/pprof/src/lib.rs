@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::io::Read;
 
 use prost::Message;
+
+pub mod go_tool;
 use thiserror::Error;
 
 /// Errors reading a pprof file.

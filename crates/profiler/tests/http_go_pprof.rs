@@ -5,7 +5,6 @@
 //! One test in its own binary: the profiler is process-wide.
 
 use std::hint::black_box;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,41 +13,6 @@ use ferroprof::{Profiler, SamplingAllocator};
 
 #[global_allocator]
 static GLOBAL: SamplingAllocator<std::alloc::System> = SamplingAllocator::new(std::alloc::System);
-
-fn go_binary() -> Option<PathBuf> {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("go"))
-            .find(|p| p.is_file())
-    });
-    if found.is_none() {
-        if std::env::var_os("CI").is_some() {
-            panic!("go is not installed (CI must run scripts/test-deps.sh)");
-        }
-        eprintln!("\n*** SKIPPING go tool pprof test: go not installed; run `. scripts/test-deps.sh` ***\n");
-    }
-    found
-}
-
-fn go_pprof(go: &Path, args: &[&str]) -> String {
-    let tmp = std::env::temp_dir().join(format!("ferroprof-gopprof-real-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let out = std::process::Command::new(go)
-        .arg("tool")
-        .arg("pprof")
-        .args(args)
-        .env("PPROF_TMPDIR", &tmp)
-        .env("HOME", &tmp)
-        .output()
-        .expect("run go tool pprof");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "go tool pprof {args:?} failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
 
 /// The CPU the test expects to see, in a function of its own.
 #[inline(never)]
@@ -75,7 +39,9 @@ fn keep_heap_for_go_pprof() -> Vec<Vec<u8>> {
 
 #[test]
 fn go_tool_pprof_reads_cpu_and_heap_from_the_running_profiler() {
-    let Some(go) = go_binary() else { return };
+    let Some(go) = ferroprof_pprof::go_tool::go_for_tests() else {
+        return;
+    };
     let dir = std::env::temp_dir().join(format!("ferroprof-gopprof-out-{}", std::process::id()));
     let guard = Profiler::builder()
         .service("go-pprof-test")
@@ -97,7 +63,7 @@ fn go_tool_pprof_reads_cpu_and_heap_from_the_running_profiler() {
             .unwrap()
     };
 
-    let cpu = go_pprof(
+    let cpu = ferroprof_pprof::go_tool::pprof_for_tests(
         &go,
         &[
             "-top",
@@ -122,7 +88,7 @@ fn go_tool_pprof_reads_cpu_and_heap_from_the_running_profiler() {
         "burner has only {flat_pct}% of the CPU:\n{cpu}"
     );
 
-    let heap = go_pprof(
+    let heap = ferroprof_pprof::go_tool::pprof_for_tests(
         &go,
         &[
             "-top",

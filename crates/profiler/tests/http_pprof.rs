@@ -246,52 +246,15 @@ fn requests_beyond_the_limit_get_503() {
     assert!(ok.is_some());
 }
 
-/// `go tool pprof` when installed (scripts/test-deps.sh installs golang-go); required under CI.
-pub fn go_binary() -> Option<std::path::PathBuf> {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("go"))
-            .find(|p| p.is_file())
-    });
-    if found.is_none() {
-        if std::env::var_os("CI").is_some() {
-            panic!("go is not installed (CI must run scripts/test-deps.sh)");
-        }
-        eprintln!("\n*** SKIPPING go tool pprof test: go not installed; run `. scripts/test-deps.sh` ***\n");
-    }
-    found
-}
-
-/// Runs `go tool pprof ARGS` with a private temp dir; returns stdout, panics with stderr.
-pub fn go_pprof(go: &std::path::Path, args: &[&str]) -> String {
-    let tmp = std::env::temp_dir().join(format!("ferroprof-gopprof-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let out = std::process::Command::new(go)
-        .arg("tool")
-        .arg("pprof")
-        .args(args)
-        .env("PPROF_TMPDIR", &tmp)
-        .env("HOME", &tmp)
-        .env("GOCACHE", tmp.join("gocache"))
-        .env("GOFLAGS", "")
-        .output()
-        .expect("run go tool pprof");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "go tool pprof {args:?} failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
-
 #[test]
 fn go_tool_pprof_reads_the_served_profiles() {
-    let Some(go) = go_binary() else { return };
+    let Some(go) = ferroprof_pprof::go_tool::go_for_tests() else {
+        return;
+    };
     let server = serve("127.0.0.1:0", Arc::new(FakeSource::default())).unwrap();
     let base = format!("http://{}/debug/pprof", server.addr());
 
-    let top = go_pprof(
+    let top = ferroprof_pprof::go_tool::pprof_for_tests(
         &go,
         &[
             "-top",
@@ -307,7 +270,7 @@ fn go_tool_pprof_reads_the_served_profiles() {
         "alpha has 3/4 of the CPU time: {top}"
     );
 
-    let top = go_pprof(
+    let top = ferroprof_pprof::go_tool::pprof_for_tests(
         &go,
         &[
             "-top",

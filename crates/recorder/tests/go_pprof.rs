@@ -1,47 +1,12 @@
 //! `go tool pprof` (the reference reader) must accept the default (gzip) output: sample types,
 //! stacks, labels and timestamped samples.
 
-use std::path::{Path, PathBuf};
-
 use ferroprof_recorder::heap::HeapConfig;
 use ferroprof_recorder::profile::{END_TIMESTAMP_LABEL, LOCAL_ROOT_SPAN_ID_LABEL};
 use ferroprof_recorder::{
     Frame, Label, RecorderConfig, ResolvedFrame, SampleTypeConfig, SampleValues, StackRecorder,
     Symbolizer,
 };
-
-fn go_binary() -> Option<PathBuf> {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("go"))
-            .find(|p| p.is_file())
-    });
-    if found.is_none() {
-        if std::env::var_os("CI").is_some() {
-            panic!("go is not installed (CI must run scripts/test-deps.sh)");
-        }
-        eprintln!("\n*** SKIPPING go tool pprof test: go not installed; run `. scripts/test-deps.sh` ***\n");
-    }
-    found
-}
-
-fn go_pprof(go: &Path, dir: &Path, args: &[&str]) -> String {
-    let out = std::process::Command::new(go)
-        .arg("tool")
-        .arg("pprof")
-        .args(args)
-        .env("PPROF_TMPDIR", dir)
-        .env("HOME", dir)
-        .output()
-        .expect("run go tool pprof");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "go tool pprof {args:?} failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
 
 struct Inlining;
 impl Symbolizer for Inlining {
@@ -60,7 +25,9 @@ impl Symbolizer for Inlining {
 
 #[test]
 fn go_tool_pprof_reads_the_default_output() {
-    let Some(go) = go_binary() else { return };
+    let Some(go) = ferroprof_pprof::go_tool::go_for_tests() else {
+        return;
+    };
     let r = StackRecorder::new(RecorderConfig {
         sample_types: SampleTypeConfig::all(),
         heap: HeapConfig::native(),
@@ -97,7 +64,7 @@ fn go_tool_pprof_reads_the_default_output() {
     std::fs::write(&file, &p.encoded.bytes).unwrap();
     let file = file.to_str().unwrap();
 
-    let raw = go_pprof(&go, &dir, &["-raw", file]);
+    let raw = ferroprof_pprof::go_tool::pprof_for_tests(&go, &["-raw", file]);
     for want in [
         "cpu-time/nanoseconds",
         "heap-live-size/bytes",
@@ -114,9 +81,13 @@ fn go_tool_pprof_reads_the_default_output() {
             "{want:?} missing from go tool pprof -raw:\n{raw}"
         );
     }
-    let top = go_pprof(&go, &dir, &["-top", "-sample_index=cpu-time", file]);
+    let top =
+        ferroprof_pprof::go_tool::pprof_for_tests(&go, &["-top", "-sample_index=cpu-time", file]);
     assert!(top.contains("inlined_helper"), "{top}");
-    let heap = go_pprof(&go, &dir, &["-top", "-sample_index=heap-live-size", file]);
+    let heap = ferroprof_pprof::go_tool::pprof_for_tests(
+        &go,
+        &["-top", "-sample_index=heap-live-size", file],
+    );
     assert!(
         heap.contains("go_visible_worker") && heap.contains("8kB"),
         "{heap}"
