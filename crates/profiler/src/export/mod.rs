@@ -87,3 +87,13 @@ pub trait ProfileSource: Send + Sync + 'static {
     /// Allocation samples taken during the next `duration`; gzip pprof.
     fn allocs_profile(&self, duration: Duration) -> Result<Vec<u8>, String>;
 }
+
+/// Environment stand-in for the exporters' `from_lookup` tests.
+#[cfg(test)]
+pub(crate) fn test_lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: std::collections::HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
