@@ -4,21 +4,24 @@
 //! whatever decodes must render.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 #[allow(dead_code)]
 #[path = "../../crates/cli/src/report.rs"]
 mod report;
 
-/// One scratch file per process: `report::load` reads a path, like the CLI.
-fn scratch() -> &'static PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        std::env::temp_dir().join(format!(
-            "ferroprof-fuzz-cli-top-{}.pprof",
-            std::process::id()
-        ))
-    })
+/// One scratch file per thread (`report::load` reads a path, like the CLI): the corpus replay
+/// runs the harness from several test threads of one process at once.
+fn scratch() -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static ID: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    let id = ID.with(|id| *id);
+    std::env::temp_dir().join(format!(
+        "ferroprof-fuzz-cli-top-{}-{id}.pprof",
+        std::process::id()
+    ))
 }
 
 fn message(e: &anyhow::Error) {
@@ -28,7 +31,7 @@ fn message(e: &anyhow::Error) {
 
 /// Runs one fuzz input; returns whether it was accepted as a profile.
 pub fn run(data: &[u8]) -> bool {
-    let path = scratch();
+    let path = &scratch();
     std::fs::write(path, data).expect("scratch file");
     let p = match report::load(path) {
         Ok(p) => p,
