@@ -23,7 +23,7 @@
 //! ## Heap tracking and frees
 //! With heap profiling on, a sampled allocation is tracked by the recorder under its address,
 //! and its address is counted in a [`crate::filter`]. Every free checks that filter first: a
-//! zero counter (the overwhelmingly common case) ends the check after one load. Otherwise the
+//! clear bit (the overwhelmingly common case) ends the check after one load. Otherwise the
 //! recorder removes the record, and this happens *before* the memory goes back to the inner
 //! allocator, so an address reused by a new allocation can never meet a stale record. `realloc`
 //! is a free of the old block followed by an allocation of the new size, whether or not the
@@ -92,29 +92,35 @@ impl<A> SamplingAllocator<A> {
 // SAFETY: every method forwards to the inner allocator with the caller's arguments unchanged
 // and returns its result; the bookkeeping around it never touches the memory handed out.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
+    // The fast paths decide before calling the inner allocator and end in a tail call to it:
+    // nothing stays live across a call, so they save no registers. Sampled and maybe-tracked
+    // cases leave through cold out-of-line functions.
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded contract.
-        let p = unsafe { self.inner.alloc(layout) };
-        if !p.is_null() {
-            on_alloc(p, layout.size());
+        if let Some(interval) = crosses_sampling_point(layout.size()) {
+            // SAFETY: forwarded contract.
+            return unsafe { self.alloc_sampled(layout, false, interval, unwind::current_sp()) };
         }
-        p
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.alloc(layout) }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded contract.
-        let p = unsafe { self.inner.alloc_zeroed(layout) };
-        if !p.is_null() {
-            on_alloc(p, layout.size());
+        if let Some(interval) = crosses_sampling_point(layout.size()) {
+            // SAFETY: forwarded contract.
+            return unsafe { self.alloc_sampled(layout, true, interval, unwind::current_sp()) };
         }
-        p
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.alloc_zeroed(layout) }
     }
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        on_free(ptr);
+        if FILTER.maybe_tracked(ptr as usize) {
+            // SAFETY: forwarded contract.
+            return unsafe { self.dealloc_tracked(ptr, layout) };
+        }
         // SAFETY: forwarded contract.
         unsafe { self.inner.dealloc(ptr, layout) }
     }
@@ -122,39 +128,75 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // The old block may be freed by the inner realloc: untrack it first.
-        on_free(ptr);
+        if FILTER.maybe_tracked(ptr as usize) {
+            on_free_slow(ptr);
+        }
         // SAFETY: forwarded contract.
         let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            on_alloc(p, new_size);
+            if let Some(interval) = crosses_sampling_point(new_size) {
+                on_alloc_slow(p, new_size, interval, unwind::current_sp());
+            }
         }
         p
     }
 }
 
+impl<A: GlobalAlloc> SamplingAllocator<A> {
+    /// An allocation that crossed this thread's sampling point.
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::alloc`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn alloc_sampled(
+        &self,
+        layout: Layout,
+        zeroed: bool,
+        interval: u64,
+        entry_sp: u64,
+    ) -> *mut u8 {
+        // SAFETY: forwarded contract.
+        let p = unsafe {
+            if zeroed {
+                self.inner.alloc_zeroed(layout)
+            } else {
+                self.inner.alloc(layout)
+            }
+        };
+        if !p.is_null() {
+            on_alloc_slow(p, layout.size(), interval, entry_sp);
+        }
+        p
+    }
+
+    /// The free of a block the filter says may be tracked.
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::dealloc`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn dealloc_tracked(&self, ptr: *mut u8, layout: Layout) {
+        on_free_slow(ptr);
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.dealloc(ptr, layout) }
+    }
+}
+
+/// Counts `size` bytes against this thread's countdown; the sampling interval when the
+/// allocation crosses the sampling point (it is to be sampled, or the countdown drawn).
 #[inline(always)]
-fn on_alloc(p: *mut u8, size: usize) {
+fn crosses_sampling_point(size: usize) -> Option<u64> {
     let interval = INTERVAL.load(Ordering::Relaxed);
     if interval == 0 {
-        return;
+        return None;
     }
     let crossed = STATE.with(|s| {
         let c = s.countdown.get().wrapping_sub(size as i64);
         s.countdown.set(c);
         c < 0
     });
-    if crossed {
-        // The stack pointer of the function the allocator entry is inlined into: deeper frames
-        // are the sampling path's own and are left off the sampled stack.
-        on_alloc_slow(p, size, interval, unwind::current_sp());
-    }
-}
-
-#[inline(always)]
-fn on_free(p: *mut u8) {
-    if FILTER.maybe_tracked(p as usize) {
-        on_free_slow(p);
-    }
+    crossed.then_some(interval)
 }
 
 #[cold]
@@ -309,12 +351,12 @@ fn on_free_slow(p: *mut u8) {
     }
     tls::with_guard(|| {
         state::with_active(|sh| {
-            let untracked = fork::outside_fork(|| {
-                tls::in_recorder(|| sh.recorder.untrack_allocation(p as u64))
+            // The filter update stays inside the fork gate too (see `filter`).
+            fork::outside_fork(|| {
+                if tls::in_recorder(|| sh.recorder.untrack_allocation(p as u64)) {
+                    FILTER.remove(p as usize);
+                }
             });
-            if untracked {
-                FILTER.remove(p as usize);
-            }
         })
     });
 }
