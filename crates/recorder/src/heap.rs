@@ -175,6 +175,20 @@ impl SnapshotStack<'_> {
         self.index
     }
 
+    /// Sets `out` to the addresses of a stack made of address frames only, innermost first,
+    /// read straight from the stored words (nothing decoded). Returns false, leaving `out`
+    /// unspecified, when the stack has a symbol frame.
+    pub fn addresses(&self, out: &mut Vec<u64>) -> bool {
+        out.clear();
+        let frames = self.words.get(1..).unwrap_or(&[]);
+        let mut all = true;
+        out.extend(frames.chunks_exact(2).map(|w| {
+            all &= w[1] & ADDRESS_TAG != 0;
+            w[0]
+        }));
+        all
+    }
+
     /// Decodes the frames, innermost first, into `out` (cleared first).
     pub fn frames(&self, out: &mut Vec<Frame<'static>>) {
         out.clear();

@@ -1023,6 +1023,16 @@ pub(crate) struct LabelSetId(u32);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RowId(u32);
 
+/// An address stack looked up by [`Profile::prefetch_addresses`], for
+/// [`Profile::push_address_stack_unindexed`].
+#[derive(Default)]
+pub(crate) struct PrefetchedStack {
+    /// Location id per frame, `NONE` where the address cache did not know it.
+    locs: Vec<u32>,
+    /// (frame position, address, location hash) of each frame the cache did not know.
+    misses: Vec<(u32, u64, u64)>,
+}
+
 /// A profile being recorded.
 pub struct Profile {
     types: Box<[SampleType]>,
@@ -1203,6 +1213,57 @@ impl Profile {
             }
             Frame::Symbol { .. } => NONE,
         }));
+    }
+
+    /// Like [`Profile::prefetch_stack`], for a stack of address frames given as bare addresses
+    /// (innermost first): fills `out` with the location id of every address the cache knows and
+    /// notes the others, prefetching their location-index slots, for
+    /// [`Profile::push_address_stack_unindexed`] one stack later.
+    pub(crate) fn prefetch_addresses(&mut self, addresses: &[u64], out: &mut PrefetchedStack) {
+        let PrefetchedStack { locs, misses } = out;
+        locs.clear();
+        misses.clear();
+        let t = &mut self.t;
+        if t.addr_cache.is_empty() {
+            t.addr_cache = vec![(0, NONE); 1 << ADDR_CACHE_BITS];
+        }
+        let (cache, slots) = (&t.addr_cache, &t.locations.index.slots);
+        // One `extend` of known length: no capacity check per frame.
+        locs.extend(addresses.iter().enumerate().map(|(i, &a)| {
+            let (cached, id) = cache[addr_cache_slot(a)];
+            if cached == a && id != NONE {
+                return id;
+            }
+            let hash = hash_location(Location::Address(a));
+            if !slots.is_empty() {
+                prefetch(&slots[hash as usize & (slots.len() - 1)]);
+            }
+            misses.push((i as u32, a, hash));
+            NONE
+        }));
+    }
+
+    /// [`Profile::push_stack_unindexed`] of the address stack `prefetched` was filled from by
+    /// [`Profile::prefetch_addresses`] since the last reset (same result, without going through
+    /// [`Frame`]s: only the addresses the cache did not know are looked up).
+    pub(crate) fn push_address_stack_unindexed(
+        &mut self,
+        prefetched: &mut PrefetchedStack,
+    ) -> Result<StackId, ProfileError> {
+        if prefetched.locs.len() > MAX_FRAMES {
+            return Err(ProfileError::TooManyFrames {
+                got: prefetched.locs.len(),
+                limit: MAX_FRAMES,
+            });
+        }
+        self.sync_generation();
+        let t = &mut self.t;
+        for &(pos, a, hash) in &prefetched.misses {
+            let id = t.locations.intern(Location::Address(a), hash, "location")?;
+            t.addr_cache[addr_cache_slot(a)] = (a, id);
+            prefetched.locs[pos as usize] = id;
+        }
+        t.stacks.push_unindexed(&prefetched.locs).map(StackId)
     }
 
     /// Bulk path, part 2: interns a label set as [`Profile::add`] would (same validation, for

@@ -19,7 +19,9 @@ use crate::error::{HeapError, ProfileError, RecorderError};
 use crate::gate::Gate;
 use crate::heap::{HeapConfig, HeapRecorder, HeapStats, LiveObject};
 use crate::pprof::{Compression, EncodeOptions, EncodedProfile, Symbolizer};
-use crate::profile::{Frame, Label, LabelSetId, LabelValue, Profile, RowId, Sample, StackId, Str};
+use crate::profile::{
+    Frame, Label, LabelSetId, LabelValue, PrefetchedStack, Profile, RowId, Sample, StackId, Str,
+};
 use crate::sample_types::{SampleLayout, SampleTypeConfig, SampleValues};
 use crate::spin::{SpinGuard, SpinLock};
 use crate::strings::{StringId, StringStorage};
@@ -416,6 +418,16 @@ impl StackRecorder {
             labels: LabelSetId,
             row: RowId,
         }
+        /// An object's stack, worked out one object ahead of its sample: bare addresses (looked
+        /// up in the address cache) when it has address frames only, decoded frames otherwise.
+        #[derive(Default)]
+        struct Ahead {
+            addresses: bool,
+            prefetched: PrefetchedStack,
+            frames: Vec<Frame<'static>>,
+            /// Location ids of the frames the address cache held at prefetch time.
+            hints: Vec<u32>,
+        }
         let sizes = heap.snapshot_sizes()?;
         data.profile
             .reserve_unindexed(sizes.objects.min(sizes.stacks), sizes.stacks);
@@ -429,7 +441,6 @@ impl StackRecorder {
         // Rows of a stack's further label sets (objects of one stack with other classes/ages).
         let mut other_rows: HashMap<(usize, LabelSetId), RowId, foldhash::fast::RandomState> =
             HashMap::default();
-        let mut frames: Vec<Frame<'static>> = Vec::new();
         // (class, age) -> label set; ages are few, so the last one answers most lookups.
         let mut label_sets: HashMap<(StringId, u64), LabelSetId, foldhash::fast::RandomState> =
             HashMap::default();
@@ -440,8 +451,7 @@ impl StackRecorder {
                            stacks: &mut [Option<StackRows>],
                            obj: &LiveObject,
                            index: usize,
-                           frames: &[Frame<'static>],
-                           hints: &[u32]|
+                           ahead: &mut Ahead|
          -> Result<(), ProfileError> {
             let placed = self.layout.place(&SampleValues {
                 heap_live_samples: obj.weight as i64,
@@ -476,7 +486,11 @@ impl StackRecorder {
                     }
                 },
                 None => {
-                    let stack = profile.push_stack_unindexed(frames, hints)?;
+                    let stack = if ahead.addresses {
+                        profile.push_address_stack_unindexed(&mut ahead.prefetched)?
+                    } else {
+                        profile.push_stack_unindexed(&ahead.frames, &ahead.hints)?
+                    };
                     let row = profile.push_unindexed_row(stack, labels, values)?;
                     stacks[index] = Some(StackRows { stack, labels, row });
                     Ok(())
@@ -486,29 +500,27 @@ impl StackRecorder {
         // Objects are handled one behind the iteration: the next object's stack entry and
         // location-index slots are prefetched while the previous one is worked on.
         let mut pending: Option<(LiveObject, usize)> = None;
-        let mut pending_frames: Vec<Frame<'static>> = Vec::new();
-        // Location ids of the frames the address cache held at prefetch time.
-        let (mut hints, mut pending_hints) = (Vec::new(), Vec::new());
+        let (mut next, mut pending_ahead) = (Ahead::default(), Ahead::default());
+        let mut addresses = Vec::new();
         let completed = heap.for_each_live_object_by_stack(&mut |obj, stack| {
             visited += 1;
             let index = stack.index().min(sizes.stacks);
             crate::profile::prefetch(&stacks[index]);
-            stack.frames(&mut frames);
-            profile.prefetch_stack(&frames, &mut hints);
+            next.addresses = stack.addresses(&mut addresses);
+            if next.addresses {
+                profile.prefetch_addresses(&addresses, &mut next.prefetched);
+            } else {
+                stack.frames(&mut next.frames);
+                profile.prefetch_stack(&next.frames, &mut next.hints);
+            }
             let result = match pending.take() {
-                Some((prev, prev_index)) => add_one(
-                    profile,
-                    &mut stacks,
-                    &prev,
-                    prev_index,
-                    &pending_frames,
-                    &pending_hints,
-                )
-                .map(|()| added += 1),
+                Some((prev, prev_index)) => {
+                    add_one(profile, &mut stacks, &prev, prev_index, &mut pending_ahead)
+                        .map(|()| added += 1)
+                }
                 None => Ok(()),
             };
-            std::mem::swap(&mut frames, &mut pending_frames);
-            std::mem::swap(&mut hints, &mut pending_hints);
+            std::mem::swap(&mut next, &mut pending_ahead);
             pending = Some((*obj, index));
             match result {
                 Ok(()) => true,
@@ -520,14 +532,7 @@ impl StackRecorder {
         })?;
         if failure.is_none() {
             if let Some((prev, prev_index)) = pending.take() {
-                match add_one(
-                    profile,
-                    &mut stacks,
-                    &prev,
-                    prev_index,
-                    &pending_frames,
-                    &pending_hints,
-                ) {
+                match add_one(profile, &mut stacks, &prev, prev_index, &mut pending_ahead) {
                     Ok(()) => added += 1,
                     Err(e) => failure = Some(e),
                 }

@@ -646,3 +646,155 @@ fn zstd_output_decodes_like_gzip() {
     assert_eq!(dz.string_table, dg.string_table);
     assert_eq!(dz.total("cpu-samples"), Some(4));
 }
+
+/// A decoded profile as a sorted list of (frames as (address, function, line), values, labels
+/// as (key, string, number)), independent of row and location order.
+type Canonical = Vec<(
+    Vec<(u64, String, i64)>,
+    Vec<i64>,
+    Vec<(String, String, i64)>,
+)>;
+
+fn canonical(d: &ferroprof_pprof::Profile) -> Canonical {
+    use std::collections::HashMap;
+    let funcs: HashMap<u64, String> = d
+        .function
+        .iter()
+        .map(|f| (f.id, d.str(f.name).to_owned()))
+        .collect();
+    let locs: HashMap<u64, Vec<(u64, String, i64)>> = d
+        .location
+        .iter()
+        .map(|l| {
+            let lines = l.line.iter().map(|line| {
+                let name = funcs.get(&line.function_id).cloned().unwrap_or_default();
+                (l.address, name, line.line)
+            });
+            let mut lines: Vec<_> = lines.collect();
+            if lines.is_empty() {
+                lines.push((l.address, String::new(), 0));
+            }
+            (l.id, lines)
+        })
+        .collect();
+    let mut out: Canonical = d
+        .sample
+        .iter()
+        .map(|s| {
+            let frames = s
+                .location_id
+                .iter()
+                .flat_map(|id| locs.get(id).cloned().expect("sample names a location"))
+                .collect();
+            let mut labels: Vec<_> = s
+                .label
+                .iter()
+                .map(|l| (d.str(l.key).to_owned(), d.str(l.str).to_owned(), l.num))
+                .collect();
+            labels.sort();
+            (frames, s.value.clone(), labels)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn heap_samples_equal_one_add_per_live_object() {
+    use ferroprof_recorder::{Profile, Sample};
+    let r = StackRecorder::new(config(SampleTypeConfig::all())).unwrap();
+    // Address-only stacks: distinct innermost frames over shared callers, some shared by several
+    // objects, some recursive (an address twice), many more addresses than the address cache
+    // holds; plus stacks mixing symbol and address frames.
+    let stack_of = |i: u64| -> Vec<Frame<'static>> {
+        let mut f = vec![Frame::Address(0x7000 + (i % 3000) * 16)];
+        if i % 7 == 0 {
+            f.push(Frame::Address(0x7000 + (i % 3000) * 16));
+        }
+        if i % 5 == 0 {
+            f.push(Frame::sym("alloc_site", "alloc.rs", (i % 4) as i64));
+        }
+        f.extend((0..(i % 20)).map(|d| Frame::Address(0x10_0000 + d * 0x40)));
+        f
+    };
+    let class = |i: u64| match i % 4 {
+        0 => None,
+        1 => Some("Vec<u8>"),
+        _ => Some("String"),
+    };
+    let objects: Vec<u64> = (0..6000).collect();
+    for &i in &objects {
+        let (weight, size) = (1 + (i % 3) as u32, 8 + i % 100);
+        r.track_allocation(0x1_0000 + i * 64, weight, size, class(i), &stack_of(i))
+            .unwrap();
+    }
+    for round in 0..3i64 {
+        // CPU samples over some of the same addresses.
+        for i in 0..50 {
+            r.record_sample(&stack_of(i), &cpu(1 + i as i64), &[], 0)
+                .unwrap();
+        }
+        let start = SystemTime::now();
+        let d = decode(&r.serialize(None).unwrap());
+        let got = canonical(&d);
+        // Each address is one location, however many stacks share it.
+        let mut addresses: Vec<u64> = d
+            .location
+            .iter()
+            .filter(|l| l.line.is_empty())
+            .map(|l| l.address)
+            .collect();
+        let n = addresses.len();
+        addresses.sort();
+        addresses.dedup();
+        assert_eq!(
+            addresses.len(),
+            n,
+            "round {round}: an address is two locations"
+        );
+
+        let layout = r.layout();
+        let mut want = Profile::new(layout.types(), None, start);
+        for i in 0..50 {
+            let placed = layout.place(&cpu(1 + i as i64));
+            want.add(&Sample {
+                frames: &stack_of(i),
+                values: &placed[..layout.len()],
+                labels: &[],
+                end_timestamp_ns: 0,
+            })
+            .unwrap();
+        }
+        for &i in objects.iter().filter(|&&i| round == 0 || i % 2 == 0) {
+            let (weight, size) = (1 + (i % 3) as i64, 8 + (i % 100) as i64);
+            let placed = layout.place(&SampleValues {
+                heap_live_samples: weight,
+                heap_live_size: size * weight,
+                ..Default::default()
+            });
+            let mut labels = vec![Label::num(GC_GEN_AGE_LABEL, round)];
+            if let Some(c) = class(i) {
+                labels.push(Label::str(ALLOCATION_CLASS_LABEL, c));
+            }
+            want.add(&Sample {
+                frames: &stack_of(i),
+                values: &placed[..layout.len()],
+                labels: &labels,
+                end_timestamp_ns: 0,
+            })
+            .unwrap();
+        }
+        let encoded = want
+            .encode(SystemTime::now(), &Default::default(), None)
+            .unwrap();
+        let want = canonical(&ferroprof_pprof::decode(&encoded.bytes).unwrap());
+        assert_eq!(got.len(), want.len(), "round {round}");
+        assert!(got == want, "round {round}: profiles differ");
+        if round == 0 {
+            // Fewer objects next time, so the next profile is built in reused buffers.
+            for &i in objects.iter().filter(|&&i| i % 2 == 1) {
+                assert!(r.untrack_allocation(0x1_0000 + i * 64));
+            }
+        }
+    }
+}

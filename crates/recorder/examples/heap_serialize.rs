@@ -1,0 +1,121 @@
+//! Deterministic driver for instruction counts of the heap bench's serialize comparison:
+//! `valgrind --tool=callgrind target/release/examples/heap_serialize [serialize|encode] [runs]`.
+
+use std::hint::black_box;
+use std::time::{Instant, SystemTime};
+
+use ferroprof_recorder::pprof::EncodeOptions;
+use ferroprof_recorder::stack_recorder::GC_GEN_AGE_LABEL;
+use ferroprof_recorder::{
+    Frame, HeapConfig, Label, Profile, RecorderConfig, Sample, SampleValues, StackRecorder,
+};
+
+const LIVE: u64 = 100_000;
+const DEPTH: u64 = 16;
+
+/// Same stacks as the bench: shared callers, a distinct innermost frame.
+fn distinct_stack(i: u64, out: &mut Vec<Frame<'static>>) {
+    out.clear();
+    out.push(Frame::Address(0x7f00_0000_0000 + i * 16));
+    out.extend((1..DEPTH).map(|d| Frame::Address(0x5555_0000_0000 + d * 0x40)));
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mode = args.next().unwrap_or_else(|| "serialize".into());
+    let runs: usize = args.next().map_or(3, |s| s.parse().unwrap());
+    let r = StackRecorder::new(RecorderConfig {
+        heap: HeapConfig::native(),
+        ..RecorderConfig::default()
+    })
+    .unwrap();
+    let mut frames = Vec::new();
+    for i in 0..LIVE {
+        distinct_stack(i, &mut frames);
+        r.track_allocation(0x1000_0000 + i * 64, 1, 64, None, &frames)
+            .unwrap();
+    }
+    let opts = EncodeOptions::default();
+    let built = || {
+        let layout = r.layout().clone();
+        let placed = layout.place(&SampleValues {
+            heap_live_samples: 1,
+            heap_live_size: 64,
+            ..SampleValues::default()
+        });
+        let mut p = Profile::new(layout.types(), None, SystemTime::now());
+        let labels = [Label::num(GC_GEN_AGE_LABEL, 1)];
+        let mut frames = Vec::new();
+        for i in 0..LIVE {
+            distinct_stack(i, &mut frames);
+            p.add(&Sample {
+                frames: &frames,
+                values: &placed[..layout.len()],
+                labels: &labels,
+                end_timestamp_ns: 0,
+            })
+            .unwrap();
+        }
+        p
+    };
+    match mode.as_str() {
+        "serialize" => {
+            for _ in 0..runs {
+                black_box(r.serialize(None).unwrap());
+            }
+        }
+        "encode" => {
+            let p = built();
+            for _ in 0..runs {
+                black_box(p.encode(SystemTime::now(), &opts, None).unwrap());
+            }
+        }
+        // Alternating runs, as the bench's paired report: medians and minimums of wall-clock
+        // and of this thread's CPU time (less disturbed by other processes on a shared box).
+        "paired" => {
+            let p = built();
+            let mut v: [Vec<f64>; 5] = Default::default();
+            for _ in 0..runs {
+                let (t, c) = (Instant::now(), cpu_ms());
+                let s = black_box(r.serialize(None).unwrap());
+                v[0].push(t.elapsed().as_secs_f64() * 1e3);
+                v[1].push(cpu_ms() - c);
+                v[4].push(s.stats.heap_profile_build_time_ns as f64 / 1e6);
+                let (t, c) = (Instant::now(), cpu_ms());
+                black_box(p.encode(SystemTime::now(), &opts, None).unwrap());
+                v[2].push(t.elapsed().as_secs_f64() * 1e3);
+                v[3].push(cpu_ms() - c);
+            }
+            for x in &mut v {
+                x.sort_by(f64::total_cmp);
+            }
+            let med = |x: &Vec<f64>| x[x.len() / 2];
+            println!(
+                "median: serialize {:.1} ms (build {:.1}), encode {:.1} ms, ratio {:.2}; \
+                 cpu {:.1} / {:.1} = {:.2}; min cpu {:.1} / {:.1} = {:.2}",
+                med(&v[0]),
+                med(&v[4]),
+                med(&v[2]),
+                med(&v[0]) / med(&v[2]),
+                med(&v[1]),
+                med(&v[3]),
+                med(&v[1]) / med(&v[3]),
+                v[1][0],
+                v[3][0],
+                v[1][0] / v[3][0]
+            );
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+/// This thread's CPU time so far, in ms (Linux).
+fn cpu_ms() -> f64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let ns: f64 = stat
+        .split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0.0);
+    ns / 1e6
+}
