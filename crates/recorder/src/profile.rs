@@ -227,9 +227,27 @@ impl IdIndex {
 
     fn rebuild(&mut self, n: usize) {
         self.slots = vec![EMPTY_SLOT; n];
+        self.replace_all();
+    }
+
+    /// Places every id again, into slots just emptied.
+    fn replace_all(&mut self) {
         for id in 0..self.hashes.len() {
             self.place(self.hashes[id], id as u32);
         }
+    }
+
+    /// Moves into the allocations of an index used before (`slots` and `hashes`, taken) when
+    /// they are larger than this one's, so growing up to their size allocates nothing.
+    fn adopt(&mut self, slots: &mut Vec<u64>, hashes: &mut Vec<u64>) {
+        adopt(&mut self.hashes, hashes);
+        // Slot tables are powers of two long, so a longer one is a valid table size.
+        if slots.len() > self.slots.len() {
+            self.slots = std::mem::take(slots);
+            self.slots.fill(EMPTY_SLOT);
+            self.replace_all();
+        }
+        *slots = Vec::new();
     }
 
     fn memory_bytes(&self) -> usize {
@@ -435,6 +453,24 @@ impl<T: Copy + PartialEq> Dedup<T> {
     fn find(&self, item: T, hash: u64) -> Option<u32> {
         self.index.find(hash, |id| self.items[id as usize] == item)
     }
+}
+
+/// Moves `v`'s items into `spare`'s allocation when that one is larger (so `v` can grow that far
+/// without allocating), and frees whatever allocation is left over in `spare`.
+fn adopt<T: Copy>(v: &mut Vec<T>, spare: &mut Vec<T>) {
+    if spare.capacity() > v.capacity() {
+        spare.clear();
+        spare.extend_from_slice(v);
+        std::mem::swap(v, spare);
+    }
+    *spare = Vec::new();
+}
+
+/// The emptied allocation of `v`, for [`adopt`] later.
+fn recycle<T>(v: &mut Vec<T>) -> Vec<T> {
+    let mut v = std::mem::take(v);
+    v.clear();
+    v
 }
 
 fn check_table_len(len: usize, what: &str) -> Result<(), ProfileError> {
@@ -1033,6 +1069,20 @@ pub(crate) struct PrefetchedStack {
     misses: Vec<(u32, u64, u64)>,
 }
 
+/// The allocations a bulk add fills (rows, stacks, locations and the location index), handed
+/// from one profile to the next: a heap profile's tables are many MB, and allocating them afresh
+/// for every serialization means page-faulting all of it in again (and unmapping it after).
+#[derive(Default)]
+pub(crate) struct BulkBuffers {
+    agg: Vec<(u32, u32)>,
+    agg_values: Vec<i64>,
+    stack_items: Vec<u32>,
+    stack_spans: Vec<(u32, u32)>,
+    locations: Vec<Location>,
+    location_slots: Vec<u64>,
+    location_hashes: Vec<u64>,
+}
+
 /// A profile being recorded.
 pub struct Profile {
     types: Box<[SampleType]>,
@@ -1113,8 +1163,28 @@ impl Profile {
     /// added through [`Profile::push_stack_unindexed`] and [`Profile::push_unindexed_row`], so a
     /// bulk add does not reallocate on the way. (Their indexes are left alone: those entries are
     /// only indexed if a later lookup needs them.)
-    pub(crate) fn reserve_unindexed(&mut self, rows: usize, stacks: usize) {
+    ///
+    /// The tables move into the allocations in `spare` (left by [`Profile::reset_into`]) where
+    /// those are larger; `spare` is emptied. Buffers far larger than this add needs are freed
+    /// instead, so memory kept for a heap that shrank is given back.
+    pub(crate) fn reserve_unindexed(
+        &mut self,
+        rows: usize,
+        stacks: usize,
+        spare: &mut BulkBuffers,
+    ) {
         let t = &mut self.t;
+        if spare.agg.capacity() > 4 * (t.agg.len() + rows).max(1024) {
+            *spare = BulkBuffers::default();
+        }
+        adopt(&mut t.agg, &mut spare.agg);
+        adopt(&mut t.agg_values, &mut spare.agg_values);
+        adopt(&mut t.stacks.items, &mut spare.stack_items);
+        adopt(&mut t.stacks.spans, &mut spare.stack_spans);
+        adopt(&mut t.locations.items, &mut spare.locations);
+        t.locations
+            .index
+            .adopt(&mut spare.location_slots, &mut spare.location_hashes);
         t.agg.reserve(rows);
         t.agg_values.reserve(rows * self.types.len());
         t.stacks.spans.reserve(stacks);
@@ -1496,6 +1566,23 @@ impl Profile {
         let generation = self.storage.as_ref().map_or(0, |s| s.generation());
         self.t = Tables::new(&self.types, generation);
         self.start = start;
+    }
+
+    /// [`Profile::reset`], keeping the allocations a bulk add fills in `spare`, for the next
+    /// [`Profile::reserve_unindexed`] (of this profile or another one).
+    pub(crate) fn reset_into(&mut self, start: SystemTime, spare: &mut BulkBuffers) {
+        let t = &mut self.t;
+        *spare = BulkBuffers {
+            agg: recycle(&mut t.agg),
+            agg_values: recycle(&mut t.agg_values),
+            stack_items: recycle(&mut t.stacks.items),
+            stack_spans: recycle(&mut t.stacks.spans),
+            locations: recycle(&mut t.locations.items),
+            // Emptied (filled) when adopted.
+            location_slots: std::mem::take(&mut t.locations.index.slots),
+            location_hashes: recycle(&mut t.locations.index.hashes),
+        };
+        self.reset(start);
     }
 
     /// Encodes as pprof with `time_nanos` = start and `duration_nanos` = `end` - start.
@@ -2368,7 +2455,8 @@ mod tests {
         let heap = [Label::num("gc gen age", 1)];
         let mut p = profile();
         add(&mut p, &frames, &[1, 0], &[], 0);
-        p.reserve_unindexed(2, 2);
+        let mut spare = BulkBuffers::default();
+        p.reserve_unindexed(2, 2, &mut spare);
         // An equal stack appended again, and a new one.
         let labels = p.intern_label_set(&heap).unwrap();
         let s1 = p.push_stack_unindexed(&frames, &[]).unwrap();
@@ -2390,6 +2478,30 @@ mod tests {
         add(&mut p, &frames, &[4, 0], &[], 0);
         add(&mut q, &frames, &[4, 0], &[], 0);
         assert_eq!(decode(&p), decode(&q));
+
+        // Another profile built in the first one's buffers, over samples (and locations) of its
+        // own, then address stacks pushed as bare addresses.
+        p.reset_into(t0(), &mut spare);
+        assert!(spare.location_slots.len() >= 4 && spare.stack_items.capacity() >= 4);
+        let mut r = profile();
+        let addrs = [
+            Frame::Address(0x30),
+            Frame::Address(0x20),
+            Frame::Address(0x30),
+        ];
+        add(&mut r, &other, &[1, 0], &[], 0);
+        r.reserve_unindexed(1, 1, &mut spare);
+        let labels = r.intern_label_set(&heap).unwrap();
+        let mut ahead = PrefetchedStack::default();
+        r.prefetch_addresses(&[0x30, 0x20, 0x30], &mut ahead);
+        let s3 = r.push_address_stack_unindexed(&mut ahead).unwrap();
+        r.push_unindexed_row(s3, labels, &[0, 7]).unwrap();
+        add(&mut r, &addrs, &[2, 0], &[], 0);
+        let mut q = profile();
+        add(&mut q, &other, &[1, 0], &[], 0);
+        add(&mut q, &addrs, &[0, 7], &heap, 0);
+        add(&mut q, &addrs, &[2, 0], &[], 0);
+        assert_eq!(decode(&r), decode(&q));
     }
 
     #[test]

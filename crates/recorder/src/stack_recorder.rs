@@ -20,7 +20,8 @@ use crate::gate::Gate;
 use crate::heap::{HeapConfig, HeapRecorder, HeapStats, LiveObject};
 use crate::pprof::{Compression, EncodeOptions, EncodedProfile, Symbolizer};
 use crate::profile::{
-    Frame, Label, LabelSetId, LabelValue, PrefetchedStack, Profile, RowId, Sample, StackId, Str,
+    BulkBuffers, Frame, Label, LabelSetId, LabelValue, PrefetchedStack, Profile, RowId, Sample,
+    StackId, Str,
 };
 use crate::sample_types::{SampleLayout, SampleTypeConfig, SampleValues};
 use crate::spin::{SpinGuard, SpinLock};
@@ -120,6 +121,18 @@ struct Slot {
 struct SerializerState {
     /// 1 or 2. Samplers never read this: they find the active slot by its open gate.
     active_slot: u8,
+    /// What adding heap samples allocates, kept from one serialization to the next (see
+    /// [`BulkBuffers`]): the profile tables and the snapshot stack index -> rows table.
+    bulk: BulkBuffers,
+    heap_stacks: Vec<Option<StackRows>>,
+}
+
+/// A heap snapshot stack's profile stack and the row of its first label set.
+#[derive(Clone, Copy)]
+struct StackRows {
+    stack: StackId,
+    labels: LabelSetId,
+    row: RowId,
 }
 
 /// Leaves the gate when dropped, so no error path (or panic) leaves a sampler counted inside.
@@ -179,7 +192,11 @@ impl StackRecorder {
             strings,
             heap,
             slots,
-            serializer: SpinLock::new(SerializerState { active_slot: 1 }),
+            serializer: SpinLock::new(SerializerState {
+                active_slot: 1,
+                bulk: BulkBuffers::default(),
+                heap_stacks: Vec::new(),
+            }),
             active_slot: AtomicU8::new(1),
             lifetime: SpinLock::new(LifetimeStats::default()),
         })
@@ -338,7 +355,8 @@ impl StackRecorder {
         let build_start = Instant::now();
         let heap_result = match (&self.heap, prepared) {
             (Some(heap), Some(prepared)) => {
-                let built = prepared.and_then(|()| self.add_heap_samples(heap, &mut data));
+                let built =
+                    prepared.and_then(|()| self.add_heap_samples(heap, &mut data, &mut ser));
                 // Always finish, so a failed iteration never blocks the next one.
                 let finished = heap.finish_iteration();
                 match built {
@@ -363,8 +381,14 @@ impl StackRecorder {
             heap_profile_build_time_ns,
         };
         let start = data.profile.start();
-        // Free the profile's memory now rather than when the slot becomes active again.
-        data.reset(finish);
+        // Free the profile's memory now rather than when the slot becomes active again; what
+        // heap samples fill is kept for the next serialization's.
+        if self.heap.is_some() {
+            data.profile.reset_into(finish, &mut ser.bulk);
+            data.recorded_samples = 0;
+        } else {
+            data.reset(finish);
+        }
         drop(data);
         // Profiles copy what they need at add time, so the strings nobody references any more
         // can go now.
@@ -410,14 +434,8 @@ impl StackRecorder {
         &self,
         heap: &HeapRecorder,
         data: &mut SlotData,
+        ser: &mut SerializerState,
     ) -> Result<Result<(), RecorderError>, HeapError> {
-        /// A snapshot stack's profile stack and the row of its first label set.
-        #[derive(Clone, Copy)]
-        struct StackRows {
-            stack: StackId,
-            labels: LabelSetId,
-            row: RowId,
-        }
         /// An object's stack, worked out one object ahead of its sample: bare addresses (looked
         /// up in the address cache) when it has address frames only, decoded frames otherwise.
         #[derive(Default)]
@@ -429,15 +447,24 @@ impl StackRecorder {
             hints: Vec<u32>,
         }
         let sizes = heap.snapshot_sizes()?;
-        data.profile
-            .reserve_unindexed(sizes.objects.min(sizes.stacks), sizes.stacks);
+        data.profile.reserve_unindexed(
+            sizes.objects.min(sizes.stacks),
+            sizes.stacks,
+            &mut ser.bulk,
+        );
         let mut failure: Option<ProfileError> = None;
         let n = self.layout.len();
         let mut visited = 0u64;
         let mut added = 0u64;
         // Snapshot stack index -> profile stack and first row (`None` until first seen); one
         // past the end for a stack the snapshot lacks.
-        let mut stacks: Vec<Option<StackRows>> = vec![None; sizes.stacks + 1];
+        let stacks = &mut ser.heap_stacks;
+        if stacks.capacity() > 4 * (sizes.stacks + 1).max(1024) {
+            // Kept for a much larger heap than the one now: give the memory back.
+            *stacks = Vec::new();
+        }
+        stacks.clear();
+        stacks.resize(sizes.stacks + 1, None);
         // Rows of a stack's further label sets (objects of one stack with other classes/ages).
         let mut other_rows: HashMap<(usize, LabelSetId), RowId, foldhash::fast::RandomState> =
             HashMap::default();
@@ -514,10 +541,14 @@ impl StackRecorder {
                 profile.prefetch_stack(&next.frames, &mut next.hints);
             }
             let result = match pending.take() {
-                Some((prev, prev_index)) => {
-                    add_one(profile, &mut stacks, &prev, prev_index, &mut pending_ahead)
-                        .map(|()| added += 1)
-                }
+                Some((prev, prev_index)) => add_one(
+                    profile,
+                    &mut stacks[..],
+                    &prev,
+                    prev_index,
+                    &mut pending_ahead,
+                )
+                .map(|()| added += 1),
                 None => Ok(()),
             };
             std::mem::swap(&mut next, &mut pending_ahead);
@@ -532,7 +563,13 @@ impl StackRecorder {
         })?;
         if failure.is_none() {
             if let Some((prev, prev_index)) = pending.take() {
-                match add_one(profile, &mut stacks, &prev, prev_index, &mut pending_ahead) {
+                match add_one(
+                    profile,
+                    &mut stacks[..],
+                    &prev,
+                    prev_index,
+                    &mut pending_ahead,
+                ) {
                     Ok(()) => added += 1,
                     Err(e) => failure = Some(e),
                 }
