@@ -2,7 +2,9 @@
 //! 100 Hz, or under pprof-rs at 100 Hz: `cpu_workload none|ferroprof|pprof [rounds]`.
 //!
 //! Wall and process CPU time are measured around the workload only; ferroprof's start and its
-//! final serialization (with symbolization) are reported apart (`stop_ms`).
+//! final serialization (with symbolization) are reported apart (`stop_ms`). pprof-rs's signal
+//! handler is timed through a wrapper, so both profilers' in-process costs are measured alike.
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ferroprof::{Profiler, Profiles};
@@ -14,6 +16,68 @@ fn measured(rounds: u64) -> (Duration, u64) {
     let c0 = ferroprof_bench::process_cpu_ns();
     let d = ferroprof_bench::cpu_workload(2, rounds, DEPTH);
     (d, ferroprof_bench::process_cpu_ns() - c0)
+}
+
+/// pprof-rs's own SIGPROF handler, wrapped by [`timed_pprof_handler`] so its per-signal cost is
+/// measured in the same run, the same way ferroprof measures its handler (monotonic clock around
+/// the work).
+static PPROF_HANDLER: AtomicUsize = AtomicUsize::new(0);
+static PPROF_HANDLER_NS: AtomicU64 = AtomicU64::new(0);
+static PPROF_SIGNALS: AtomicU64 = AtomicU64::new(0);
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer; clock_gettime is async-signal-safe.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+extern "C" fn timed_pprof_handler(
+    sig: libc::c_int,
+    info: *mut libc::siginfo_t,
+    ctx: *mut libc::c_void,
+) {
+    let h = PPROF_HANDLER.load(Ordering::Relaxed);
+    if h == 0 {
+        return;
+    }
+    let t0 = monotonic_ns();
+    // SAFETY: `h` is the SA_SIGINFO handler pprof-rs installed (checked in `wrap_pprof_handler`),
+    // called with the kernel's arguments.
+    unsafe {
+        let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+            std::mem::transmute(h);
+        f(sig, info, ctx);
+    }
+    PPROF_HANDLER_NS.fetch_add(monotonic_ns() - t0, Ordering::Relaxed);
+    PPROF_SIGNALS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Puts [`timed_pprof_handler`] in front of the SIGPROF handler pprof-rs just installed.
+fn wrap_pprof_handler() {
+    // SAFETY: plain sigaction calls on zero-initialized structs we own; the new handler has the
+    // SA_SIGINFO signature.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        assert_eq!(
+            libc::sigaction(libc::SIGPROF, std::ptr::null(), &mut old),
+            0
+        );
+        assert!(
+            old.sa_flags & libc::SA_SIGINFO != 0 && old.sa_sigaction > libc::SIG_IGN,
+            "pprof-rs's SIGPROF handler is not an SA_SIGINFO handler"
+        );
+        PPROF_HANDLER.store(old.sa_sigaction, Ordering::SeqCst);
+        let mut new = old;
+        new.sa_sigaction = timed_pprof_handler as *const () as usize;
+        assert_eq!(
+            libc::sigaction(libc::SIGPROF, &new, std::ptr::null_mut()),
+            0
+        );
+    }
 }
 
 fn main() {
@@ -60,9 +124,17 @@ fn main() {
                 .blocklist(&["libc", "libgcc", "pthread", "vdso"])
                 .build()
                 .expect("pprof-rs starts");
+            wrap_pprof_handler();
             let m = measured(rounds);
             drop(guard);
-            (m, String::new())
+            let signals = PPROF_SIGNALS.load(Ordering::Relaxed);
+            (
+                m,
+                format!(
+                    " handler_ns={} signals={signals}",
+                    PPROF_HANDLER_NS.load(Ordering::Relaxed) / signals.max(1)
+                ),
+            )
         }
         other => panic!("unknown mode {other}"),
     };

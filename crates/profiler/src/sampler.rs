@@ -68,6 +68,9 @@ unsafe impl Sync for Slot {}
 static SLOTS: [AtomicPtr<Slot>; MAX_SLOTS] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_SLOTS];
 static PID: AtomicI32 = AtomicI32::new(0);
+/// Our user id, for the siginfo we queue; read once (a getuid per signal was a syscall per
+/// request; the handler never looks at it).
+static UID: AtomicU32 = AtomicU32::new(0);
 
 /// Previous dispositions of the signals we took over: (handler, flags), for chaining.
 static PREV_HANDLER: [AtomicUsize; 65] = [const { AtomicUsize::new(0) }; 65];
@@ -93,8 +96,10 @@ pub(crate) fn valid_signal(sig: i32) -> bool {
 
 /// Installs the handler for `sig` (idempotent). Never uninstalled: a late signal finds it.
 pub(crate) fn install_handler(sig: i32) -> std::io::Result<()> {
-    // SAFETY: getpid has no preconditions.
+    // SAFETY: getpid and getuid have no preconditions.
     PID.store(unsafe { libc::getpid() }, Ordering::SeqCst);
+    // SAFETY: as above.
+    UID.store(unsafe { libc::getuid() }, Ordering::SeqCst);
     // SAFETY: plain sigaction calls on zero-initialized structs we own.
     unsafe {
         let mut old: libc::sigaction = std::mem::zeroed();
@@ -253,8 +258,7 @@ fn send(tid: i32, sig: i32, value: u64) -> bool {
         code: libc::SI_QUEUE,
         _pad0: 0,
         pid,
-        // SAFETY: getuid has no preconditions.
-        uid: unsafe { libc::getuid() },
+        uid: UID.load(Ordering::Relaxed),
         value,
         _rest: [0; 128 - 32],
     };
@@ -342,10 +346,56 @@ impl Drop for TaskLister {
     }
 }
 
-fn read_comm(tid: i32) -> String {
-    std::fs::read_to_string(format!("/proc/self/task/{tid}/comm"))
-        .map(|s| s.trim_end_matches('\n').to_owned())
-        .unwrap_or_default()
+/// Thread `tid`'s name (kernel `comm`, at most 15 bytes) into `buf`; empty when unreadable.
+/// Opened relative to the sampler's open `/proc/self/task` when there is one: a path walk from
+/// the root and a `String` per read were most of the cost of name checks.
+fn read_comm(dirfd: Option<libc::c_int>, tid: i32, buf: &mut [u8; 64]) -> &str {
+    use std::io::Write;
+    let Some(dirfd) = dirfd else {
+        let name =
+            std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
+        let name = name.trim_end_matches('\n').as_bytes();
+        let n = name.len().min(buf.len());
+        buf[..n].copy_from_slice(&name[..n]);
+        return std::str::from_utf8(&buf[..n]).unwrap_or("");
+    };
+    let mut path = [0u8; 32];
+    let mut w = &mut path[..];
+    // Leaves at least one zero byte: "<tid>/comm" is at most 16 bytes.
+    if write!(w, "{tid}/comm").is_err() {
+        return "";
+    }
+    // SAFETY: `path` is NUL-terminated (zero-filled beyond what was written); dirfd is open.
+    let fd = unsafe {
+        libc::openat(
+            dirfd,
+            path.as_ptr() as *const libc::c_char,
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return "";
+    }
+    // SAFETY: the buffer is valid for its length; we own fd and close it once.
+    let n = unsafe {
+        let n = libc::read(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len());
+        libc::close(fd);
+        n
+    };
+    let n = usize::try_from(n).unwrap_or(0);
+    let name = buf[..n].strip_suffix(b"\n").unwrap_or(&buf[..n]);
+    std::str::from_utf8(name).unwrap_or("")
+}
+
+/// Replaces `name` with thread `tid`'s current name; whether it changed.
+fn refresh_name(dirfd: Option<libc::c_int>, tid: i32, name: &mut String) -> bool {
+    let mut buf = [0u8; 64];
+    let fresh = read_comm(dirfd, tid, &mut buf);
+    if fresh == name.as_str() {
+        return false;
+    }
+    fresh.clone_into(name);
+    true
 }
 
 struct Pending {
@@ -557,8 +607,9 @@ impl Sampler {
         }
         if self.tick - self.last_names >= hz {
             self.last_names = self.tick;
+            let dirfd = self.lister.as_ref().map(|l| l.fd);
             for (tid, t) in self.threads.iter_mut() {
-                t.name = read_comm(*tid);
+                refresh_name(dirfd, *tid, &mut t.name);
             }
         }
     }
@@ -569,8 +620,13 @@ impl Sampler {
             return false;
         };
         let tick = self.tick;
+        let dirfd = self.lister.as_ref().map(|l| l.fd);
         let info = self.threads.entry(tid).or_insert_with(|| ThreadInfo {
-            name: read_comm(tid),
+            name: {
+                let mut name = String::new();
+                refresh_name(dirfd, tid, &mut name);
+                name
+            },
             last_cpu: cpu,
             last_wall: now,
             stack: Vec::new(),
@@ -590,12 +646,10 @@ impl Sampler {
             // its first visits only: a thread not scheduled for a while names itself late.
             // Every visit at first, then every tenth.
             info.name_checks_left -= 1;
-            if info.name_checks_left > 90 || info.name_checks_left % 10 == 0 {
-                let fresh = read_comm(tid);
-                if fresh != info.name {
-                    info.name = fresh;
-                    info.name_checks_left = 0;
-                }
+            if (info.name_checks_left > 90 || info.name_checks_left % 10 == 0)
+                && refresh_name(dirfd, tid, &mut info.name)
+            {
+                info.name_checks_left = 0;
             }
         }
         self.shared.stats.cpu_ticks.fetch_add(1, Ordering::Relaxed);
@@ -850,6 +904,32 @@ mod tests {
         // SAFETY: no preconditions.
         let me = unsafe { libc::gettid() };
         assert!(out.contains(&me), "{out:?} lacks {me}");
+    }
+
+    #[test]
+    fn reads_thread_names_with_and_without_the_task_directory() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let h = std::thread::Builder::new()
+            .name("name-probe-123".into())
+            .spawn(move || {
+                // SAFETY: no preconditions.
+                tx.send(unsafe { libc::gettid() }).unwrap();
+                let _ = stop_rx.recv();
+            })
+            .unwrap();
+        let tid = rx.recv().unwrap();
+        let l = TaskLister::open().expect("open /proc/self/task");
+        let mut buf = [0u8; 64];
+        assert_eq!(read_comm(Some(l.fd), tid, &mut buf), "name-probe-123");
+        assert_eq!(read_comm(None, tid, &mut buf), "name-probe-123");
+        let mut name = String::from("old");
+        assert!(refresh_name(Some(l.fd), tid, &mut name));
+        assert_eq!(name, "name-probe-123");
+        assert!(!refresh_name(Some(l.fd), tid, &mut name), "unchanged");
+        stop_tx.send(()).unwrap();
+        h.join().unwrap();
+        assert_eq!(read_comm(Some(l.fd), tid, &mut buf), "", "thread gone");
     }
 
     #[test]
