@@ -153,13 +153,20 @@ fn main() {
     let mut stop_ms = Vec::new();
     let mut sampler_cost = Vec::new();
     let mut own_share = Vec::new();
+    let mut pprof_handler = Vec::new();
+    let mut pprof_share = Vec::new();
+    // Per round, each profiler's CPU overhead against that round's unprofiled run, and the
+    // difference between the two: paired, so slow drifts in machine load cancel.
+    let (mut d_ferro, mut d_pprof, mut d_diff) = (Vec::new(), Vec::new(), Vec::new());
     let cr = cpu_rounds.to_string();
     for r in 0..rounds {
         eprintln!("cpu round {}/{rounds}", r + 1);
+        let mut round = BTreeMap::new();
         for mode in ["none", "ferroprof", "pprof"] {
             let v = run(&dir, "cpu_workload", &[mode, &cr], &[]);
             cpu.push(&format!("{mode}_wall"), v["wall_ns"]);
             cpu.push(&format!("{mode}_cpu"), v["cpu_ns"]);
+            round.insert(mode, v["cpu_ns"]);
             if mode == "ferroprof" {
                 handler.push(v["handler_ns"]);
                 frames.push(v["frames"]);
@@ -170,7 +177,15 @@ fn main() {
                 );
                 stop_ms.push(v["stop_ms"]);
             }
+            if mode == "pprof" {
+                pprof_handler.push(v["handler_ns"]);
+                pprof_share.push(v["handler_ns"] * v["signals"] / v["cpu_ns"] * 100.0);
+            }
         }
+        let pct = |m: &str| (round[m] / round["none"] - 1.0) * 100.0;
+        d_ferro.push(pct("ferroprof"));
+        d_pprof.push(pct("pprof"));
+        d_diff.push(pct("ferroprof") - pct("pprof"));
     }
     let base_w = cpu.median("none_wall");
     let base_c = cpu.median("none_cpu");
@@ -193,6 +208,23 @@ fn main() {
             (c / base_c - 1.0) * 100.0
         ));
     }
+    report.push_str(&format!(
+        "\nPaired per round (each run against the same round's unprofiled run), medians: \
+         ferroprof {:+.2}% CPU, pprof-rs {:+.2}% CPU, ferroprof minus pprof-rs {:+.2} points \
+         (ferroprof lower in {} of {rounds} rounds).\n",
+        median(&mut d_ferro),
+        median(&mut d_pprof),
+        median(&mut d_diff.clone()),
+        d_diff.iter().filter(|&&d| d < 0.0).count()
+    ));
+    report.push_str(&format!(
+        "In-process profiler CPU, measured alike for both (signal handlers timed with the \
+         monotonic clock; ferroprof adds its sampler thread's CPU clock): ferroprof {:.3}% of the \
+         workload's CPU, pprof-rs {:.3}%; pprof-rs handler median {:.1} us per signal.\n",
+        median(&mut own_share.clone()),
+        median(&mut pprof_share),
+        median(&mut pprof_handler) / 1e3
+    ));
     let samples_m = median(&mut samples_cpu);
     report.push_str(&format!(
         "\nferroprof signal handler: median {:.0} ns per sample at a median {:.0} frames; \
