@@ -64,6 +64,23 @@ fn main() {
                 black_box(r.serialize(None).unwrap());
             }
         }
+        "sizes" => {
+            let p = built();
+            let s = r.serialize(None).unwrap().encoded.bytes;
+            let e = p.encode(SystemTime::now(), &opts, None).unwrap().bytes;
+            let raw = EncodeOptions {
+                compression: ferroprof_recorder::Compression::None,
+            };
+            let er = p.encode(SystemTime::now(), &raw, None).unwrap().bytes;
+            println!(
+                "serialize {} B, encode {} B, encode uncompressed {} B",
+                s.len(),
+                e.len(),
+                er.len()
+            );
+            std::fs::write("/tmp/ser.pb.gz", &s).unwrap();
+            std::fs::write("/tmp/enc.pb.gz", &e).unwrap();
+        }
         "encode" => {
             let p = built();
             for _ in 0..runs {
@@ -74,13 +91,18 @@ fn main() {
         // and of this thread's CPU time (less disturbed by other processes on a shared box).
         "paired" => {
             let p = built();
-            let mut v: [Vec<f64>; 5] = Default::default();
+            let mut v: [Vec<f64>; 7] = Default::default();
             for _ in 0..runs {
                 let (t, c) = (Instant::now(), cpu_ms());
                 let s = black_box(r.serialize(None).unwrap());
                 v[0].push(t.elapsed().as_secs_f64() * 1e3);
                 v[1].push(cpu_ms() - c);
                 v[4].push(s.stats.heap_profile_build_time_ns as f64 / 1e6);
+                v[5].push(s.stats.heap_iteration_prep_time_ns as f64 / 1e6);
+                v[6].push(
+                    (s.stats.serialization_time_ns - s.stats.heap_profile_build_time_ns) as f64
+                        / 1e6,
+                );
                 let (t, c) = (Instant::now(), cpu_ms());
                 black_box(p.encode(SystemTime::now(), &opts, None).unwrap());
                 v[2].push(t.elapsed().as_secs_f64() * 1e3);
@@ -91,10 +113,13 @@ fn main() {
             }
             let med = |x: &Vec<f64>| x[x.len() / 2];
             println!(
-                "median: serialize {:.1} ms (build {:.1}), encode {:.1} ms, ratio {:.2}; \
+                "median: serialize {:.1} ms (prep {:.1}, build {:.1}, rest {:.1}), encode {:.1} ms, \
+                 ratio {:.2}; \
                  cpu {:.1} / {:.1} = {:.2}; min cpu {:.1} / {:.1} = {:.2}",
                 med(&v[0]),
+                med(&v[5]),
                 med(&v[4]),
+                med(&v[6]),
                 med(&v[2]),
                 med(&v[0]) / med(&v[2]),
                 med(&v[1]),
