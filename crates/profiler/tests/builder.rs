@@ -236,11 +236,21 @@ fn periodic_export_runs_every_period() {
         .exporter(Box::new(c.clone()))
         .start()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1100));
+    // Two periodic exports, waited for rather than timed: on a loaded machine the first one
+    // (which loads debug info to symbolize) can run late.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while c.0.lock().unwrap().len() < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     guard.stop().unwrap();
     let got = c.0.lock().unwrap();
-    // 3 periodic exports (sometimes 2 on a loaded machine) plus the final one.
+    // Two periodic exports plus the final one.
     assert!(got.len() >= 3, "{} profiles", got.len());
+    for p in &got[..2] {
+        // A periodic profile is cut when its period is over, not before.
+        let d = p.end().duration_since(p.start()).unwrap_or_default();
+        assert!(d >= Duration::from_millis(250), "periodic profile of {d:?}");
+    }
     for w in got.windows(2) {
         assert!(
             w[0].end() <= w[1].start() + Duration::from_millis(5),
