@@ -66,24 +66,10 @@ impl FreeFilter {
     pub fn insert(&self, addr: usize) {
         let i = index(addr);
         let c = &self.counters[i];
-        let mut cur = c.load(Ordering::Relaxed);
-        loop {
-            if cur & BUSY != 0 {
-                // A remover is clearing this granule's bit: ours must be set after it.
-                std::hint::spin_loop();
-                cur = c.load(Ordering::Relaxed);
-                continue;
-            }
-            if cur == SATURATED {
-                return;
-            }
-            let next = if cur == 0 { BUSY } else { cur + 1 };
-            match c.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed) {
-                Ok(_) => break,
-                Err(v) => cur = v,
-            }
-        }
-        if cur == 0 {
+        let prev = transition(c, |v| {
+            (v != SATURATED).then(|| if v == 0 { BUSY } else { v + 1 })
+        });
+        if prev == Some(0) {
             // Busy until the bit is set: an insert that sees the count at 1 must find the bit
             // set too (its address may be freed as soon as it returns).
             self.bits[i / 64].fetch_or(1 << (i % 64), Ordering::Release);
@@ -95,23 +81,10 @@ impl FreeFilter {
     pub fn remove(&self, addr: usize) {
         let i = index(addr);
         let c = &self.counters[i];
-        let mut cur = c.load(Ordering::Relaxed);
-        loop {
-            if cur & BUSY != 0 {
-                std::hint::spin_loop();
-                cur = c.load(Ordering::Relaxed);
-                continue;
-            }
-            if cur == 0 || cur == SATURATED {
-                return;
-            }
-            let next = if cur == 1 { BUSY } else { cur - 1 };
-            match c.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed) {
-                Ok(_) => break,
-                Err(v) => cur = v,
-            }
-        }
-        if cur == 1 {
+        let prev = transition(c, |v| {
+            (v != 0 && v != SATURATED).then(|| if v == 1 { BUSY } else { v - 1 })
+        });
+        if prev == Some(1) {
             self.bits[i / 64].fetch_and(!(1 << (i % 64)), Ordering::Release);
             c.store(0, Ordering::Release);
         }
@@ -127,6 +100,24 @@ impl FreeFilter {
                 self.counters[w * 64 + b].store(0, Ordering::Relaxed);
                 set &= set - 1;
             }
+        }
+    }
+}
+
+/// Replaces counter `c`'s value `v` by `next(v)` (compare-and-swap), waiting while another
+/// thread holds it [`BUSY`]; returns the value replaced, or `None` when `next` declined.
+#[inline]
+fn transition(c: &AtomicU8, next: impl Fn(u8) -> Option<u8>) -> Option<u8> {
+    let mut cur = c.load(Ordering::Relaxed);
+    loop {
+        if cur & BUSY != 0 {
+            std::hint::spin_loop();
+            cur = c.load(Ordering::Relaxed);
+            continue;
+        }
+        match c.compare_exchange_weak(cur, next(cur)?, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return Some(cur),
+            Err(v) => cur = v,
         }
     }
 }
