@@ -433,7 +433,7 @@ struct ThreadInfo {
 pub(crate) struct Sampler {
     shared: Arc<Shared>,
     signal: i32,
-    threads: HashMap<i32, ThreadInfo>,
+    threads: HashMap<i32, ThreadInfo, foldhash::fast::RandomState>,
     tids: Vec<i32>,
     lister: Option<TaskLister>,
     free_slots: Vec<usize>,
@@ -453,7 +453,7 @@ impl Sampler {
         Sampler {
             shared,
             signal,
-            threads: HashMap::new(),
+            threads: HashMap::default(),
             tids: Vec::new(),
             lister: TaskLister::open(),
             free_slots: Vec::new(),
