@@ -94,7 +94,9 @@ impl<A> SamplingAllocator<A> {
 unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
     // The fast paths decide before calling the inner allocator and end in a tail call to it:
     // nothing stays live across a call, so they save no registers. Sampled and maybe-tracked
-    // cases leave through cold out-of-line functions.
+    // cases leave through cold out-of-line functions. `current_sp()` is taken in the allocator
+    // entry itself: frames deeper than it are the sampling path's own and are left off the
+    // sampled stack.
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if let Some(interval) = crosses_sampling_point(layout.size()) {
