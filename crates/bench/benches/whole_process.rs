@@ -144,6 +144,28 @@ fn main() {
         "\nferroprof samples per run (median): {:.0}\n\n",
         median(&mut samples)
     ));
+    // The same shape A/B inside one process (adjacent chunks on System and on the sampling
+    // allocator, timed by thread CPU clock): resolves what separate processes cannot on a host
+    // whose speed drifts.
+    let mut ab = Vec::new();
+    let mut spread = Vec::new();
+    for r in 0..3 {
+        eprintln!("alloc A/B run {}/3", r + 1);
+        let v = run(&dir, "alloc_ab", &["80", "200000"], &[]);
+        ab.push(v["overhead_pct"]);
+        spread.push(format!("{:+.1}..{:+.1}", v["q1_pct"], v["q3_pct"]));
+    }
+    report.push_str(&format!(
+        "In-process A/B (each thread alternates 200k-operation chunks on System and on \
+         SamplingAllocator(System), 512 KiB, heap on; 2 x 80 pairs per run): overhead medians \
+         {} (median {:+.2}%); per-pair interquartile ranges {}.\n\n",
+        ab.iter()
+            .map(|v| format!("{v:+.2}%"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        median(&mut ab.clone()),
+        spread.join(", ")
+    ));
 
     // CPU profiling overhead.
     let mut cpu = Series(BTreeMap::new());
