@@ -6,22 +6,14 @@
 //! (where separate processes per variant could not resolve a few percent).
 //!
 //! `alloc_ab [pairs per thread] [ops per chunk]`; prints a `RESULT` line.
+use ferroprof::SamplingAllocator;
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::time::Duration;
-
-use ferroprof::{Profiler, Profiles, SamplingAllocator};
 
 #[global_allocator]
 static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
 
 fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    ferroprof_bench::clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
 /// A live set of blocks from one allocator, replaced at random like `alloc_thread`'s.
@@ -112,18 +104,8 @@ fn main() {
         .and_then(|a| a.parse().ok())
         .unwrap_or(20_000u64);
     let dir = std::env::temp_dir().join(format!("ferroprof-bench-ab-{}", std::process::id()));
-    let guard = Profiler::builder()
-        .service("bench")
-        .profiles(Profiles {
-            cpu: false,
-            wall: false,
-            alloc: true,
-            heap: true,
-        })
-        .period(Duration::from_secs(3600))
-        .output_dir(&dir)
-        .start()
-        .expect("profiler starts");
+    let guard =
+        ferroprof_bench::start_alloc_profiler(&dir, ferroprof::DEFAULT_SAMPLING_INTERVAL, true);
     let hs: Vec<_> = (0..ferroprof_bench::ALLOC_THREADS as u64)
         .map(|i| std::thread::spawn(move || thread_pairs(pairs, chunk, 0x9E37_79B9 + i)))
         .collect();

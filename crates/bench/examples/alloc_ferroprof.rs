@@ -1,8 +1,6 @@
 //! Allocation workload on `SamplingAllocator(System)` with allocation and heap profiling on.
+use ferroprof::SamplingAllocator;
 use std::alloc::System;
-use std::time::Duration;
-
-use ferroprof::{Profiler, Profiles, SamplingAllocator};
 
 #[global_allocator]
 static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
@@ -17,20 +15,9 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(512 * 1024u64);
     let dir = std::env::temp_dir().join(format!("ferroprof-bench-{}", std::process::id()));
-    let guard = Profiler::builder()
-        .service("bench")
-        .profiles(Profiles {
-            cpu: false,
-            wall: false,
-            alloc: true,
-            // FERROPROF_BENCH_HEAP=0: allocation samples only, no live-heap tracking.
-            heap: std::env::var("FERROPROF_BENCH_HEAP").map_or(true, |v| v != "0"),
-        })
-        .alloc_interval_bytes(interval)
-        .period(Duration::from_secs(3600))
-        .output_dir(&dir)
-        .start()
-        .expect("profiler starts");
+    // FERROPROF_BENCH_HEAP=0: allocation samples only, no live-heap tracking.
+    let heap = std::env::var("FERROPROF_BENCH_HEAP").map_or(true, |v| v != "0");
+    let guard = ferroprof_bench::start_alloc_profiler(&dir, interval, heap);
     let cpu0 = ferroprof_bench::process_cpu_ns();
     let d = ferroprof_bench::alloc_workload(ops);
     let cpu = ferroprof_bench::process_cpu_ns() - cpu0;

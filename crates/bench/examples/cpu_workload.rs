@@ -26,13 +26,7 @@ static PPROF_HANDLER_NS: AtomicU64 = AtomicU64::new(0);
 static PPROF_SIGNALS: AtomicU64 = AtomicU64::new(0);
 
 fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer; clock_gettime is async-signal-safe.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    ferroprof_bench::clock_ns(libc::CLOCK_MONOTONIC)
 }
 
 extern "C" fn timed_pprof_handler(

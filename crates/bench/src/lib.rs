@@ -102,13 +102,41 @@ pub fn rss_bytes() -> u64 {
 
 /// CPU time consumed by this process so far (all threads).
 pub fn process_cpu_ns() -> u64 {
+    clock_ns(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+/// Reads `clock` in nanoseconds (async-signal-safe: one `clock_gettime`).
+pub fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Starts the profiler as the allocation benchmarks run it: allocation samples every
+/// `interval` bytes on average, live-heap tracking when `heap`, CPU and wall off, no periodic
+/// export during the run, the final profile written under `dir`.
+pub fn start_alloc_profiler(
+    dir: &std::path::Path,
+    interval: u64,
+    heap: bool,
+) -> ferroprof::ProfilerGuard {
+    ferroprof::Profiler::builder()
+        .service("bench")
+        .profiles(ferroprof::Profiles {
+            cpu: false,
+            wall: false,
+            alloc: true,
+            heap,
+        })
+        .alloc_interval_bytes(interval)
+        .period(Duration::from_secs(3600))
+        .output_dir(dir)
+        .start()
+        .expect("profiler starts")
 }
 
 /// Median of `v` (sorted in place).
