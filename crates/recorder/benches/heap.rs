@@ -12,11 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use criterion::{criterion_group, Criterion};
 use ferroprof_recorder::pprof::EncodeOptions;
-use ferroprof_recorder::stack_recorder::GC_GEN_AGE_LABEL;
-use ferroprof_recorder::{
-    Frame, HeapConfig, HeapRecorder, Label, Profile, RecorderConfig, Sample, SampleValues,
-    StackRecorder, StringStorage,
-};
+use ferroprof_recorder::{Frame, HeapConfig, HeapRecorder, Profile, StackRecorder, StringStorage};
 
 /// Counts live heap bytes so the memory report sees exactly what the recorder holds.
 struct Counting;
@@ -164,16 +160,9 @@ fn memory_report() {
     );
 }
 
-const LIVE: u64 = 100_000;
-const SERIALIZE_DEPTH: u64 = 16;
-
-/// Object `i`'s stack: shared callers, a distinct innermost frame, so the heap profile has as
-/// many samples as live objects.
-fn distinct_stack(i: u64, out: &mut Vec<Frame<'static>>) {
-    out.clear();
-    out.push(Frame::Address(0x7f00_0000_0000 + i * 16));
-    out.extend((1..SERIALIZE_DEPTH).map(|d| Frame::Address(0x5555_0000_0000 + d * 0x40)));
-}
+#[path = "support/heap_workload.rs"]
+mod heap_workload;
+use heap_workload::{aggregated_profile, loaded_recorder, LIVE};
 
 /// Serializing a heap profile of 100k live objects, against encoding a profile that already
 /// holds the same 100k aggregated samples (and against adding + encoding them).
@@ -181,43 +170,12 @@ fn serialize(c: &mut Criterion) {
     let mut g = c.benchmark_group("heap serialize 100k");
     g.sample_size(10).measurement_time(Duration::from_secs(8));
 
-    let r = StackRecorder::new(RecorderConfig {
-        heap: HeapConfig::native(),
-        ..RecorderConfig::default()
-    })
-    .unwrap();
-    let mut frames = Vec::new();
-    for i in 0..LIVE {
-        distinct_stack(i, &mut frames);
-        r.track_allocation(0x1000_0000 + i * 64, 1, 64, None, &frames)
-            .unwrap();
-    }
+    let r = loaded_recorder();
     g.bench_function("StackRecorder::serialize, 100k live objects", |b| {
         b.iter(|| black_box(r.serialize(None).unwrap()))
     });
 
-    let layout = r.layout().clone();
-    let placed = layout.place(&SampleValues {
-        heap_live_samples: 1,
-        heap_live_size: 64,
-        ..SampleValues::default()
-    });
-    let build = || {
-        let mut p = Profile::new(layout.types(), None, SystemTime::now());
-        let labels = [Label::num(GC_GEN_AGE_LABEL, 1)];
-        let mut frames = Vec::new();
-        for i in 0..LIVE {
-            distinct_stack(i, &mut frames);
-            p.add(&Sample {
-                frames: &frames,
-                values: &placed[..layout.len()],
-                labels: &labels,
-                end_timestamp_ns: 0,
-            })
-            .unwrap();
-        }
-        p
-    };
+    let build = || aggregated_profile(&r);
     let opts = EncodeOptions::default();
     let built = build();
     assert_eq!(built.sample_count() as u64, LIVE);

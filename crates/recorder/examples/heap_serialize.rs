@@ -5,59 +5,18 @@ use std::hint::black_box;
 use std::time::{Instant, SystemTime};
 
 use ferroprof_recorder::pprof::EncodeOptions;
-use ferroprof_recorder::stack_recorder::GC_GEN_AGE_LABEL;
-use ferroprof_recorder::{
-    Frame, HeapConfig, Label, Profile, RecorderConfig, Sample, SampleValues, StackRecorder,
-};
 
-const LIVE: u64 = 100_000;
-const DEPTH: u64 = 16;
-
-/// Same stacks as the bench: shared callers, a distinct innermost frame.
-fn distinct_stack(i: u64, out: &mut Vec<Frame<'static>>) {
-    out.clear();
-    out.push(Frame::Address(0x7f00_0000_0000 + i * 16));
-    out.extend((1..DEPTH).map(|d| Frame::Address(0x5555_0000_0000 + d * 0x40)));
-}
+#[path = "../benches/support/heap_workload.rs"]
+mod heap_workload;
+use heap_workload::{aggregated_profile, loaded_recorder};
 
 fn main() {
     let mut args = std::env::args().skip(1);
     let mode = args.next().unwrap_or_else(|| "serialize".into());
     let runs: usize = args.next().map_or(3, |s| s.parse().unwrap());
-    let r = StackRecorder::new(RecorderConfig {
-        heap: HeapConfig::native(),
-        ..RecorderConfig::default()
-    })
-    .unwrap();
-    let mut frames = Vec::new();
-    for i in 0..LIVE {
-        distinct_stack(i, &mut frames);
-        r.track_allocation(0x1000_0000 + i * 64, 1, 64, None, &frames)
-            .unwrap();
-    }
+    let r = loaded_recorder();
     let opts = EncodeOptions::default();
-    let built = || {
-        let layout = r.layout().clone();
-        let placed = layout.place(&SampleValues {
-            heap_live_samples: 1,
-            heap_live_size: 64,
-            ..SampleValues::default()
-        });
-        let mut p = Profile::new(layout.types(), None, SystemTime::now());
-        let labels = [Label::num(GC_GEN_AGE_LABEL, 1)];
-        let mut frames = Vec::new();
-        for i in 0..LIVE {
-            distinct_stack(i, &mut frames);
-            p.add(&Sample {
-                frames: &frames,
-                values: &placed[..layout.len()],
-                labels: &labels,
-                end_timestamp_ns: 0,
-            })
-            .unwrap();
-        }
-        p
-    };
+    let built = || aggregated_profile(&r);
     match mode.as_str() {
         "serialize" => {
             for _ in 0..runs {
