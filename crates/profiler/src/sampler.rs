@@ -351,24 +351,21 @@ impl Drop for TaskLister {
 /// the root and a `String` per read were most of the cost of name checks.
 fn read_comm(dirfd: Option<libc::c_int>, tid: i32, buf: &mut [u8; 64]) -> &str {
     use std::io::Write;
-    let Some(dirfd) = dirfd else {
-        let name =
-            std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
-        let name = name.trim_end_matches('\n').as_bytes();
-        let n = name.len().min(buf.len());
-        buf[..n].copy_from_slice(&name[..n]);
-        return std::str::from_utf8(&buf[..n]).unwrap_or("");
-    };
-    let mut path = [0u8; 32];
+    let mut path = [0u8; 48];
     let mut w = &mut path[..];
-    // Leaves at least one zero byte: "<tid>/comm" is at most 16 bytes.
-    if write!(w, "{tid}/comm").is_err() {
+    // Leaves at least one zero byte: the longest, "/proc/self/task/<tid>/comm", is 31 bytes.
+    let (base, written) = match dirfd {
+        Some(fd) => (fd, write!(w, "{tid}/comm")),
+        None => (libc::AT_FDCWD, write!(w, "/proc/self/task/{tid}/comm")),
+    };
+    if written.is_err() {
         return "";
     }
-    // SAFETY: `path` is NUL-terminated (zero-filled beyond what was written); dirfd is open.
+    // SAFETY: `path` is NUL-terminated (zero-filled beyond what was written); `base` is the
+    // open task directory or AT_FDCWD (the path is absolute then).
     let fd = unsafe {
         libc::openat(
-            dirfd,
+            base,
             path.as_ptr() as *const libc::c_char,
             libc::O_RDONLY | libc::O_CLOEXEC,
         )
