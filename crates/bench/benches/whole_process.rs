@@ -193,10 +193,13 @@ fn main() {
                 handler.push(v["handler_ns"]);
                 frames.push(v["frames"]);
                 samples_cpu.push(v["samples"]);
-                sampler_cost.push(v["sampler_cpu_ns"] / v["samples"].max(1.0) + v["handler_ns"]);
-                own_share.push(
-                    (v["sampler_cpu_ns"] + v["handler_ns"] * v["signals"]) / v["cpu_ns"] * 100.0,
+                // Handlers run for the sampler's signals and for the threads' CPU timers.
+                let handlers = v["signals"] + v["timer_samples"];
+                sampler_cost.push(
+                    (v["sampler_cpu_ns"] + v["handler_ns"] * handlers) / v["samples"].max(1.0),
                 );
+                own_share
+                    .push((v["sampler_cpu_ns"] + v["handler_ns"] * handlers) / v["cpu_ns"] * 100.0);
                 stop_ms.push(v["stop_ms"]);
             }
             if mode == "pprof" {
@@ -250,8 +253,8 @@ fn main() {
     let samples_m = median(&mut samples_cpu);
     report.push_str(&format!(
         "\nferroprof signal handler: median {:.0} ns per sample at a median {:.0} frames; \
-         {samples_m:.0} samples per run; profiler CPU per sample (sampler thread CPU / samples + \
-         handler): {:.1} us; the profiler's own CPU (sampler thread + handlers, kernel signal \
+         {samples_m:.0} samples (ticks) per run; profiler CPU per sample ((sampler thread CPU + \
+         handler time) / samples): {:.1} us; the profiler's own CPU (sampler thread + handlers, kernel signal \
          delivery excluded) = {:.2}% of the workload's CPU; whole-process CPU overhead / samples \
          (includes kernel signal delivery and noise): {:.1} us; final serialization with \
          symbolization at stop: {:.1} ms\n\n",

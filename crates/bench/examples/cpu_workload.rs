@@ -106,9 +106,9 @@ fn main() {
             (
                 m,
                 format!(
-                    " handler_ns={} frames={} samples={} signals={} sampler_cpu_ns={} builds={} stop_ms={stop_ms:.1}",
-                    s.handler_avg_ns, s.handler_avg_frames, s.cpu_samples, s.cpu_signals, s.sampler_cpu_ns,
-                    s.snapshot_builds
+                    " handler_ns={} frames={} samples={} signals={} timer_samples={} sampler_cpu_ns={} builds={} stop_ms={stop_ms:.1}",
+                    s.handler_avg_ns, s.handler_avg_frames, s.cpu_samples, s.cpu_signals, s.cpu_timer_samples,
+                    s.sampler_cpu_ns, s.snapshot_builds
                 ),
             )
         }

@@ -554,6 +554,14 @@ pub struct ProfilerStats {
     pub cpu_signals: u64,
     /// Ticks covered by a request still pending from an earlier tick.
     pub cpu_merged_ticks: u64,
+    /// Stacks captured by the threads' own CPU-time timers (busy threads, no signal sent by
+    /// the sampler).
+    pub cpu_timer_samples: u64,
+    /// Ticks of busy threads left to their CPU timer's next capture.
+    pub cpu_timer_ticks: u64,
+    /// Timer captures dropped because the thread's ring was full (the sampler was late; their
+    /// CPU time goes to the thread's other captures). Counted for the whole process.
+    pub cpu_timer_ring_full: u64,
     pub cpu_signal_failures: u64,
     /// Average time a signal handler spent capturing its stack, in nanoseconds.
     pub handler_avg_ns: u64,
@@ -658,6 +666,9 @@ impl ProfilerGuard {
             sampler_late_ticks: l(&s.sampler_late_ticks),
             cpu_signals: signals,
             cpu_merged_ticks: l(&s.cpu_merged_ticks),
+            cpu_timer_samples: l(&s.cpu_timer_samples),
+            cpu_timer_ticks: l(&s.cpu_timer_ticks),
+            cpu_timer_ring_full: sampler::ring_full_count(),
             cpu_signal_failures: l(&s.cpu_signal_failures),
             handler_avg_ns: l(&s.handler_ns_total) / done,
             handler_avg_frames: l(&s.handler_frames_total) / done,

@@ -18,6 +18,24 @@
 //!   will report, so the tick is merged into the pending request instead of being lost. Ticks are
 //!   therefore never dropped by scheduling delays, unlike `setitimer(ITIMER_PROF)`, whose signals
 //!   coalesce per process and are capped by the kernel tick rate.
+//! * A thread seen busy (it used at least 3/4 of a CPU since the previous visit) also gets a
+//!   POSIX CPU-time timer on its own clock (`timer_create`, `SIGEV_THREAD_ID`): every period of
+//!   its CPU time the kernel queues the signal to the thread at its own scheduler tick, and the
+//!   handler captures the stack into that thread's *ring* of slots. The sampler need not
+//!   signal busy threads (a signal to a thread running on another CPU costs an
+//!   inter-processor interrupt, the most expensive part of a sample in a VM): at each visit it
+//!   records the ring's captures in order, each with the CPU time up to it; for a busy thread
+//!   also the wall time and the ticks since its last sample, spread over them. A thread that
+//!   was only partly busy also spent time waiting, which belongs to where it waited: its
+//!   captures carry CPU time only and its ticks go the ways above.
+//! * When a tick signalled nobody and left no request pending (all threads idle or covered by
+//!   their timers), the sampler sleeps over the next `SLOW_TICKS - 1` ticks; the next visit
+//!   covers them (idle threads add them up, busy ones spread them over their captures). Each
+//!   ring holds more captures than a thread can make meanwhile.
+//!
+//! CPU timers are checked at the kernel's scheduler tick (`CONFIG_HZ`, often 250 Hz): above that
+//! rate a busy thread's stack is captured at the kernel's rate and each capture covers more than
+//! one tick (no tick is lost).
 //!
 //! The handler is installed with `SA_RESTART`: interrupted system calls that the kernel can
 //! restart are restarted. Calls that always fail with `EINTR` when a handler runs (`epoll_wait`,
@@ -50,6 +68,27 @@ const IDLE_SLACK_NS: u64 = 50_000;
 const IDLE: u32 = 0;
 const REQUESTED: u32 = 1;
 const DONE: u32 = 2;
+/// A thread's CPU-timer slot, waiting for the timer's next signal.
+const ARMED: u32 = 3;
+/// A timer signal's handler is writing the slot (claimed from ARMED, so that the sampler can
+/// retire an ARMED slot with a compare-and-swap and know no handler is inside).
+const CAPTURING: u32 = 4;
+/// Marks the payload of the threads' CPU-timer signals: (TIMER_MAGIC << 48) | (seq << 16) | idx.
+const TIMER_MAGIC: u64 = 0xf3f1;
+/// How many ticks the sampler sleeps over when every thread is either idle or busy under its
+/// CPU timer (nothing to signal): their ticks are accounted at the next wake-up, and the timers'
+/// captures wait in their rings meanwhile.
+const SLOW_TICKS: u64 = 5;
+/// Captures a CPU timer's ring holds between two visits of the sampler: a thread runs at most
+/// one timer period per tick, so this covers SLOW_TICKS and a late wake-up.
+const RING: usize = 8;
+/// Most CPU timers at once (threads that were seen busy); the rest are signalled.
+const MAX_RINGS: usize = 512;
+/// Ticks a busy thread may wait for its CPU timer's next capture before it is signalled.
+const MAX_TIMER_WAIT: i64 = SLOW_TICKS as i64 + 3;
+/// Share of the wall time since its last visit (in 1/4) a thread must have run to count as busy
+/// (its timer then fires at least every 4/3 ticks).
+const BUSY_QUARTERS: u64 = 3;
 
 struct Slot {
     state: AtomicU32,
@@ -58,15 +97,45 @@ struct Slot {
     handler_ns: AtomicU64,
     /// The thread's CPU clock when its handler finished, to tell later whether it ran since.
     cpu_end: AtomicU64,
+    /// The monotonic clock then (orders a ring's captures, and gives their wall time).
+    wall_at: AtomicU64,
     frames: UnsafeCell<[u64; MAX_FRAMES]>,
 }
 
-// SAFETY: `frames` is written only by the handler that owns a REQUESTED slot and read only by
-// the sampler after observing DONE (release/acquire on `state`).
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            state: AtomicU32::new(IDLE),
+            seq: AtomicU32::new(0),
+            len: AtomicU32::new(0),
+            handler_ns: AtomicU64::new(0),
+            cpu_end: AtomicU64::new(0),
+            wall_at: AtomicU64::new(0),
+            frames: UnsafeCell::new([0; MAX_FRAMES]),
+        }
+    }
+}
+
+// SAFETY: `frames` is written only by the handler that owns a REQUESTED slot (or claimed an
+// ARMED one) and read only by the sampler after observing DONE (release/acquire on `state`).
 unsafe impl Sync for Slot {}
 
 static SLOTS: [AtomicPtr<Slot>; MAX_SLOTS] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_SLOTS];
+
+/// The capture slots of one thread's CPU timer. The handler takes the first ARMED one; the
+/// sampler collects the DONE ones at its next visit, in capture order, and arms them again.
+struct Ring {
+    /// Must match the timer signal's payload (bumped when the ring is retired).
+    seq: AtomicU32,
+    slots: [Slot; RING],
+}
+
+static RINGS: [AtomicPtr<Ring>; MAX_RINGS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_RINGS];
+/// Timer signals that found their ring full (the sampler was late): their CPU time is
+/// attributed to the ring's other captures.
+static RING_FULL: AtomicU64 = AtomicU64::new(0);
 static PID: AtomicI32 = AtomicI32::new(0);
 /// Our user id, for the siginfo we queue; read once (a getuid per signal was a syscall per
 /// request; the handler never looks at it).
@@ -87,6 +156,11 @@ struct KSigInfo {
     uid: u32,
     value: u64,
     _rest: [u8; 128 - 32],
+}
+
+/// Timer captures dropped for a full ring, in this process so far.
+pub(crate) fn ring_full_count() -> u64 {
+    RING_FULL.load(Ordering::Relaxed)
 }
 
 /// Whether `sig` may be used for sampling.
@@ -138,6 +212,18 @@ pub(crate) fn after_fork_in_child() {
             slot.state.store(IDLE, Ordering::Release);
         }
     }
+    // Timers are not inherited by a child: its threads' rings are free.
+    for r in RINGS.iter() {
+        let p = r.load(Ordering::Acquire);
+        if !p.is_null() {
+            // SAFETY: published rings are never freed.
+            let ring = unsafe { &*p };
+            ring.seq.fetch_add(1, Ordering::AcqRel);
+            for slot in &ring.slots {
+                slot.state.store(IDLE, Ordering::Release);
+            }
+        }
+    }
 }
 
 extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
@@ -164,28 +250,42 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
     }
     // SAFETY: siginfo_t is 128 bytes on 64-bit Linux, matching KSigInfo.
     let ki = unsafe { &*(info as *const KSigInfo) };
-    if ki.code != libc::SI_QUEUE || ki.pid != PID.load(Ordering::Relaxed) || ki.value >> 48 != MAGIC
-    {
-        return false;
-    }
+    // A request queued by the sampler names our process as sender; a CPU-timer signal carries
+    // the timer id there instead (both keep the payload at the same offset).
+    let timer = match (ki.code, ki.value >> 48) {
+        (libc::SI_QUEUE, MAGIC) if ki.pid == PID.load(Ordering::Relaxed) => false,
+        (libc::SI_TIMER, TIMER_MAGIC) => true,
+        _ => return false,
+    };
     let idx = (ki.value & 0xffff) as usize;
     let seq = (ki.value >> 16) as u32;
-    let Some(slot) = SLOTS.get(idx).map(|s| s.load(Ordering::Acquire)) else {
-        return true;
+    let slot = if timer {
+        // SAFETY: as below, for rings.
+        match unsafe { claim_ring_slot(idx, seq) } {
+            Some(slot) => slot,
+            None => return true,
+        }
+    } else {
+        let Some(slot) = SLOTS.get(idx).map(|s| s.load(Ordering::Acquire)) else {
+            return true;
+        };
+        if slot.is_null() {
+            return true;
+        }
+        // SAFETY: slots are never freed once published.
+        let slot = unsafe { &*slot };
+        if slot.seq.load(Ordering::Acquire) != seq
+            || slot.state.load(Ordering::Acquire) != REQUESTED
+        {
+            return true; // a stale request
+        }
+        slot
     };
-    if slot.is_null() {
-        return true;
-    }
-    // SAFETY: slots are never freed once published.
-    let slot = unsafe { &*slot };
-    if slot.seq.load(Ordering::Acquire) != seq || slot.state.load(Ordering::Acquire) != REQUESTED {
-        return true; // a stale request
-    }
     let t0 = monotonic_ns();
     // SAFETY: ctx is this handler's ucontext.
     let regs = unsafe { unwind::regs_from_ucontext(ctx) };
-    // SAFETY: the slot is REQUESTED for this very request: only this handler writes its frames
-    // until it publishes DONE.
+    // SAFETY: the slot is REQUESTED for this very request, or this handler claimed it from
+    // ARMED: only this handler writes its frames until it publishes DONE.
     let frames = unsafe { &mut *slot.frames.get() };
     let n = unwind::unwind(regs, tls::known_stack_bounds(), 0, frames);
     slot.len.store(n as u32, Ordering::Relaxed);
@@ -195,8 +295,37 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
         clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0),
         Ordering::Relaxed,
     );
+    slot.wall_at.store(monotonic_ns(), Ordering::Relaxed);
     slot.state.store(DONE, Ordering::Release);
     true
+}
+
+/// Claims the first ARMED slot of ring `idx` for a timer signal with payload sequence `seq`;
+/// None for a retired timer or a full ring.
+///
+/// # Safety
+/// Async-signal-safe; called from the handler.
+unsafe fn claim_ring_slot(idx: usize, seq: u32) -> Option<&'static Slot> {
+    let ring = RINGS.get(idx)?.load(Ordering::Acquire);
+    if ring.is_null() {
+        return None;
+    }
+    // SAFETY: rings are never freed once published.
+    let ring = unsafe { &*ring };
+    if ring.seq.load(Ordering::Acquire) != seq {
+        return None;
+    }
+    // The CAS leaves CAPTURING: the sampler retires only ARMED slots, so it knows no handler is
+    // inside the ones it takes back.
+    let slot = ring.slots.iter().find(|s| {
+        s.state
+            .compare_exchange(ARMED, CAPTURING, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+    });
+    if slot.is_none() {
+        RING_FULL.fetch_add(1, Ordering::Relaxed);
+    }
+    slot
 }
 
 /// Passes a foreign signal to the handler that was installed before ours.
@@ -273,6 +402,54 @@ fn send(tid: i32, sig: i32, value: u64) -> bool {
         )
     };
     rc == 0
+}
+
+/// A thread's CPU-time timer. The kernel checks it at the thread's own scheduler ticks and, each
+/// time the thread has used another sampling period of CPU, queues the signal to that thread:
+/// the thread captures its stack on its way back to user mode, with no signal sent by the
+/// sampler and no interrupt of another CPU to deliver it (what setitimer profilers get, but per
+/// thread, so nothing coalesces). The stack goes to the thread's own slot.
+struct CpuTimer {
+    id: libc::timer_t,
+    /// Index of its ring in RINGS.
+    ring: usize,
+    /// Ticks of the busy thread waiting for the timer's next captures.
+    ticks: i64,
+}
+
+/// Arms a CPU-time timer on thread `tid` that signals it with `value` every `period_ns` of its
+/// CPU time; None when the kernel refuses (no timers left: the sampler signals it instead).
+fn create_cpu_timer(tid: i32, sig: i32, value: u64, period_ns: u64) -> Option<libc::timer_t> {
+    // SAFETY: sigevent is plain data; every field the kernel reads is set below.
+    let mut ev: libc::sigevent = unsafe { std::mem::zeroed() };
+    ev.sigev_notify = libc::SIGEV_THREAD_ID;
+    ev.sigev_signo = sig;
+    ev.sigev_notify_thread_id = tid;
+    ev.sigev_value = libc::sigval {
+        sival_ptr: value as usize as *mut libc::c_void,
+    };
+    let mut id: libc::timer_t = std::ptr::null_mut();
+    // The thread's CPU clock, as in `thread_cpu_ns`.
+    let clock = ((!(tid as libc::clockid_t)) << 3) | 6;
+    // SAFETY: valid sigevent and out-pointer; the kernel checks that `tid` is one of ours.
+    if unsafe { libc::timer_create(clock, &mut ev, &mut id) } != 0 {
+        return None;
+    }
+    let ts = libc::timespec {
+        tv_sec: (period_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (period_ns % 1_000_000_000) as libc::c_long,
+    };
+    let spec = libc::itimerspec {
+        it_interval: ts,
+        it_value: ts,
+    };
+    // SAFETY: `id` was just created; valid itimerspec.
+    if unsafe { libc::timer_settime(id, 0, &spec, std::ptr::null_mut()) } != 0 {
+        // SAFETY: as above.
+        unsafe { libc::timer_delete(id) };
+        return None;
+    }
+    Some(id)
 }
 
 /// Lists this process's thread ids with `getdents64` on an open `/proc/self/task`.
@@ -423,6 +600,11 @@ struct ThreadInfo {
     /// A request the thread never answered (it blocks the signal): not signalled again unless
     /// it answers after all.
     abandoned: Option<Pending>,
+    /// The thread's CPU timer, when the kernel gave us one.
+    timer: Option<CpuTimer>,
+    /// Its CPU and wall clocks at the previous visit (to tell a busy thread).
+    prev_cpu: u64,
+    prev_wall: u64,
     seen: u64,
 }
 
@@ -440,7 +622,16 @@ pub(crate) struct Sampler {
     last_refresh: u64,
     maps_wanted: bool,
     last_names: u64,
+    last_list: u64,
     wall_enabled: bool,
+    /// The kernel refused a CPU timer once (RLIMIT_SIGPENDING, or no timer support): threads
+    /// are then signalled by the sampler only.
+    timers_failed: bool,
+    free_rings: Vec<usize>,
+    next_ring: usize,
+    /// This tick signalled a thread or left a request pending: the next one comes on time
+    /// rather than SLOW_TICKS later.
+    fast: bool,
 }
 
 impl Sampler {
@@ -460,7 +651,12 @@ impl Sampler {
             last_refresh: 0,
             maps_wanted: false,
             last_names: 0,
+            last_list: 0,
             wall_enabled,
+            timers_failed: false,
+            free_rings: Vec::new(),
+            next_ring: 0,
+            fast: true,
         }
     }
 
@@ -472,16 +668,16 @@ impl Sampler {
         // The snapshot was built by `start`; only changes are picked up from here on.
         unwind::refresh(false);
         let mut next = monotonic_ns() + period;
+        let mut skip = 0;
         loop {
-            sleep_until(next);
+            sleep_until(next + skip * period);
             if self.shared.stopping.load(Ordering::SeqCst) {
                 break;
             }
             let now = monotonic_ns();
-            // Ticks whose time passed while this thread waited for a CPU are not skipped: the
-            // next observation of each thread covers them.
-            let mut ticks = 1;
-            next += period;
+            // Ticks whose time passed while this thread slept over them or waited for a CPU are
+            // not skipped: the next observation of each thread covers them.
+            let mut ticks = 0;
             while now >= next {
                 next += period;
                 ticks += 1;
@@ -491,12 +687,15 @@ impl Sampler {
                     break;
                 }
             }
+            let ticks = ticks.max(1);
             let stats = &self.shared.stats;
             stats.sampler_ticks.fetch_add(1, Ordering::Relaxed);
             stats
                 .sampler_late_ticks
-                .fetch_add(ticks as u64 - 1, Ordering::Relaxed);
+                .fetch_add((ticks as u64).saturating_sub(1 + skip), Ordering::Relaxed);
+            self.fast = false;
             self.run_tick(now, ticks.min(1000));
+            skip = if self.fast { 0 } else { SLOW_TICKS - 1 };
         }
         self.finish();
     }
@@ -509,21 +708,13 @@ impl Sampler {
             let i = self.next_slot;
             self.next_slot += 1;
             if SLOTS[i].load(Ordering::Acquire).is_null() {
-                let slot = Box::new(Slot {
-                    state: AtomicU32::new(IDLE),
-                    seq: AtomicU32::new(0),
-                    len: AtomicU32::new(0),
-                    handler_ns: AtomicU64::new(0),
-                    cpu_end: AtomicU64::new(0),
-                    frames: UnsafeCell::new([0; MAX_FRAMES]),
-                });
-                SLOTS[i].store(Box::into_raw(slot), Ordering::Release);
+                SLOTS[i].store(Box::into_raw(Box::new(Slot::new())), Ordering::Release);
                 return Some(i);
             }
-            // Left by an earlier profiler in this process: reuse if idle.
+            // Left by an earlier profiler in this process: reuse if no handler can write it.
             // SAFETY: published slots are never freed.
             let s = unsafe { &*SLOTS[i].load(Ordering::Acquire) };
-            if s.state.load(Ordering::Acquire) != REQUESTED {
+            if matches!(s.state.load(Ordering::Acquire), IDLE | DONE) {
                 s.state.store(IDLE, Ordering::Release);
                 return Some(i);
             }
@@ -537,13 +728,15 @@ impl Sampler {
     }
 
     pub(crate) fn run_tick(&mut self, now: u64, ticks: i64) {
-        self.tick += 1;
+        // Counts ticks, not wake-ups (a wake-up may cover several): the rates below are in time.
+        self.tick += ticks.max(1) as u64;
         let hz = self.shared.settings.cpu_hz.max(1) as u64;
         let mut tids = std::mem::take(&mut self.tids);
         // Threads are listed every ~50 ms (new threads are found within that); in between the
         // known ones are visited, and one whose CPU clock cannot be read any more has exited.
         let list_every = (hz / 20).max(1);
-        if self.tick % list_every == 1 % list_every || tids.is_empty() {
+        if self.tick - self.last_list >= list_every || tids.is_empty() {
+            self.last_list = self.tick;
             let listed = match self.lister.as_mut() {
                 Some(l) => l.list(&mut tids),
                 None => false,
@@ -572,6 +765,15 @@ impl Sampler {
             .collect();
         for tid in gone {
             self.flush_idle(tid);
+        }
+        let timed_out: Vec<i32> = self
+            .threads
+            .iter()
+            .filter(|(_, t)| t.seen != tick && t.timer.is_some())
+            .map(|(&tid, _)| tid)
+            .collect();
+        for tid in timed_out {
+            self.settle_timer(tid, true);
         }
         let mut vanished = Vec::new();
         self.threads.retain(|_, t| {
@@ -635,9 +837,17 @@ impl Sampler {
             name_checks_left: 100,
             pending: None,
             abandoned: None,
+            timer: None,
+            prev_cpu: cpu,
+            prev_wall: now,
             seen: tick,
         });
         info.seen = tick;
+        // Used at least BUSY_QUARTERS/4 of a CPU since the previous visit.
+        let busy = cpu.saturating_sub(info.prev_cpu) * 4
+            >= now.saturating_sub(info.prev_wall) * BUSY_QUARTERS;
+        info.prev_cpu = cpu;
+        info.prev_wall = now;
         if info.name_checks_left > 0 {
             // Re-read until the thread renamed itself (it starts with its creator's name), for
             // its first visits only: a thread not scheduled for a while names itself late.
@@ -684,10 +894,16 @@ impl Sampler {
                     .stats
                     .cpu_merged_ticks
                     .fetch_add(ticks as u64, Ordering::Relaxed);
+                self.fast = true;
                 return true;
             }
         }
 
+        // Stacks the thread's CPU timer captured since the last visit (they cover this tick if
+        // it was busy).
+        if self.take_timer_captures(tid, ticks, busy) {
+            return true;
+        }
         let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
         if info.has_stack && cpu.saturating_sub(info.idle_ref) < IDLE_SLACK_NS {
             // Has not run since its stack was captured: same stack, no need to interrupt it.
@@ -709,6 +925,28 @@ impl Sampler {
         }
         // About to look at the thread again: what it accumulated idle goes out first.
         self.flush_idle(tid);
+        let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
+        let mut ticks = ticks;
+        match info.timer.as_mut() {
+            Some(t) if busy && t.ticks + ticks <= MAX_TIMER_WAIT => {
+                // Busy: its timer fires within about a period of its CPU time and captures the
+                // stack then; the tick waits for that instead of a signal from here.
+                t.ticks += ticks;
+                self.shared
+                    .stats
+                    .cpu_timer_ticks
+                    .fetch_add(ticks as u64, Ordering::Relaxed);
+                return true;
+            }
+            // Not busy enough for its timer to come soon: the request covers the ticks left to
+            // the timer too.
+            Some(t) => ticks += std::mem::take(&mut t.ticks),
+            // Signalled this once; its timer captures from now on.
+            None if busy && !self.timers_failed => self.arm_timer(tid),
+            None => {}
+        }
+        // A request is answered within a tick or two: the next wake-up comes on time.
+        self.fast = true;
         let Some(idx) = self.alloc_slot() else {
             return true;
         };
@@ -741,6 +979,187 @@ impl Sampler {
         true
     }
 
+    fn ring(idx: usize) -> &'static Ring {
+        // SAFETY: only indices of published rings are handed around; never freed.
+        unsafe { &*RINGS[idx].load(Ordering::Acquire) }
+    }
+
+    fn alloc_ring(&mut self) -> Option<usize> {
+        if let Some(i) = self.free_rings.pop() {
+            return Some(i);
+        }
+        while self.next_ring < MAX_RINGS {
+            let i = self.next_ring;
+            self.next_ring += 1;
+            let p = RINGS[i].load(Ordering::Acquire);
+            if p.is_null() {
+                let ring = Box::new(Ring {
+                    seq: AtomicU32::new(0),
+                    slots: std::array::from_fn(|_| Slot::new()),
+                });
+                RINGS[i].store(Box::into_raw(ring), Ordering::Release);
+                return Some(i);
+            }
+            // Left by an earlier profiler in this process: reuse if no handler can write it.
+            // SAFETY: published rings are never freed.
+            let ring = unsafe { &*p };
+            if ring
+                .slots
+                .iter()
+                .all(|s| matches!(s.state.load(Ordering::Acquire), IDLE | DONE))
+            {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Gives thread `tid` a CPU timer signalling it into a ring of its own.
+    fn arm_timer(&mut self, tid: i32) {
+        let Some(r) = self.alloc_ring() else {
+            return;
+        };
+        let ring = Self::ring(r);
+        let seq = ring.seq.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        for s in &ring.slots {
+            s.state.store(ARMED, Ordering::Release);
+        }
+        let value = (TIMER_MAGIC << 48) | ((seq as u64) << 16) | r as u64;
+        let period = 1_000_000_000 / self.shared.settings.cpu_hz.max(1) as u64;
+        match create_cpu_timer(tid, self.signal, value, period) {
+            Some(id) => {
+                if let Some(info) = self.threads.get_mut(&tid) {
+                    info.timer = Some(CpuTimer {
+                        id,
+                        ring: r,
+                        ticks: 0,
+                    });
+                }
+            }
+            None => {
+                self.timers_failed = true;
+                ring.seq.fetch_add(1, Ordering::AcqRel);
+                for s in &ring.slots {
+                    s.state.store(IDLE, Ordering::Release);
+                }
+                self.free_rings.push(r);
+            }
+        }
+    }
+
+    /// Deletes a thread's CPU timer and frees its ring unless a handler is still writing into
+    /// it (then the ring stays out of use; a later profiler may take it once the handler is
+    /// done). `thread_gone`: no handler of it can run any more.
+    fn release_timer(&mut self, t: CpuTimer, thread_gone: bool) {
+        // SAFETY: `t.id` is a timer this sampler created and has not deleted.
+        unsafe { libc::timer_delete(t.id) };
+        let ring = Self::ring(t.ring);
+        // A signal already queued finds the new sequence number and leaves the ring alone.
+        ring.seq.fetch_add(1, Ordering::AcqRel);
+        let mut free = true;
+        for s in &ring.slots {
+            let idle = thread_gone
+                || s.state
+                    .compare_exchange(ARMED, IDLE, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                || s.state.load(Ordering::Acquire) == DONE;
+            if idle {
+                s.state.store(IDLE, Ordering::Release);
+            } else {
+                free = false;
+            }
+        }
+        if free {
+            self.free_rings.push(t.ring);
+        }
+    }
+
+    /// Records the stacks the CPU timer of `tid` captured since the last visit, in capture
+    /// order. For a `busy` thread each gets the CPU and wall time up to its capture, and the
+    /// ticks that waited for the timer and this visit's `ticks` are spread over them (exact in
+    /// sum); true then: they cover this tick. A thread that was not busy also spent time off
+    /// CPU, which belongs to where it waited, not to where it ran: its captures get their CPU
+    /// time only, and its wall time and ticks are left to the visit (false).
+    fn take_timer_captures(&mut self, tid: i32, ticks: i64, busy: bool) -> bool {
+        let Some(r) = self
+            .threads
+            .get(&tid)
+            .and_then(|i| i.timer.as_ref())
+            .map(|t| t.ring)
+        else {
+            return false;
+        };
+        let ring = Self::ring(r);
+        let mut done = [0usize; RING];
+        let mut k = 0;
+        for (i, s) in ring.slots.iter().enumerate() {
+            if s.state.load(Ordering::Acquire) == DONE {
+                done[k] = i;
+                k += 1;
+            }
+        }
+        if k == 0 {
+            return false;
+        }
+        done[..k].sort_unstable_by_key(|&i| ring.slots[i].wall_at.load(Ordering::Relaxed));
+        // Idle ticks belong to the stack being replaced.
+        self.flush_idle(tid);
+        let total = match self.threads.get_mut(&tid).and_then(|i| i.timer.as_mut()) {
+            Some(t) if busy => std::mem::take(&mut t.ticks) + ticks,
+            Some(_) => 0,
+            None => return false,
+        };
+        self.shared
+            .stats
+            .cpu_timer_samples
+            .fetch_add(k as u64, Ordering::Relaxed);
+        for (j, &i) in done[..k].iter().enumerate() {
+            let s = &ring.slots[i];
+            let Some(info) = self.threads.get_mut(&tid) else {
+                return true;
+            };
+            take_stack(s, &mut info.stack, &self.shared.stats);
+            info.has_stack = !info.stack.is_empty();
+            let cpu_end = s.cpu_end.load(Ordering::Relaxed);
+            let wall_at = s.wall_at.load(Ordering::Relaxed);
+            s.state.store(ARMED, Ordering::Release);
+            info.idle_ref = cpu_end;
+            let cpu_ns = cpu_end.saturating_sub(info.last_cpu) as i64;
+            info.last_cpu = info.last_cpu.max(cpu_end);
+            let mut wall_ns = 0;
+            if busy {
+                wall_ns = wall_at.saturating_sub(info.last_wall) as i64;
+                info.last_wall = info.last_wall.max(wall_at);
+            }
+            let (j, k) = (j as i64, k as i64);
+            let count = total * (j + 1) / k - total * j / k;
+            self.record(tid, cpu_ns, wall_ns, count);
+        }
+        busy
+    }
+
+    /// Ends the CPU timer of `tid`: records what it captured, and the ticks still waiting for
+    /// it on the thread's last known stack (it was busy there a moment ago).
+    fn settle_timer(&mut self, tid: i32, thread_gone: bool) {
+        self.take_timer_captures(tid, 0, true);
+        let now = monotonic_ns();
+        let Some(info) = self.threads.get_mut(&tid) else {
+            return;
+        };
+        let Some(t) = info.timer.take() else {
+            return;
+        };
+        if t.ticks > 0 {
+            let cpu = thread_cpu_ns(tid).unwrap_or(info.last_cpu);
+            let cpu_ns = cpu.saturating_sub(info.last_cpu) as i64;
+            let wall_ns = now.saturating_sub(info.last_wall) as i64;
+            info.last_cpu = cpu.max(info.last_cpu);
+            info.last_wall = now;
+            self.record(tid, cpu_ns, wall_ns, t.ticks);
+        }
+        self.release_timer(t, thread_gone);
+    }
+
     /// Records the idle ticks `tid` accumulated, on its current stack.
     fn flush_idle(&mut self, tid: i32) {
         let Some(info) = self.threads.get_mut(&tid) else {
@@ -766,21 +1185,9 @@ impl Sampler {
             return;
         };
         let s = Self::slot(p.idx);
-        let n = (s.len.load(Ordering::Relaxed) as usize).min(MAX_FRAMES);
-        // SAFETY: DONE was observed with acquire ordering: the handler finished writing.
-        let frames = unsafe { &(&*s.frames.get())[..n] };
-        info.stack.clear();
-        info.stack.extend_from_slice(frames);
-        info.has_stack = n > 0;
+        take_stack(s, &mut info.stack, &self.shared.stats);
+        info.has_stack = !info.stack.is_empty();
         info.idle_ref = s.cpu_end.load(Ordering::Relaxed);
-        let stats = &self.shared.stats;
-        stats
-            .handler_ns_total
-            .fetch_add(s.handler_ns.load(Ordering::Relaxed), Ordering::Relaxed);
-        stats
-            .handler_frames_total
-            .fetch_add(n as u64, Ordering::Relaxed);
-        stats.handler_count.fetch_add(1, Ordering::Relaxed);
         s.state.store(IDLE, Ordering::Release);
         self.free_slots.push(p.idx);
         let cpu = p.cpu.saturating_sub(info.last_cpu) as i64;
@@ -833,11 +1240,13 @@ impl Sampler {
         });
     }
 
-    /// On stop: gives pending requests a moment to finish, records them, abandons the rest.
+    /// On stop: ends the CPU timers, gives pending requests a moment to finish, records them,
+    /// abandons the rest.
     fn finish(&mut self) {
-        let idle: Vec<i32> = self.threads.keys().copied().collect();
-        for tid in idle {
+        let all: Vec<i32> = self.threads.keys().copied().collect();
+        for &tid in &all {
             self.flush_idle(tid);
+            self.settle_timer(tid, false);
         }
         let deadline = monotonic_ns() + 100_000_000;
         loop {
@@ -866,6 +1275,22 @@ impl Sampler {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
+}
+
+/// Copies the stack of a slot observed DONE into `stack`, counting the handler's cost.
+fn take_stack(s: &Slot, stack: &mut Vec<u64>, stats: &crate::state::Stats) {
+    let n = (s.len.load(Ordering::Relaxed) as usize).min(MAX_FRAMES);
+    // SAFETY: DONE was observed with acquire ordering: the handler finished writing.
+    let frames = unsafe { &(&*s.frames.get())[..n] };
+    stack.clear();
+    stack.extend_from_slice(frames);
+    stats
+        .handler_ns_total
+        .fetch_add(s.handler_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+    stats
+        .handler_frames_total
+        .fetch_add(n as u64, Ordering::Relaxed);
+    stats.handler_count.fetch_add(1, Ordering::Relaxed);
 }
 
 fn sleep_until(deadline_ns: u64) {
@@ -957,6 +1382,56 @@ mod tests {
             eventually(|| thread_cpu_ns(tid).is_none()),
             "clock of exited thread {tid} still readable"
         );
+    }
+
+    #[test]
+    fn timer_signals_fill_their_ring_in_order_and_stale_ones_are_ignored() {
+        // The last ring: samplers take rings from the first one up.
+        let idx = MAX_RINGS - 1;
+        let ring = Box::into_raw(Box::new(Ring {
+            seq: AtomicU32::new(7),
+            slots: std::array::from_fn(|_| Slot::new()),
+        }));
+        RINGS[idx]
+            .compare_exchange(
+                std::ptr::null_mut(),
+                ring,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .expect("ring unused");
+        let ring = Sampler::ring(idx);
+        for s in &ring.slots {
+            s.state.store(ARMED, Ordering::Release);
+        }
+        // SAFETY (all calls below): claim_ring_slot only touches atomics; any thread may call it.
+        assert!(
+            unsafe { claim_ring_slot(idx, 6) }.is_none(),
+            "a retired timer"
+        );
+        assert!(
+            unsafe { claim_ring_slot(idx - 1, 7) }.is_none(),
+            "no ring there"
+        );
+        let full = RING_FULL.load(Ordering::Relaxed);
+        for want in &ring.slots {
+            let got = unsafe { claim_ring_slot(idx, 7) }.expect("an armed slot");
+            assert!(std::ptr::eq(got, want), "slots are taken in order");
+            assert_eq!(got.state.load(Ordering::Acquire), CAPTURING);
+            got.state.store(DONE, Ordering::Release);
+        }
+        assert!(
+            unsafe { claim_ring_slot(idx, 7) }.is_none(),
+            "the ring is full"
+        );
+        assert!(
+            RING_FULL.load(Ordering::Relaxed) > full,
+            "a full ring is counted"
+        );
+        // A collected slot is armed again and the next signal takes it.
+        ring.slots[3].state.store(ARMED, Ordering::Release);
+        let got = unsafe { claim_ring_slot(idx, 7) }.expect("the re-armed slot");
+        assert!(std::ptr::eq(got, &ring.slots[3]));
     }
 
     /// Whether `cond` holds within a second (for what the kernel finishes after `join`).

@@ -29,6 +29,8 @@ pub(crate) struct Stats {
     pub cpu_requests: AtomicU64,
     pub cpu_ticks: AtomicU64,
     pub cpu_merged_ticks: AtomicU64,
+    pub cpu_timer_ticks: AtomicU64,
+    pub cpu_timer_samples: AtomicU64,
     pub cpu_signal_failures: AtomicU64,
     pub alloc_samples: AtomicU64,
     pub record_errors: AtomicU64,

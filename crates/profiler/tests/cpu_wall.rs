@@ -237,3 +237,83 @@ fn busy_threads_on_fewer_cores_get_99_percent_of_samples() {
     eprintln!("delivered {delivered} of {requested:.0} requested samples ({ratio:.4})");
     assert!(ratio >= 0.99, "delivered {delivered} of {requested:.0}");
 }
+
+#[inline(never)]
+fn timer_burner(until: Instant) -> u64 {
+    let mut x = 0u64;
+    while Instant::now() < until {
+        x = spin(1).wrapping_add(x);
+    }
+    x
+}
+
+#[test]
+fn a_busy_thread_is_sampled_by_its_cpu_timer_while_the_sampler_sleeps_over_ticks() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Collect::default();
+    let hz = 100;
+    let guard = Profiler::builder()
+        .service("cpu-timer-test")
+        .cpu_hz(hz)
+        .profiles(cpu_wall())
+        .period(Duration::from_secs(600))
+        .exporter(Box::new(c.clone()))
+        .start()
+        .expect("profiler starts");
+    let run = Duration::from_secs(2);
+    let t0 = Instant::now();
+    let until = t0 + run;
+    let h = std::thread::Builder::new()
+        .name("timer-busy".into())
+        .spawn(move || {
+            let t0 = Instant::now();
+            std::hint::black_box(timer_burner(until));
+            t0.elapsed()
+        })
+        .unwrap();
+    let lived = h.join().unwrap();
+    let elapsed = t0.elapsed();
+    let stats = guard.stats();
+    guard.stop().unwrap();
+    eprintln!("{stats:?}");
+    let ticks = elapsed.as_secs_f64() * hz as f64;
+    // One thread on a machine with a core for it: busy, so its own timer captures its stack
+    // (about one capture per tick of CPU) and the sampler sends it next to no signals.
+    assert!(
+        stats.cpu_timer_samples as f64 > 0.5 * ticks,
+        "{} timer captures in {ticks:.0} ticks",
+        stats.cpu_timer_samples
+    );
+    assert!(
+        stats.cpu_signals * 4 < stats.cpu_timer_samples,
+        "{} signals vs {} timer captures",
+        stats.cpu_signals,
+        stats.cpu_timer_samples
+    );
+    // Nothing to signal: the sampler wakes every few ticks instead of every tick.
+    assert!(
+        (stats.sampler_ticks as f64) < 0.6 * ticks,
+        "{} wake-ups in {ticks:.0} ticks",
+        stats.sampler_ticks
+    );
+    // No tick is lost for it, and its CPU time is on the burner's stack.
+    let ps = c.decoded();
+    let mine = |p: &ferroprof_pprof::Profile, s: &ferroprof_pprof::Sample| {
+        p.label_str(s, "thread name") == Some("timer-busy")
+    };
+    let delivered = sum_all(&ps, "cpu-samples", mine) as f64;
+    let requested = lived.as_secs_f64() * hz as f64;
+    assert!(
+        delivered > 0.9 * requested && delivered < 1.05 * requested,
+        "delivered {delivered} of {requested:.0}"
+    );
+    let cpu = sum_all(&ps, "cpu-time", mine) as f64;
+    let in_burner = sum_all(&ps, "cpu-time", |p, s| {
+        mine(p, s) && has_fn(p, s, "timer_burner")
+    }) as f64;
+    assert!(cpu > 0.5 * lived.as_nanos() as f64, "cpu-time {cpu} ns");
+    assert!(
+        in_burner > 0.95 * cpu,
+        "{in_burner} of {cpu} ns in timer_burner"
+    );
+}
