@@ -170,6 +170,7 @@ fn main() {
     // CPU profiling overhead.
     let mut cpu = Series(BTreeMap::new());
     let mut handler = Vec::new();
+    let mut handler_median = Vec::new();
     let mut frames = Vec::new();
     let mut samples_cpu = Vec::new();
     let mut stop_ms = Vec::new();
@@ -191,6 +192,7 @@ fn main() {
             round.insert(mode, v["cpu_ns"]);
             if mode == "ferroprof" {
                 handler.push(v["handler_ns"]);
+                handler_median.push(v["handler_median_ns"]);
                 frames.push(v["frames"]);
                 samples_cpu.push(v["samples"]);
                 // Handlers run for the sampler's signals and for the threads' CPU timers.
@@ -252,13 +254,15 @@ fn main() {
     ));
     let samples_m = median(&mut samples_cpu);
     report.push_str(&format!(
-        "\nferroprof signal handler: median {:.0} ns per sample at a median {:.0} frames; \
+        "\nferroprof signal handler: {:.0} ns per sample (run medians of the per-run mean; of \
+         the per-run median: {:.0} ns) at a median {:.0} frames; \
          {samples_m:.0} samples (ticks) per run; profiler CPU per sample ((sampler thread CPU + \
          handler time) / samples): {:.1} us; the profiler's own CPU (sampler thread + handlers, kernel signal \
          delivery excluded) = {:.2}% of the workload's CPU; whole-process CPU overhead / samples \
          (includes kernel signal delivery and noise): {:.1} us; final serialization with \
          symbolization at stop: {:.1} ms\n\n",
         median(&mut handler),
+        median(&mut handler_median),
         median(&mut frames),
         median(&mut sampler_cost) / 1e3,
         median(&mut own_share),

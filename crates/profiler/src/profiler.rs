@@ -565,6 +565,9 @@ pub struct ProfilerStats {
     pub cpu_signal_failures: u64,
     /// Average time a signal handler spent capturing its stack, in nanoseconds.
     pub handler_avg_ns: u64,
+    /// Median time a signal handler spent capturing its stack (100 ns resolution): the mean
+    /// also carries the first captures, which fill the unwinder's caches.
+    pub handler_median_ns: u64,
     /// Average frames per captured stack.
     pub handler_avg_frames: u64,
     /// Unwinding snapshots (module list + stack mappings) built in this process so far.
@@ -671,6 +674,7 @@ impl ProfilerGuard {
             cpu_timer_ring_full: sampler::ring_full_count(),
             cpu_signal_failures: l(&s.cpu_signal_failures),
             handler_avg_ns: l(&s.handler_ns_total) / done,
+            handler_median_ns: s.handler_median_ns(),
             handler_avg_frames: l(&s.handler_frames_total) / done,
             snapshot_builds: unwind::snapshot_builds() as u64,
             sampler_cpu_ns: match self.shared.own_tids[0].load(Ordering::Relaxed) {

@@ -1284,9 +1284,7 @@ fn take_stack(s: &Slot, stack: &mut Vec<u64>, stats: &crate::state::Stats) {
     let frames = unsafe { &(&*s.frames.get())[..n] };
     stack.clear();
     stack.extend_from_slice(frames);
-    stats
-        .handler_ns_total
-        .fetch_add(s.handler_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+    stats.count_handler(s.handler_ns.load(Ordering::Relaxed));
     stats
         .handler_frames_total
         .fetch_add(n as u64, Ordering::Relaxed);

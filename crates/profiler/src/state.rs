@@ -20,6 +20,10 @@ use crate::tls::STATE;
 pub(crate) const THREAD_ID_LABEL: &str = "thread id";
 pub(crate) const THREAD_NAME_LABEL: &str = "thread name";
 
+/// Width and number of the buckets of the handler-time histogram (0 to 25.6 us).
+pub(crate) const HANDLER_BUCKET_NS: u64 = 100;
+pub(crate) const HANDLER_BUCKETS: usize = 256;
+
 /// Counters of what the profiler did, for [`crate::ProfilerStats`].
 #[derive(Default)]
 pub(crate) struct Stats {
@@ -38,8 +42,46 @@ pub(crate) struct Stats {
     pub export_errors: AtomicU64,
     pub serialize_errors: AtomicU64,
     pub handler_ns_total: AtomicU64,
+    /// Handler times in HANDLER_BUCKET_NS buckets (the last one open-ended), for the median.
+    pub handler_hist: HandlerHist,
     pub handler_frames_total: AtomicU64,
     pub handler_count: AtomicU64,
+}
+
+/// (std implements `Default` for arrays of up to 32 elements only.)
+pub(crate) struct HandlerHist([AtomicU64; HANDLER_BUCKETS]);
+
+impl Default for HandlerHist {
+    fn default() -> Self {
+        HandlerHist([const { AtomicU64::new(0) }; HANDLER_BUCKETS])
+    }
+}
+
+impl Stats {
+    pub(crate) fn count_handler(&self, ns: u64) {
+        let b = ((ns / HANDLER_BUCKET_NS) as usize).min(HANDLER_BUCKETS - 1);
+        self.handler_hist.0[b].fetch_add(1, Ordering::Relaxed);
+        self.handler_ns_total.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Median handler time (the middle of its bucket); 0 before the first.
+    pub(crate) fn handler_median_ns(&self) -> u64 {
+        let counts: Vec<u64> = self
+            .handler_hist
+            .0
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect();
+        let total: u64 = counts.iter().sum();
+        let mut seen = 0;
+        for (i, c) in counts.iter().enumerate() {
+            seen += c;
+            if total > 0 && seen * 2 >= total {
+                return i as u64 * HANDLER_BUCKET_NS + HANDLER_BUCKET_NS / 2;
+            }
+        }
+        0
+    }
 }
 
 /// Which on-demand capture a tap serves.
@@ -368,4 +410,25 @@ fn process_start_time() -> SystemTime {
         SystemTime::now().checked_sub(Duration::from_secs_f64(since_start.max(0.0)))
     }
     read().unwrap_or_else(SystemTime::now)
+}
+
+#[cfg(test)]
+mod stats_tests {
+    use super::*;
+
+    #[test]
+    fn handler_median_is_the_middle_bucket_and_ignores_the_slow_tail() {
+        let s = Stats::default();
+        assert_eq!(s.handler_median_ns(), 0, "no handler yet");
+        for ns in [900, 1_000, 1_050, 1_099, 250_000] {
+            s.count_handler(ns);
+        }
+        // 1000..1100 ns holds the middle value; the 250 us outlier lands in the last bucket.
+        assert_eq!(s.handler_median_ns(), 1_050);
+        assert_eq!(
+            s.handler_hist.0[HANDLER_BUCKETS - 1].load(Ordering::Relaxed),
+            1
+        );
+        assert_eq!(s.handler_ns_total.load(Ordering::Relaxed), 254_049);
+    }
 }
