@@ -9,16 +9,16 @@
 //! - Object records are 32 bytes, kept densely in 16 shards selected by a mix of the id. Each shard
 //!   has its own open-addressed index of `u32` positions, so a tracked object costs its record plus
 //!   a few index bytes, and a serialization snapshot is one `memcpy` per shard.
-//! - Stacks live in 16 shards selected by the stack hash. A stack is stored once as words
-//!   (`[hash, frame0.a, frame0.b, ...]`), compared and hashed as a whole; objects refer to it by a
-//!   `u32` (shard + slot).
+//! - Stacks live in 16 shards selected by the stack hash. A stack is stored once as words:
+//!   `[hash, addr0, addr1, ...]` when every frame is an address, `[hash, frame0.a, frame0.b, ...]`
+//!   otherwise; objects refer to it by a `u32` (shard + slot). The hash is one of the frames'
+//!   *content* (text for symbol frames), so a stack seen before is found without interning
+//!   anything: strings are interned only when a new stack is stored.
 //! - Iteration works on a point-in-time snapshot taken by [`HeapRecorder::prepare_iteration`],
 //!   outside every lock. While a snapshot exists, stacks whose last object goes away keep their slot
 //!   and strings ("pinned"), and class strings are released only at
 //!   [`HeapRecorder::finish_iteration`], so everything the snapshot refers to stays valid.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 
 use crate::error::{HeapError, StringError};
 use crate::profile::{Frame, Str, MAX_FRAMES};
-use crate::strings::{StringId, StringStorage};
+use crate::strings::{bytes_eq, StringId, StringStorage, Table};
 
 /// Objects younger than this many generations are left out of iterations (managed default).
 pub const DEFAULT_MIN_ITERATION_AGE: u32 = 1;
@@ -175,25 +175,22 @@ impl SnapshotStack<'_> {
         self.index
     }
 
-    /// Sets `out` to the addresses of a stack made of address frames only, innermost first,
-    /// read straight from the stored words (nothing decoded). Returns false, leaving `out`
-    /// unspecified, when the stack has a symbol frame.
-    pub fn addresses(&self, out: &mut Vec<u64>) -> bool {
-        out.clear();
-        let frames = self.words.get(1..).unwrap_or(&[]);
-        let mut all = true;
-        out.extend(frames.chunks_exact(2).map(|w| {
-            all &= w[1] & ADDRESS_TAG != 0;
-            w[0]
-        }));
-        all
+    /// The addresses of a stack made of address frames only, innermost first, straight from the
+    /// stored words (nothing decoded or copied); `None` when the stack has a symbol frame.
+    pub fn addresses(&self) -> Option<&[u64]> {
+        address_frames(self.words)
     }
 
     /// Decodes the frames, innermost first, into `out` (cleared first).
     pub fn frames(&self, out: &mut Vec<Frame<'static>>) {
         out.clear();
-        if let Some(frames) = self.words.get(1..) {
-            out.extend(frames.chunks_exact(2).map(|w| decode_frame(w[0], w[1])));
+        match address_frames(self.words) {
+            Some(addrs) => out.extend(addrs.iter().map(|&a| Frame::Address(a))),
+            None => out.extend(
+                self.words[1..]
+                    .chunks_exact(2)
+                    .map(|w| decode_frame(w[0], w[1])),
+            ),
         }
     }
 }
@@ -233,12 +230,14 @@ const STACK_SLOT_BITS: u32 = 27;
 const STACK_SLOT_LIMIT: usize = 1 << STACK_SLOT_BITS;
 const STACK_REF_MASK: u32 = !FROZEN_BIT;
 const FROZEN_BIT: u32 = 1 << 31;
-/// Second word of an address frame; symbol frames keep the top half of that word zero.
+/// Second word of an address frame in a stack with symbols; symbol frames keep the top half of
+/// that word zero.
 const ADDRESS_TAG: u64 = 1 << 32;
+/// Set in the hash word of a stack whose frames are all addresses: it stores one word per frame.
+/// (Bit 63: neither shard choice nor index positions use it.)
+const ADDRESS_STACK: u64 = 1 << 63;
 /// Stacks up to this many frames are encoded in a stack buffer (no allocation on the hot path).
 const INLINE_FRAMES: usize = 64;
-const STACK_HASH: foldhash::fast::FixedState =
-    foldhash::fast::FixedState::with_seed(0x6865_6170_7374_6b31);
 
 /// One tracked object: 32 bytes, the whole per-object cost apart from a few index bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -463,38 +462,25 @@ impl ObjShard {
 // Stack shards
 // ---------------------------------------------------------------------------------------------
 
-/// Hasher for stack keys, whose first word already is the stack's hash: hashing a key is reading
-/// that word, so the whole stack is hashed exactly once per lookup.
-#[derive(Default)]
-struct PrehashedHasher(Option<u64>);
-
-impl Hasher for PrehashedHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        if self.0.is_none() {
-            if let Some(first) = bytes.first_chunk::<8>() {
-                self.0 = Some(u64::from_ne_bytes(*first));
-            }
-        }
-    }
-
-    // The slice length prefix carries no information here.
-    fn write_usize(&mut self, _: usize) {}
-
-    fn finish(&self) -> u64 {
-        self.0.unwrap_or(0)
-    }
-}
-
 struct StackSlot {
-    /// `[hash, frame0.a, frame0.b, ...]`, shared with the dedup map's key.
+    /// The stack's words (see the module docs), `None` while the slot is free.
     words: Option<Arc<[u64]>>,
+    /// A symbol stack's interned strings (name then filename per frame, empty for address
+    /// frames), shared with the string table: a stack seen again is compared against them
+    /// without locking the table.
+    texts: Box<[Arc<str>]>,
     /// Objects (committed, pending or being committed) using this stack.
     refs: u32,
 }
 
 #[derive(Default)]
 struct StackShard {
-    by_words: HashMap<Arc<[u64]>, u32, BuildHasherDefault<PrehashedHasher>>,
+    /// Linear-probing index of the live stacks, a power of two long, at most half full. An entry
+    /// is the low 32 bits of the stack's hash (its home slot, and a filter before the words are
+    /// touched) over the slot number plus one; 0 is empty.
+    index: Vec<u64>,
+    /// Stacks in `index`.
+    indexed: usize,
     slots: Vec<StackSlot>,
     free: Vec<u32>,
     /// Set while a snapshot exists: released stacks keep their slot and strings until
@@ -504,6 +490,87 @@ struct StackShard {
 }
 
 impl StackShard {
+    /// The slot of the live stack with hash word `hash` for which `eq` holds.
+    fn find(&self, hash: u64, mut eq: impl FnMut(&[u64], &[Arc<str>]) -> bool) -> Option<usize> {
+        if self.index.is_empty() {
+            return None;
+        }
+        let mask = self.index.len() - 1;
+        let mut i = hash as usize & mask;
+        loop {
+            let e = self.index[i];
+            if e == 0 {
+                return None;
+            }
+            if (e >> 32) as u32 == hash as u32 {
+                let slot = (e as u32 - 1) as usize;
+                let s = &self.slots[slot];
+                if let Some(words) = s.words.as_deref() {
+                    if words[0] == hash && eq(words, &s.texts) {
+                        return Some(slot);
+                    }
+                }
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn place(&mut self, entry: u64) {
+        let mask = self.index.len() - 1;
+        let mut i = (entry >> 32) as usize & mask;
+        while self.index[i] != 0 {
+            i = (i + 1) & mask;
+        }
+        self.index[i] = entry;
+    }
+
+    fn rebuild_index(&mut self, len: usize) {
+        let old = std::mem::replace(&mut self.index, vec![0; len]);
+        for e in old.into_iter().filter(|&e| e != 0) {
+            self.place(e);
+        }
+    }
+
+    fn index_insert(&mut self, hash: u64, slot: usize) {
+        if (self.indexed + 1) * 2 > self.index.len() {
+            self.rebuild_index((self.index.len() * 2).max(MIN_INDEX_SLOTS));
+        }
+        self.place((hash << 32) | (slot as u64 + 1));
+        self.indexed += 1;
+    }
+
+    /// Removes `slot` (whose hash word is `hash`) from the index, by backward-shift deletion.
+    fn index_remove(&mut self, hash: u64, slot: usize) {
+        let mask = self.index.len() - 1;
+        let target = (hash << 32) | (slot as u64 + 1);
+        let mut hole = hash as usize & mask;
+        while self.index[hole] != target {
+            if self.index[hole] == 0 {
+                debug_assert!(false, "stack index lost a stack");
+                return;
+            }
+            hole = (hole + 1) & mask;
+        }
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let e = self.index[j];
+            if e == 0 {
+                break;
+            }
+            let home = (e >> 32) as usize & mask;
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.index[hole] = e;
+                hole = j;
+            }
+        }
+        self.index[hole] = 0;
+        self.indexed -= 1;
+        if self.index.len() > MIN_INDEX_SLOTS && self.indexed * 8 < self.index.len() {
+            self.rebuild_index((self.index.len() / 2).max(MIN_INDEX_SLOTS));
+        }
+    }
+
     /// Drops one reference; returns the words whose strings must now be released.
     fn release(&mut self, slot: usize) -> Option<Arc<[u64]>> {
         let s = self.slots.get_mut(slot)?;
@@ -516,12 +583,13 @@ impl StackShard {
             return None;
         }
         let words = s.words.clone()?;
-        self.by_words.remove(&words[..]);
+        self.index_remove(words[0], slot);
         if self.pinned {
             self.quarantine.push(slot as u32);
             return None;
         }
         self.slots[slot].words = None;
+        self.slots[slot].texts = Box::default();
         self.free.push(slot as u32);
         Some(words)
     }
@@ -539,8 +607,19 @@ fn split_stack_ref(r: u32) -> (usize, usize) {
     )
 }
 
-fn frame_count(words: &[u64]) -> usize {
-    words.len().saturating_sub(1) / 2
+/// The frames of an address-only stack (empty for no words), `None` for a stack with symbols.
+fn address_frames(words: &[u64]) -> Option<&[u64]> {
+    match words.split_first() {
+        None => Some(&[]),
+        Some((&hash, frames)) => (hash & ADDRESS_STACK != 0).then_some(frames),
+    }
+}
+
+fn first_frame(words: &[u64]) -> Option<Frame<'static>> {
+    match address_frames(words) {
+        Some(addrs) => addrs.first().map(|&a| Frame::Address(a)),
+        None => words.get(1..3).map(|w| decode_frame(w[0], w[1])),
+    }
 }
 
 fn decode_frame(a: u64, b: u64) -> Frame<'static> {
@@ -555,9 +634,25 @@ fn decode_frame(a: u64, b: u64) -> Frame<'static> {
     }
 }
 
+/// Lines are kept as i32 (saturated): no source file gets near 2^31 lines.
+#[inline]
+fn line_word(line: i64) -> u64 {
+    let l = if line > i64::from(i32::MAX) {
+        i32::MAX
+    } else if line < i64::from(i32::MIN) {
+        i32::MIN
+    } else {
+        line as i32
+    };
+    u64::from(l as u32)
+}
+
 /// Appends the interned ids a stack holds (empty strings are not counted, so not listed).
 fn push_string_ids(words: &[u64], out: &mut Vec<StringId>) {
-    for f in words.get(1..).unwrap_or(&[]).chunks_exact(2) {
+    if address_frames(words).is_some() {
+        return;
+    }
+    for f in words[1..].chunks_exact(2) {
         if f[1] & ADDRESS_TAG == 0 {
             for id in [f[0] as u32, (f[0] >> 32) as u32] {
                 if id != 0 {
@@ -566,6 +661,139 @@ fn push_string_ids(words: &[u64], out: &mut Vec<StringId>) {
             }
         }
     }
+}
+
+// Stack hashing. The hash is a function of the frames' content (addresses, text, lines), so a
+// stack given as text and the same stack stored as interned ids hash alike, and a stack seen
+// before is found without interning. Equal hashes are always confirmed by comparing content.
+
+const HK: [u64; 4] = [
+    0x243f_6a88_85a3_08d3,
+    0x1319_8a2e_0370_7344,
+    0xa409_3822_299f_31d0,
+    0x082e_fa98_ec4e_6c89,
+];
+
+/// 64x64 -> 128 multiply, halves xored (foldhash's and wyhash's mixing step).
+#[inline]
+fn fold(a: u64, b: u64) -> u64 {
+    let p = u128::from(a) * u128::from(b);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+/// A string's contribution to a stack hash: its length and its first and last 8 bytes rather
+/// than every byte. Symbol names are long (hashing 64 of them in full costs more than the rest
+/// of a track), and names that agree there are still told apart by the content comparison that
+/// confirms every hash match. Mixed by the stack hash's multiply, not here.
+#[inline]
+fn str_key(s: &str) -> u64 {
+    let b = s.as_bytes();
+    let n = b.len();
+    let (first, last) = match (b.first_chunk::<8>(), b.last_chunk::<8>()) {
+        (Some(f), Some(l)) => (u64::from_le_bytes(*f), u64::from_le_bytes(*l)),
+        _ => {
+            let mut w = [0u8; 8];
+            w[..n].copy_from_slice(b);
+            (u64::from_le_bytes(w), 0)
+        }
+    };
+    first ^ last.rotate_left(29) ^ ((n as u64) << 48)
+}
+
+/// Hash word of an address-only stack (`ADDRESS_STACK` set); `None` when a frame is a symbol.
+/// Two addresses per multiply.
+#[inline]
+fn address_stack_hash(frames: &[Frame<'_>]) -> Option<u64> {
+    let addr = |f: &Frame<'_>| match f {
+        Frame::Address(a) => Some(*a),
+        Frame::Symbol { .. } => None,
+    };
+    let mut h = HK[2] ^ frames.len() as u64;
+    let mut pairs = frames.chunks_exact(2);
+    for p in &mut pairs {
+        h = fold(h ^ addr(&p[0])?, addr(&p[1])? ^ HK[1]);
+    }
+    if let [last] = pairs.remainder() {
+        h = fold(h ^ addr(last)?, HK[0]);
+    }
+    Some(fold(h, HK[3]) | ADDRESS_STACK)
+}
+
+/// The text of a frame string; ids are read from `table` (locked by the caller when needed).
+fn text<'s>(s: &'s Str<'_>, table: Option<&'s Table>) -> Result<&'s str, StringError> {
+    match (s, table) {
+        (Str::Lit(t), _) => Ok(t),
+        (Str::Id(id), Some(t)) => t.get(*id),
+        (Str::Id(id), None) => Err(StringError::UnknownId(id.0)),
+    }
+}
+
+/// Hash word of a stack with at least one symbol frame (`ADDRESS_STACK` clear). It covers
+/// addresses, names and lines: filenames seldom tell apart stacks that agree on those, and the
+/// comparison confirming every match includes them. Two frames per multiply.
+fn symbol_stack_hash(frames: &[Frame<'_>], table: Option<&Table>) -> Result<u64, StringError> {
+    let key = |f: &Frame<'_>| -> Result<u64, StringError> {
+        Ok(match f {
+            Frame::Address(a) => *a ^ HK[2],
+            Frame::Symbol { name, line, .. } => {
+                str_key(text(name, table)?) ^ (*line as u64).wrapping_mul(HK[3])
+            }
+        })
+    };
+    let mut h = HK[3] ^ frames.len() as u64;
+    let mut pairs = frames.chunks_exact(2);
+    for p in &mut pairs {
+        h = fold(h ^ key(&p[0])?, key(&p[1])? ^ HK[1]);
+    }
+    if let [last] = pairs.remainder() {
+        h = fold(h ^ key(last)?, HK[0]);
+    }
+    Ok(fold(h, HK[3]) & !ADDRESS_STACK)
+}
+
+/// Whether a frame string equals the stored string `id` whose text is `text` (ids compare as
+/// ids: a live string has one id).
+#[inline]
+fn same_str(s: &Str<'_>, id: u32, text: &str) -> bool {
+    match s {
+        Str::Id(i) => i.0 == id,
+        Str::Lit(t) => bytes_eq(text.as_bytes(), t.as_bytes()),
+    }
+}
+
+/// Whether a stored stack (`words`, and `texts` for its symbol frames) holds exactly `frames`.
+fn frames_match(words: &[u64], texts: &[Arc<str>], frames: &[Frame<'_>]) -> bool {
+    if let Some(addrs) = address_frames(words) {
+        return addrs.len() == frames.len()
+            && frames
+                .iter()
+                .zip(addrs)
+                .all(|(f, &w)| matches!(f, Frame::Address(a) if *a == w));
+    }
+    let pairs = words[1..].chunks_exact(2);
+    let text_pairs = texts.chunks_exact(2);
+    if pairs.len() != frames.len() || text_pairs.len() != frames.len() {
+        return false;
+    }
+    for ((f, w), t) in frames.iter().zip(pairs).zip(text_pairs) {
+        let (a, b, name_text, file_text) = (w[0], w[1], &t[0], &t[1]);
+        let same = match f {
+            Frame::Address(x) => a == *x && b == ADDRESS_TAG,
+            Frame::Symbol {
+                name,
+                filename,
+                line,
+            } => {
+                b == line_word(*line)
+                    && same_str(name, a as u32, name_text)
+                    && same_str(filename, (a >> 32) as u32, file_text)
+            }
+        };
+        if !same {
+            return false;
+        }
+    }
+    true
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1029,6 +1257,9 @@ impl HeapRecorder {
     // --- stacks --------------------------------------------------------------------------------
 
     /// Finds or creates the heap record for `frames` and takes one reference on it.
+    ///
+    /// A stack seen before is found by its content hash and a content comparison, without
+    /// interning anything (the record already holds its strings); only a new stack interns.
     fn acquire_stack(&self, frames: &[Frame<'_>]) -> Result<u32, HeapError> {
         if frames.len() > MAX_FRAMES {
             return Err(HeapError::TooManyFrames {
@@ -1036,7 +1267,39 @@ impl HeapRecorder {
                 limit: MAX_FRAMES,
             });
         }
-        let len = 1 + 2 * frames.len();
+        let hash = match address_stack_hash(frames) {
+            Some(h) => h,
+            // Ids handed in by the caller are hashed through their text: without the table an
+            // id fails the first try, which then runs again with the table locked.
+            None => match symbol_stack_hash(frames, None) {
+                Ok(h) => h,
+                Err(_) => symbol_stack_hash(frames, Some(&self.strings.lock()))?,
+            },
+        };
+        let shard_idx = shard_of(hash, STACK_SHARDS);
+        {
+            let mut shard = self.stacks[shard_idx].lock();
+            if let Some(slot) = shard.find(hash, |words, texts| frames_match(words, texts, frames))
+            {
+                let s = &mut shard.slots[slot];
+                if s.refs == u32::MAX {
+                    return Err(HeapError::TooManyObjects(u32::MAX));
+                }
+                s.refs += 1;
+                return Ok(stack_ref(shard_idx, slot));
+            }
+        }
+        self.insert_stack(frames, hash)
+    }
+
+    /// The miss path of [`Self::acquire_stack`]: interns the strings, stores the stack (unless
+    /// another thread stored it meanwhile) and takes one reference on it.
+    fn insert_stack(&self, frames: &[Frame<'_>], hash: u64) -> Result<u32, HeapError> {
+        let len = if hash & ADDRESS_STACK != 0 {
+            1 + frames.len()
+        } else {
+            1 + 2 * frames.len()
+        };
         let mut inline = [0u64; 1 + 2 * INLINE_FRAMES];
         let mut spilled = Vec::new();
         let words: &mut [u64] = if frames.len() <= INLINE_FRAMES {
@@ -1045,8 +1308,9 @@ impl HeapRecorder {
             spilled.resize(len, 0);
             &mut spilled
         };
-        let interned = self.encode_stack(frames, words)?;
-        let result = self.acquire_words(words);
+        let texts = self.encode_stack(frames, hash, words)?;
+        let interned = texts.is_some();
+        let result = self.acquire_words(words, texts.unwrap_or_default());
         let extra_refs = match result {
             // The record already holds references to these strings: drop the ones just taken.
             Ok((_, existed)) => interned && existed,
@@ -1066,15 +1330,26 @@ impl HeapRecorder {
         result.map(|(r, _)| r)
     }
 
-    /// Fills `words` (`1 + 2 * frames.len()` long) with the compact stack and its hash. Returns
-    /// whether strings were interned (one reference each, owned by the caller now).
-    fn encode_stack(&self, frames: &[Frame<'_>], words: &mut [u64]) -> Result<bool, HeapError> {
-        let symbols = frames
-            .iter()
-            .filter(|f| matches!(f, Frame::Symbol { .. }))
-            .count();
+    /// Fills `words` with the compact stack (see the module docs) under the hash word `hash`.
+    /// When strings were interned (one reference each, owned by the caller now), returns their
+    /// shared texts in frame order.
+    fn encode_stack(
+        &self,
+        frames: &[Frame<'_>],
+        hash: u64,
+        words: &mut [u64],
+    ) -> Result<Option<Box<[Arc<str>]>>, HeapError> {
+        words[0] = hash;
+        if hash & ADDRESS_STACK != 0 {
+            for (w, f) in words[1..].iter_mut().zip(frames) {
+                if let Frame::Address(a) = f {
+                    *w = *a;
+                }
+            }
+            return Ok(None);
+        }
         let mut ids = Vec::new();
-        if symbols > 0 {
+        {
             // Ids handed in by the caller are turned back into text: the record needs references
             // of its own, and interning is the only way to take one.
             let mut owned = Vec::new();
@@ -1088,7 +1363,7 @@ impl HeapRecorder {
                 }
             }
             let mut owned_iter = owned.iter();
-            let mut strs: Vec<&str> = Vec::with_capacity(2 * symbols);
+            let mut strs: Vec<&str> = Vec::with_capacity(2 * frames.len());
             for f in frames {
                 if let Frame::Symbol { name, filename, .. } = f {
                     for s in [name, filename] {
@@ -1101,17 +1376,26 @@ impl HeapRecorder {
             }
             self.strings.intern_all(&strs, &mut ids)?;
         }
+        // Two texts per frame (empty ones for address frames), so a comparison walks frames,
+        // words and texts in step.
+        let mut text_ids = Vec::with_capacity(2 * frames.len());
+        let mut symbol_ids = ids.iter();
+        for f in frames {
+            match f {
+                Frame::Symbol { .. } => text_ids.extend(symbol_ids.by_ref().take(2)),
+                Frame::Address(_) => text_ids.extend([StringId::EMPTY; 2]),
+            }
+        }
+        let texts = self.strings.shared_texts(&text_ids);
         let mut ids = ids.into_iter();
         for (i, f) in frames.iter().enumerate() {
             let (a, b) = match f {
                 Frame::Symbol { line, .. } => {
                     let name = ids.next().unwrap_or_default();
                     let file = ids.next().unwrap_or_default();
-                    // Lines are kept as i32 (saturated): no source file gets near 2^31 lines.
-                    let line = (*line).clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32;
                     (
                         u64::from(name.0) | (u64::from(file.0) << 32),
-                        u64::from(line as u32),
+                        line_word(*line),
                     )
                 }
                 Frame::Address(addr) => (*addr, ADDRESS_TAG),
@@ -1119,27 +1403,32 @@ impl HeapRecorder {
             words[1 + 2 * i] = a;
             words[2 + 2 * i] = b;
         }
-        words[0] = STACK_HASH.hash_one(&words[1..]);
-        Ok(symbols > 0)
+        Ok(Some(texts))
     }
 
-    /// Returns the stack reference and whether the stack was already known.
-    fn acquire_words(&self, words: &[u64]) -> Result<(u32, bool), HeapError> {
+    /// Returns the stack reference and whether the stack was already known. Stored words compare
+    /// exactly: the strings of both are live interned ids, equal exactly when the text is.
+    fn acquire_words(
+        &self,
+        words: &[u64],
+        texts: Box<[Arc<str>]>,
+    ) -> Result<(u32, bool), HeapError> {
         let shard_idx = shard_of(words[0], STACK_SHARDS);
         let mut shard = self.stacks[shard_idx].lock();
-        if let Some(&slot) = shard.by_words.get(words) {
-            let s = &mut shard.slots[slot as usize];
+        if let Some(slot) = shard.find(words[0], |w, _| w == words) {
+            let s = &mut shard.slots[slot];
             if s.refs == u32::MAX {
                 return Err(HeapError::TooManyObjects(u32::MAX));
             }
             s.refs += 1;
-            return Ok((stack_ref(shard_idx, slot as usize), true));
+            return Ok((stack_ref(shard_idx, slot), true));
         }
         let slot = match shard.free.pop() {
             Some(slot) => slot as usize,
             None if shard.slots.len() < STACK_SLOT_LIMIT => {
                 shard.slots.push(StackSlot {
                     words: None,
+                    texts: Box::default(),
                     refs: 0,
                 });
                 shard.slots.len() - 1
@@ -1150,12 +1439,12 @@ impl HeapRecorder {
                 })
             }
         };
-        let words: Arc<[u64]> = Arc::from(words);
         shard.slots[slot] = StackSlot {
-            words: Some(Arc::clone(&words)),
+            words: Some(Arc::from(words)),
+            texts,
             refs: 1,
         };
-        shard.by_words.insert(words, slot as u32);
+        shard.index_insert(words[0], slot);
         Ok((stack_ref(shard_idx, slot), false))
     }
 
@@ -1217,18 +1506,17 @@ impl HeapRecorder {
     }
 
     fn describe(&self, rec: &ObjRecord) -> String {
-        let location = match self.stack_words(rec.stack()) {
-            Some(words) if frame_count(&words) > 0 => match decode_frame(words[1], words[2]) {
-                Frame::Address(a) => format!("{a:#x}"),
-                Frame::Symbol { filename, line, .. } => {
-                    let file = match filename {
-                        Str::Id(id) => self.strings.get(id).unwrap_or_default(),
-                        Str::Lit(s) => s.to_owned(),
-                    };
-                    format!("{file}:{line}")
-                }
-            },
-            _ => "(empty stack)".to_owned(),
+        let first = self.stack_words(rec.stack()).and_then(|w| first_frame(&w));
+        let location = match first {
+            Some(Frame::Address(a)) => format!("{a:#x}"),
+            Some(Frame::Symbol { filename, line, .. }) => {
+                let file = match filename {
+                    Str::Id(id) => self.strings.get(id).unwrap_or_default(),
+                    Str::Lit(s) => s.to_owned(),
+                };
+                format!("{file}:{line}")
+            }
+            None => "(empty stack)".to_owned(),
         };
         let gen = self.current_gen();
         let mut s = format!(
@@ -1544,6 +1832,7 @@ impl HeapRecorder {
                         if let Some(words) = g.slots[slot].words.take() {
                             push_string_ids(&words, &mut to_release);
                         }
+                        g.slots[slot].texts = Box::default();
                         g.free.push(slot as u32);
                     }
                 }
@@ -1562,11 +1851,7 @@ impl HeapRecorder {
 
     pub fn stats(&self) -> HeapStats {
         let num_object_records = self.objs.iter().map(|s| s.lock().recs.len() as u64).sum();
-        let num_heap_records = self
-            .stacks
-            .iter()
-            .map(|s| s.lock().by_words.len() as u64)
-            .sum();
+        let num_heap_records = self.stacks.iter().map(|s| s.lock().indexed as u64).sum();
         let pending_recordings_count = self.pending.lock().len() as u64;
         let st = self.update_stats.lock();
         HeapStats {
@@ -2352,6 +2637,161 @@ mod tests {
         assert_eq!(st.lifetime_deferred_recordings_finalized, 0);
         assert_eq!(st.lifetime_updates_successful, 0);
         assert_eq!(st.num_object_records, MAX_PENDING_RECORDINGS as u64 / 2);
+    }
+
+    #[test]
+    fn symbol_stacks_with_equal_hashes_stay_apart() {
+        let (rec, strings) = native();
+        // Same length, same first and last 8 bytes, same line: equal stack hashes, so only the
+        // content comparison tells them apart.
+        let (a, b) = ("prefix__A__suffix", "prefix__B__suffix");
+        let fa = [Frame::sym(a, "same_file.rs", 7)];
+        let fb = [Frame::sym(b, "same_file.rs", 7)];
+        assert_eq!(
+            symbol_stack_hash(&fa, None).unwrap(),
+            symbol_stack_hash(&fb, None).unwrap()
+        );
+        rec.track(1, 1, 1, None, &fa).unwrap();
+        rec.track(2, 1, 2, None, &fb).unwrap();
+        // Seen again: each finds its own record.
+        rec.track(3, 1, 3, None, &fb).unwrap();
+        rec.track(4, 1, 4, None, &fa).unwrap();
+        assert_eq!(rec.stats().num_heap_records, 2);
+        let out = serialize(&rec, &strings);
+        let names: Vec<&str> = out.iter().map(|(_, f)| f[0].as_str()).collect();
+        let (fa, fb) = (format!("{a}@same_file.rs:7"), format!("{b}@same_file.rs:7"));
+        assert_eq!(names, [&fa, &fb, &fb, &fa]);
+        // One reference per stack record, none per object.
+        let id = |s| strings.intern(s).unwrap();
+        let (ia, ib, ifile) = (id(a), id(b), id("same_file.rs"));
+        assert_eq!(strings.refcount(ia), Some(2));
+        assert_eq!(strings.refcount(ib), Some(2));
+        assert_eq!(strings.refcount(ifile), Some(3));
+        strings.unintern_all(&[ia, ib, ifile]).unwrap();
+        for obj in 1..=4 {
+            assert!(rec.untrack(obj));
+        }
+        assert_eq!(rec.stats().num_heap_records, 0);
+        assert!(strings.is_empty());
+    }
+
+    #[test]
+    fn a_seen_stack_is_found_without_interning_whether_given_as_text_or_ids() {
+        let (rec, strings) = native();
+        let lit = [
+            Frame::sym("inner", "a.rs", 1),
+            Frame::Address(0x1234),
+            Frame::sym("outer", "b.rs", -5),
+        ];
+        rec.track(1, 1, 1, None, &lit).unwrap();
+        let name = strings.intern("inner").unwrap();
+        let file = strings.intern("a.rs").unwrap();
+        assert_eq!(strings.refcount(name), Some(2));
+        let by_id = [
+            Frame::ids(name, file, 1),
+            Frame::Address(0x1234),
+            Frame::Symbol {
+                name: Str::Lit("outer"),
+                filename: Str::Lit("b.rs"),
+                line: -5,
+            },
+        ];
+        rec.track(2, 1, 2, None, &by_id).unwrap();
+        rec.track(3, 1, 3, None, &lit).unwrap();
+        // Same record, and the hits took no string references.
+        assert_eq!(rec.stats().num_heap_records, 1);
+        assert_eq!(strings.refcount(name), Some(2));
+        assert_eq!(strings.refcount(file), Some(2));
+        // Differing only in the address, or in a line, or one frame short: other records.
+        rec.track(4, 1, 4, None, &[lit[0], Frame::Address(0x1235), lit[2]])
+            .unwrap();
+        rec.track(
+            5,
+            1,
+            5,
+            None,
+            &[Frame::sym("inner", "a.rs", 2), lit[1], lit[2]],
+        )
+        .unwrap();
+        rec.track(6, 1, 6, None, &lit[..2]).unwrap();
+        assert_eq!(rec.stats().num_heap_records, 4);
+        let out = serialize(&rec, &strings);
+        assert_eq!(out[1].1, ["inner@a.rs:1", "0x1234", "outer@b.rs:-5"]);
+        assert_eq!(out[0].1, out[2].1);
+        assert_eq!(out[3].1[1], "0x1235");
+        assert_eq!(out[4].1[0], "inner@a.rs:2");
+        assert_eq!(out[5].1, ["inner@a.rs:1", "0x1234"]);
+        // A stale id is an error, as when it had to be interned.
+        let stale = Frame::ids(StringId::from_raw(9999), file, 1);
+        assert!(rec.track(7, 1, 7, None, &[stale]).is_err());
+        strings.unintern_all(&[name, file]).unwrap();
+        for obj in 1..=6 {
+            assert!(rec.untrack(obj));
+        }
+        assert!(strings.is_empty());
+    }
+
+    #[test]
+    fn address_stacks_are_stored_one_word_per_frame() {
+        let (rec, _) = native();
+        let frames: Vec<Frame<'_>> = (0..5u64).map(|i| Frame::Address(0x4000 + i)).collect();
+        rec.track(1, 1, 1, None, &frames).unwrap();
+        rec.track(2, 1, 1, None, &frames[..4]).unwrap();
+        rec.track(3, 1, 1, None, &[]).unwrap();
+        let r = rec
+            .objs
+            .iter()
+            .find_map(|s| s.lock().get(1, mix64(1)).copied());
+        let words = rec.stack_words(r.unwrap().stack()).unwrap();
+        assert_eq!(words.len(), 1 + 5);
+        rec.prepare_iteration().unwrap();
+        let mut seen = Vec::new();
+        rec.for_each_live_object_by_stack(&mut |o, st| {
+            let mut decoded = Vec::new();
+            st.frames(&mut decoded);
+            assert_eq!(st.addresses().map(<[u64]>::len), Some(decoded.len()));
+            seen.push((o.id, decoded));
+            true
+        })
+        .unwrap();
+        rec.finish_iteration().unwrap();
+        seen.sort_by_key(|(id, _)| *id);
+        assert_eq!(seen[0].1, frames);
+        assert_eq!(seen[1].1, frames[..4]);
+        assert!(seen[2].1.is_empty());
+    }
+
+    #[test]
+    fn stack_index_survives_churn() {
+        let (rec, strings) = native();
+        // Many stacks per shard, released in an order unrelated to insertion, so index growth,
+        // shrinking and backward-shift deletion all run; every lookup must keep finding its own.
+        let names: Vec<String> = (0..400).map(|i| format!("fn_{i}")).collect();
+        let frames = |i: usize| [Frame::sym(&names[i], "f.rs", 1), Frame::Address(i as u64)];
+        for round in 0..3u64 {
+            for i in 0..400 {
+                rec.track(round * 1000 + i as u64, 1, i as u64, None, &frames(i))
+                    .unwrap();
+            }
+            assert_eq!(rec.stats().num_heap_records, 400);
+            for i in (0..400).rev().step_by(3) {
+                assert!(rec.untrack(round * 1000 + i as u64));
+            }
+            for i in 0..400 {
+                rec.track(round * 1000 + 500 + i as u64, 1, i as u64, None, &frames(i))
+                    .unwrap();
+            }
+            assert_eq!(rec.stats().num_heap_records, 400);
+            for (o, f) in serialize(&rec, &strings) {
+                assert_eq!(f[0], format!("fn_{}@f.rs:1", o.size));
+            }
+            for i in 0..400 {
+                rec.untrack(round * 1000 + i as u64);
+                assert!(rec.untrack(round * 1000 + 500 + i as u64));
+            }
+            assert_eq!(rec.stats().num_heap_records, 0);
+        }
+        assert!(strings.is_empty());
     }
 
     #[test]

@@ -528,15 +528,18 @@ impl StackRecorder {
         // location-index slots are prefetched while the previous one is worked on.
         let mut pending: Option<(LiveObject, usize)> = None;
         let (mut next, mut pending_ahead) = (Ahead::default(), Ahead::default());
-        let mut addresses = Vec::new();
         let completed = heap.for_each_live_object_by_stack(&mut |obj, stack| {
             visited += 1;
             let index = stack.index().min(sizes.stacks);
             crate::profile::prefetch(&stacks[index]);
-            next.addresses = stack.addresses(&mut addresses);
-            if next.addresses {
-                profile.prefetch_addresses(&addresses, &mut next.prefetched);
-            } else {
+            next.addresses = match stack.addresses() {
+                Some(addresses) => {
+                    profile.prefetch_addresses(addresses, &mut next.prefetched);
+                    true
+                }
+                None => false,
+            };
+            if !next.addresses {
                 stack.frames(&mut next.frames);
                 profile.prefetch_stack(&next.frames, &mut next.hints);
             }

@@ -161,6 +161,77 @@ impl Table {
     }
 }
 
+/// Byte equality for strings as short as symbol names: in 16-byte pieces, branch-free, without
+/// a `memcmp` call (whose call and dispatch cost about as much as comparing a 40-byte name).
+#[inline]
+pub(crate) fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    if n < 8 {
+        return a == b;
+    }
+    if n <= 16 {
+        let word = |s: &[u8], i: usize| {
+            // SAFETY: `i` is 0 or `n - 8`, so `i + 8 <= n`, and both slices are `n` bytes long.
+            unsafe { s.as_ptr().add(i).cast::<u64>().read_unaligned() }
+        };
+        // Two words overlapping in the middle cover 8..=16 bytes.
+        return (word(a, 0) ^ word(b, 0)) | (word(a, n - 8) ^ word(b, n - 8)) == 0;
+    }
+    long_eq(a, b)
+}
+
+/// `bytes_eq` for equal lengths above 16: 16-byte pieces xored and ored in one register.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn long_eq(a: &[u8], b: &[u8]) -> bool {
+    use std::arch::x86_64::{
+        _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_setzero_si128,
+        _mm_xor_si128,
+    };
+    let n = a.len();
+    // SAFETY: SSE2 is part of the x86_64 baseline. Every load reads 16 bytes at an offset `i`
+    // with `i + 16 <= n` (0, `n - 16` with `n > 16`, 16 with `n > 32`, or the loop's), inside
+    // both slices, which are `n` bytes long; unaligned loads are what `loadu` is for.
+    unsafe {
+        let piece = |s: &[u8], i: usize| _mm_loadu_si128(s.as_ptr().add(i).cast());
+        // The last piece covers the tail the whole pieces leave.
+        let mut diff = _mm_xor_si128(piece(a, n - 16), piece(b, n - 16));
+        diff = _mm_or_si128(diff, _mm_xor_si128(piece(a, 0), piece(b, 0)));
+        // Up to 32 bytes the first and last pieces cover everything, up to 48 one more does
+        // (most symbol names); only longer strings loop.
+        if n > 32 {
+            diff = _mm_or_si128(diff, _mm_xor_si128(piece(a, 16), piece(b, 16)));
+            let mut i = 32;
+            while i + 16 < n {
+                diff = _mm_or_si128(diff, _mm_xor_si128(piece(a, i), piece(b, i)));
+                i += 16;
+            }
+        }
+        _mm_movemask_epi8(_mm_cmpeq_epi8(diff, _mm_setzero_si128())) == 0xffff
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+fn long_eq(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    let piece = |s: &[u8], i: usize| {
+        // SAFETY: `i` is 0, `n - 16` (with `n > 16`) or the loop's, with `i + 16 < n`; both
+        // slices are `n` bytes long.
+        unsafe { s.as_ptr().add(i).cast::<u128>().read_unaligned() }
+    };
+    let mut diff = (piece(a, n - 16) ^ piece(b, n - 16)) | (piece(a, 0) ^ piece(b, 0));
+    let mut i = 16;
+    while i + 16 < n {
+        diff |= piece(a, i) ^ piece(b, i);
+        i += 16;
+    }
+    diff == 0
+}
+
 /// Thread-safe refcounted string table.
 pub struct StringStorage {
     /// A spin lock rather than a parking one so a forked child can always take it back (see
@@ -326,6 +397,19 @@ impl StringStorage {
             + t.free.capacity() * std::mem::size_of::<u32>()
     }
 
+    /// The shared text of each id, for a holder of references to them that compares against
+    /// them often without wanting the lock. An id that is not live (the caller holds no
+    /// reference after all) gets an empty text.
+    pub(crate) fn shared_texts(&self, ids: &[StringId]) -> Box<[Arc<str>]> {
+        let t = self.table.lock();
+        ids.iter()
+            .map(|id| match t.entries.get(id.0 as usize) {
+                Some(Entry { s: Some(s), .. }) => Arc::clone(s),
+                _ => Arc::from(""),
+            })
+            .collect()
+    }
+
     /// Locks the table for a batch of reads (profiles resolve many ids at once).
     pub(crate) fn lock(&self) -> SpinGuard<'_, Table> {
         self.table.lock()
@@ -443,6 +527,29 @@ mod tests {
         assert_eq!(s.refcount(ids[0]), Some(0));
         s.advance_generation();
         assert!(s.is_empty());
+    }
+
+    #[test]
+    fn bytes_eq_sees_every_differing_byte_at_every_length() {
+        let base: Vec<u8> = (0..100u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
+        for n in 0..=base.len() {
+            // Offset copies: the comparison must not depend on alignment.
+            for shift in 0..3 {
+                let mut buf = vec![0u8; n + shift];
+                buf[shift..].copy_from_slice(&base[..n]);
+                let a = &base[..n];
+                let b = &mut buf[shift..];
+                assert!(bytes_eq(a, b), "equal, n={n}");
+                for i in 0..n {
+                    b[i] ^= 0x10;
+                    assert!(!bytes_eq(a, b), "byte {i} differs, n={n}");
+                    b[i] ^= 0x10;
+                }
+            }
+            if n > 0 {
+                assert!(!bytes_eq(&base[..n], &base[..n - 1]));
+            }
+        }
     }
 
     #[test]
