@@ -700,23 +700,34 @@ fn str_key(s: &str) -> u64 {
     first ^ last.rotate_left(29) ^ ((n as u64) << 48)
 }
 
+/// Folds per-frame keys into a stack hash, two frames per multiply; stops at the first error.
+#[inline]
+fn fold_frames<E>(
+    frames: &[Frame<'_>],
+    seed: u64,
+    key: impl Fn(&Frame<'_>) -> Result<u64, E>,
+) -> Result<u64, E> {
+    let mut h = seed ^ frames.len() as u64;
+    let mut pairs = frames.chunks_exact(2);
+    for p in &mut pairs {
+        h = fold(h ^ key(&p[0])?, key(&p[1])? ^ HK[1]);
+    }
+    if let [last] = pairs.remainder() {
+        h = fold(h ^ key(last)?, HK[0]);
+    }
+    Ok(fold(h, HK[3]))
+}
+
 /// Hash word of an address-only stack (`ADDRESS_STACK` set); `None` when a frame is a symbol.
-/// Two addresses per multiply.
 #[inline]
 fn address_stack_hash(frames: &[Frame<'_>]) -> Option<u64> {
     let addr = |f: &Frame<'_>| match f {
-        Frame::Address(a) => Some(*a),
-        Frame::Symbol { .. } => None,
+        Frame::Address(a) => Ok(*a),
+        Frame::Symbol { .. } => Err(()),
     };
-    let mut h = HK[2] ^ frames.len() as u64;
-    let mut pairs = frames.chunks_exact(2);
-    for p in &mut pairs {
-        h = fold(h ^ addr(&p[0])?, addr(&p[1])? ^ HK[1]);
-    }
-    if let [last] = pairs.remainder() {
-        h = fold(h ^ addr(last)?, HK[0]);
-    }
-    Some(fold(h, HK[3]) | ADDRESS_STACK)
+    fold_frames(frames, HK[2], addr)
+        .ok()
+        .map(|h| h | ADDRESS_STACK)
 }
 
 /// The text of a frame string; ids are read from `table` (locked by the caller when needed).
@@ -730,7 +741,7 @@ fn text<'s>(s: &'s Str<'_>, table: Option<&'s Table>) -> Result<&'s str, StringE
 
 /// Hash word of a stack with at least one symbol frame (`ADDRESS_STACK` clear). It covers
 /// addresses, names and lines: filenames seldom tell apart stacks that agree on those, and the
-/// comparison confirming every match includes them. Two frames per multiply.
+/// comparison confirming every match includes them.
 fn symbol_stack_hash(frames: &[Frame<'_>], table: Option<&Table>) -> Result<u64, StringError> {
     let key = |f: &Frame<'_>| -> Result<u64, StringError> {
         Ok(match f {
@@ -740,15 +751,7 @@ fn symbol_stack_hash(frames: &[Frame<'_>], table: Option<&Table>) -> Result<u64,
             }
         })
     };
-    let mut h = HK[3] ^ frames.len() as u64;
-    let mut pairs = frames.chunks_exact(2);
-    for p in &mut pairs {
-        h = fold(h ^ key(&p[0])?, key(&p[1])? ^ HK[1]);
-    }
-    if let [last] = pairs.remainder() {
-        h = fold(h ^ key(last)?, HK[0]);
-    }
-    Ok(fold(h, HK[3]) & !ADDRESS_STACK)
+    Ok(fold_frames(frames, HK[3], key)? & !ADDRESS_STACK)
 }
 
 /// Whether a frame string equals the stored string `id` whose text is `text` (ids compare as
