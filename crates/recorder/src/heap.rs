@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 
 use crate::error::{HeapError, StringError};
 use crate::profile::{Frame, Str, MAX_FRAMES};
+use crate::spin::SpinLock;
 use crate::strings::{bytes_eq, StringId, StringStorage, Table};
 
 /// Objects younger than this many generations are left out of iterations (managed default).
@@ -637,14 +638,8 @@ fn decode_frame(a: u64, b: u64) -> Frame<'static> {
 /// Lines are kept as i32 (saturated): no source file gets near 2^31 lines.
 #[inline]
 fn line_word(line: i64) -> u64 {
-    let l = if line > i64::from(i32::MAX) {
-        i32::MAX
-    } else if line < i64::from(i32::MIN) {
-        i32::MIN
-    } else {
-        line as i32
-    };
-    u64::from(l as u32)
+    // Branch-free: this runs once per frame on every comparison.
+    u64::from(line.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32 as u32)
 }
 
 /// Appends the interned ids a stack holds (empty strings are not counted, so not listed).
@@ -765,6 +760,8 @@ fn same_str(s: &Str<'_>, id: u32, text: &str) -> bool {
 }
 
 /// Whether a stored stack (`words`, and `texts` for its symbol frames) holds exactly `frames`.
+/// Out of line: inlined into its caller it runs short of registers and spills in the loop.
+#[inline(never)]
 fn frames_match(words: &[u64], texts: &[Arc<str>], frames: &[Frame<'_>]) -> bool {
     if let Some(addrs) = address_frames(words) {
         return addrs.len() == frames.len()
@@ -787,7 +784,10 @@ fn frames_match(words: &[u64], texts: &[Arc<str>], frames: &[Frame<'_>]) -> bool
                 filename,
                 line,
             } => {
-                b == line_word(*line)
+                // The stored line is `line_word(line)`; a line outside i32 never matches here
+                // and is found by the exact word comparison of the insert path instead.
+                i64::from(b as u32 as i32) == *line
+                    && b & ADDRESS_TAG == 0
                     && same_str(name, a as u32, name_text)
                     && same_str(filename, (a >> 32) as u32, file_text)
             }
@@ -856,7 +856,7 @@ impl Snapshot {
 /// Clones a shard's stack table for a snapshot, a chunk per lock hold: cloning touches every
 /// stack, and trackers of that shard should not wait for all of them. Chunks are consistent with
 /// each other because pinned slots are neither freed nor reused.
-fn copy_stack_slots(shard: &Mutex<StackShard>) -> Vec<Option<Arc<[u64]>>> {
+fn copy_stack_slots(shard: &SpinLock<StackShard>) -> Vec<Option<Arc<[u64]>>> {
     const CHUNK: usize = 1024;
     let mut out = Vec::new();
     loop {
@@ -924,8 +924,11 @@ pub struct HeapRecorder {
     /// Serializations so far: the native model's generation.
     native_gen: AtomicU64,
 
-    objs: Box<[Padded<Mutex<ObjShard>>]>,
-    stacks: Box<[Padded<Mutex<StackShard>>]>,
+    // Spin locks: held for one lookup or a bounded chunk of work, and released with a plain
+    // store, which halves the atomic read-modify-writes of a track + untrack against a parking
+    // mutex.
+    objs: Box<[Padded<SpinLock<ObjShard>>]>,
+    stacks: Box<[Padded<SpinLock<StackShard>>]>,
 
     active: Mutex<Active>,
     pending: Mutex<Vec<ObjRecord>>,
@@ -2199,6 +2202,32 @@ mod tests {
         assert_eq!(rec.stats().num_object_records, 0);
         strings.advance_generation();
         assert_eq!(strings.len(), 0);
+    }
+
+    #[test]
+    fn lines_beyond_i32_share_one_record_and_free_their_strings() {
+        let (rec, strings) = native();
+        // Stored saturated, these miss the hashed lookup and are found by the exact comparison
+        // of the insert path, which must neither duplicate the record nor leak string refs.
+        for line in [i64::MAX, i64::MIN, i64::from(i32::MAX) + 1] {
+            let frames = [
+                Frame::sym("far", "far.rs", line),
+                Frame::sym("near", "n.rs", 7),
+            ];
+            for id in 1..=3 {
+                rec.track(id, 1, 8, None, &frames).unwrap();
+            }
+            assert_eq!(rec.stats().num_heap_records, 1, "line {line}");
+            let far = strings.intern("far").unwrap();
+            assert_eq!(strings.refcount(far), Some(2), "line {line}");
+            strings.unintern(far).unwrap();
+            for id in 1..=3 {
+                assert!(rec.untrack(id));
+            }
+            assert_eq!(rec.stats().num_heap_records, 0);
+            strings.advance_generation();
+            assert_eq!(strings.len(), 0, "line {line}");
+        }
     }
 
     #[test]

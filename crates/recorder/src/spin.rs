@@ -77,6 +77,11 @@ impl<T> SpinLock<T> {
         }
     }
 
+    /// The value, through exclusive access to the lock (no locking needed).
+    pub(crate) fn get_mut(&mut self) -> &mut T {
+        self.value.get_mut()
+    }
+
     /// Whether the lock is held right now.
     #[cfg(test)]
     pub(crate) fn is_locked(&self) -> bool {
@@ -90,6 +95,12 @@ impl<T> SpinLock<T> {
     /// holder was a thread of the parent of a forked child.
     pub(crate) unsafe fn force_unlock(&self) {
         self.locked.store(false, Ordering::Release);
+    }
+}
+
+impl<T: Default> Default for SpinLock<T> {
+    fn default() -> Self {
+        SpinLock::new(T::default())
     }
 }
 
