@@ -292,6 +292,8 @@ fn sample(p: *mut u8, size: usize, weight: i64, entry_sp: u64) {
     let regs = unwind::current_regs();
     let n = unwind::unwind(regs, tls::current_stack_bounds(), entry_sp, &mut addrs);
     let addrs = &addrs[..n];
+    // Teaches the unwinder's fast path these frames (a few probes once they are known).
+    unwind::learn(addrs);
     state::with_active(|sh| record(sh, p, size, weight, addrs));
 }
 

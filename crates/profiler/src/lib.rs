@@ -55,6 +55,8 @@ mod state;
 mod symbolize;
 mod tls;
 mod unwind;
+#[cfg(target_arch = "x86_64")]
+mod unwind_rules;
 
 pub use alloc::{sample_weight, SamplingAllocator, DEFAULT_SAMPLING_INTERVAL};
 pub use error::ProfilerError;

@@ -1284,6 +1284,8 @@ fn take_stack(s: &Slot, stack: &mut Vec<u64>, stats: &crate::state::Stats) {
     let frames = unsafe { &(&*s.frames.get())[..n] };
     stack.clear();
     stack.extend_from_slice(frames);
+    // The next capture through these frames takes the fast path.
+    crate::unwind::learn(frames);
     stats.count_handler(s.handler_ns.load(Ordering::Relaxed));
     stats
         .handler_frames_total

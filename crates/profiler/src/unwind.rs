@@ -27,6 +27,7 @@ use std::cell::UnsafeCell;
 use std::ops::Deref;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use framehop::{
@@ -36,6 +37,8 @@ use framehop::{
 use parking_lot::Mutex;
 
 use crate::modules::{loaded_objects, objects_generation, LoadedObject};
+#[cfg(target_arch = "x86_64")]
+use crate::unwind_rules::{self, RuleModule, RuleTable, Step};
 
 /// Most frames one stack keeps.
 pub const MAX_FRAMES: usize = 128;
@@ -94,20 +97,39 @@ pub(crate) struct Snapshot {
     /// The main thread's `[stack]` mapping, which grows down past its recorded start.
     main_stack: Option<(u64, u64)>,
     objects_gen: (u64, u64),
+    /// Compact rules for the fast path, shared by the snapshots of one set of loaded objects.
+    #[cfg(target_arch = "x86_64")]
+    rules: Arc<RuleTable>,
+    /// `rules`' entries, one pointer away for the handler.
+    #[cfg(target_arch = "x86_64")]
+    rule_entries: unwind_rules::Entries,
     #[cfg(target_arch = "aarch64")]
     ptr_auth_mask: framehop::aarch64::PtrAuthMask,
 }
 
 impl Snapshot {
-    fn build() -> Snapshot {
+    /// `prev`: the snapshot being replaced, whose learned rules carry over when the loaded
+    /// objects did not change.
+    fn build(prev: Option<&Snapshot>) -> Snapshot {
         let objects_gen = objects_generation();
         let objects = loaded_objects();
         let mut unwinder = NativeUnwinder::new();
+        #[cfg(target_arch = "x86_64")]
+        let mut rule_modules = Vec::new();
         for obj in &objects {
-            if let Some(m) = module_for(obj) {
-                unwinder.add_module(m);
+            if let Some(sections) = Sections::of(obj) {
+                #[cfg(target_arch = "x86_64")]
+                rule_modules.push(sections.rule_module());
+                unwinder.add_module(sections.module(obj));
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        let rules = match prev {
+            Some(p) if p.objects_gen == objects_gen => Arc::clone(&p.rules),
+            _ => Arc::new(RuleTable::new(rule_modules)),
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = prev;
         let (rw_maps, main_stack) = read_rw_maps();
         #[cfg(target_arch = "aarch64")]
         let ptr_auth_mask = framehop::aarch64::PtrAuthMask::from_max_known_address(
@@ -118,6 +140,10 @@ impl Snapshot {
             rw_maps,
             main_stack,
             objects_gen,
+            #[cfg(target_arch = "x86_64")]
+            rule_entries: rules.entries(),
+            #[cfg(target_arch = "x86_64")]
+            rules,
             #[cfg(target_arch = "aarch64")]
             ptr_auth_mask,
         }
@@ -143,40 +169,84 @@ impl Snapshot {
 /// How far below the recorded start the main stack may have grown (default stack rlimit).
 const MAIN_STACK_GROWTH: u64 = 8 << 20;
 
-fn module_for(obj: &LoadedObject) -> Option<Module<MemSlice>> {
-    let (start, end) = obj.range()?;
-    let (hdr_start, hdr_end) = obj.eh_frame_hdr?;
-    let hdr_seg = obj.segment_of(hdr_start)?;
-    if hdr_end > hdr_seg.end || hdr_end <= hdr_start {
-        return None;
+/// Where a loaded object's unwind sections are, in memory.
+struct Sections {
+    start: u64,
+    end: u64,
+    base: u64,
+    hdr: MemSlice,
+    hdr_addr: u64,
+    eh_frame: MemSlice,
+    eh_frame_addr: u64,
+    /// The executable segment, relative to the object's base.
+    text: Option<std::ops::Range<u64>>,
+}
+
+impl Sections {
+    fn of(obj: &LoadedObject) -> Option<Sections> {
+        let (start, end) = obj.range()?;
+        let (hdr_start, hdr_end) = obj.eh_frame_hdr?;
+        let hdr_seg = obj.segment_of(hdr_start)?;
+        if hdr_end > hdr_seg.end || hdr_end <= hdr_start {
+            return None;
+        }
+        let hdr = MemSlice {
+            ptr: hdr_start as *const u8,
+            len: (hdr_end - hdr_start) as usize,
+        };
+        let eh_frame_start = eh_frame_address(&hdr, hdr_start)?;
+        // The section's size is not recorded anywhere in memory; lookups go through the index
+        // in `.eh_frame_hdr`, so the slice may extend to the end of the containing segment.
+        let eh_seg = obj.segment_of(eh_frame_start)?;
+        let eh_frame = MemSlice {
+            ptr: eh_frame_start as *const u8,
+            len: (eh_seg.end - eh_frame_start) as usize,
+        };
+        let text = obj
+            .segments
+            .iter()
+            .find(|s| s.flags & libc::PF_X != 0)
+            .map(|s| (s.start - obj.base)..(s.end - obj.base));
+        Some(Sections {
+            start,
+            end,
+            base: obj.base,
+            hdr,
+            hdr_addr: hdr_start,
+            eh_frame,
+            eh_frame_addr: eh_frame_start,
+            text,
+        })
     }
-    let hdr = MemSlice {
-        ptr: hdr_start as *const u8,
-        len: (hdr_end - hdr_start) as usize,
-    };
-    let eh_frame_start = eh_frame_address(&hdr, hdr_start)?;
-    // The section's size is not recorded anywhere in memory; lookups go through the index in
-    // `.eh_frame_hdr`, so the slice may extend to the end of the containing segment.
-    let eh_seg = obj.segment_of(eh_frame_start)?;
-    let eh_frame = MemSlice {
-        ptr: eh_frame_start as *const u8,
-        len: (eh_seg.end - eh_frame_start) as usize,
-    };
-    let text = obj
-        .segments
-        .iter()
-        .find(|s| s.flags & libc::PF_X != 0)
-        .map(|s| (s.start - obj.base)..(s.end - obj.base));
-    let info = ExplicitModuleSectionInfo {
-        base_svma: 0,
-        text_svma: text,
-        eh_frame_svma: Some((eh_frame_start - obj.base)..(eh_seg.end - obj.base)),
-        eh_frame: Some(eh_frame),
-        eh_frame_hdr_svma: Some((hdr_start - obj.base)..(hdr_end - obj.base)),
-        eh_frame_hdr: Some(hdr),
-        ..Default::default()
-    };
-    Some(Module::new(obj.name.clone(), start..end, obj.base, info))
+
+    fn module(&self, obj: &LoadedObject) -> Module<MemSlice> {
+        let rel = |a: u64, len: usize| (a - self.base)..(a - self.base + len as u64);
+        let info = ExplicitModuleSectionInfo {
+            base_svma: 0,
+            text_svma: self.text.clone(),
+            eh_frame_svma: Some(rel(self.eh_frame_addr, self.eh_frame.len)),
+            eh_frame: Some(self.eh_frame),
+            eh_frame_hdr_svma: Some(rel(self.hdr_addr, self.hdr.len)),
+            eh_frame_hdr: Some(self.hdr),
+            ..Default::default()
+        };
+        Module::new(obj.name.clone(), self.start..self.end, self.base, info)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Sections {
+    fn rule_module(&self) -> RuleModule {
+        RuleModule {
+            start: self.start,
+            end: self.end,
+            text_addr: self.text.as_ref().map_or(0, |t| self.base + t.start),
+            hdr: self.hdr,
+            hdr_addr: self.hdr_addr,
+            eh_frame: self.eh_frame,
+            eh_frame_addr: self.eh_frame_addr,
+        }
+    }
 }
 
 /// Decodes `eh_frame_ptr` from an `.eh_frame_hdr` mapped at `hdr_addr`.
@@ -239,9 +309,23 @@ fn read_rw_maps() -> (Vec<Range64>, Option<Range64>) {
     (out, main)
 }
 
-static SNAPSHOT: AtomicPtr<Snapshot> = AtomicPtr::new(ptr::null_mut());
-/// Number of readers currently inside some snapshot.
-static READERS: AtomicUsize = AtomicUsize::new(0);
+/// What every walk reads first, in one cache line: a handler finds it cold, and one miss is
+/// cheaper than three.
+#[repr(C, align(64))]
+struct Hot {
+    /// The published snapshot (SNAPSHOT in the comments).
+    snapshot: AtomicPtr<Snapshot>,
+    /// Number of readers currently inside some snapshot (READERS in the comments).
+    readers: AtomicUsize,
+    /// The unwinder cache pool, allocated once and never freed (POOL in the comments).
+    pool: AtomicPtr<Box<[PoolEntry]>>,
+}
+
+static HOT: Hot = Hot {
+    snapshot: AtomicPtr::new(ptr::null_mut()),
+    readers: AtomicUsize::new(0),
+    pool: AtomicPtr::new(ptr::null_mut()),
+};
 /// Snapshots replaced but possibly still read by a handler.
 static RETIRED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 /// Set by readers that found no stack mapping for their `sp`: the maps need a refresh.
@@ -260,7 +344,7 @@ pub(crate) fn snapshot_builds() -> usize {
 pub(crate) fn refresh(maps_changed: bool) -> bool {
     // Writers are serialized by this lock; only they free snapshots, so `current` stays valid.
     let mut retired = RETIRED.lock();
-    let current = SNAPSHOT.load(Ordering::SeqCst);
+    let current = HOT.snapshot.load(Ordering::SeqCst);
     let stale = MAPS_STALE.swap(false, Ordering::SeqCst);
     // SAFETY: see above: a published snapshot is freed only by a writer holding the lock.
     let gen_changed =
@@ -269,9 +353,11 @@ pub(crate) fn refresh(maps_changed: bool) -> bool {
         reclaim(&mut retired, Duration::ZERO);
         return false;
     }
-    let new = Box::into_raw(Box::new(Snapshot::build()));
+    // SAFETY: as above.
+    let prev = (!current.is_null()).then(|| unsafe { &*current });
+    let new = Box::into_raw(Box::new(Snapshot::build(prev)));
     BUILDS.fetch_add(1, Ordering::Relaxed);
-    let old = SNAPSHOT.swap(new, Ordering::SeqCst);
+    let old = HOT.snapshot.swap(new, Ordering::SeqCst);
     if !old.is_null() {
         retired.push(old as usize);
     }
@@ -286,7 +372,7 @@ fn reclaim(retired: &mut Vec<usize>, wait: Duration) {
     }
     let deadline = Instant::now() + wait;
     loop {
-        if READERS.load(Ordering::SeqCst) == 0 {
+        if HOT.readers.load(Ordering::SeqCst) == 0 {
             for p in retired.drain(..) {
                 // SAFETY: `p` came from Box::into_raw, was swapped out of SNAPSHOT before the
                 // reader count was seen at zero, so no reader holds it and none can load it.
@@ -304,8 +390,8 @@ fn reclaim(retired: &mut Vec<usize>, wait: Duration) {
 /// In a forked child only the forking thread survives: readers that were inside a snapshot
 /// are gone, and so are cache borrowers.
 pub(crate) fn after_fork_in_child() {
-    READERS.store(0, Ordering::SeqCst);
-    let pool = POOL.load(Ordering::SeqCst);
+    HOT.readers.store(0, Ordering::SeqCst);
+    let pool = HOT.pool.load(Ordering::SeqCst);
     if !pool.is_null() {
         // SAFETY: the pool is never freed once published.
         for e in unsafe { (*pool).iter() } {
@@ -322,11 +408,9 @@ struct PoolEntry {
 // SAFETY: `cache` is only accessed by the holder of `busy`, acquired with a compare-and-swap.
 unsafe impl Sync for PoolEntry {}
 
-static POOL: AtomicPtr<Box<[PoolEntry]>> = AtomicPtr::new(ptr::null_mut());
-
 /// Allocates the unwinder cache pool once (never freed: handlers may hold an entry at any time).
 pub(crate) fn init_pool() {
-    if !POOL.load(Ordering::SeqCst).is_null() {
+    if !HOT.pool.load(Ordering::SeqCst).is_null() {
         return;
     }
     let n = std::thread::available_parallelism()
@@ -342,7 +426,8 @@ pub(crate) fn init_pool() {
         })
         .collect();
     let raw = Box::into_raw(Box::new(entries));
-    if POOL
+    if HOT
+        .pool
         .compare_exchange(ptr::null_mut(), raw, Ordering::SeqCst, Ordering::SeqCst)
         .is_err()
     {
@@ -365,23 +450,44 @@ pub(crate) fn unwind(
     skip_to_sp: u64,
     out: &mut [u64],
 ) -> usize {
+    unwind_counted(regs, bounds, skip_to_sp, out, true).0
+}
+
+/// [`unwind`], also returning how many frames the compact rules stepped through; `fast` off
+/// leaves every frame to framehop (tests compare the two).
+fn unwind_counted(
+    regs: StartRegs,
+    bounds: Option<(usize, usize)>,
+    skip_to_sp: u64,
+    out: &mut [u64],
+    fast: bool,
+) -> (usize, usize) {
     if out.is_empty() {
-        return 0;
+        return (0, 0);
     }
     out[0] = regs.pc;
+    let sp = regs.sp;
+    // Everything below is cold in a handler: start the stack's misses now, in parallel.
+    let known = bounds.filter(|&(lo, hi)| (lo as u64) <= sp && sp < hi as u64);
+    if let Some((_, hi)) = known {
+        prefetch_stack(sp, hi as u64);
+    }
     let _reader = ReaderGuard::enter();
-    let snap = SNAPSHOT.load(Ordering::SeqCst);
-    let pool = POOL.load(Ordering::SeqCst);
+    let snap = HOT.snapshot.load(Ordering::SeqCst);
+    let pool = HOT.pool.load(Ordering::SeqCst);
     if snap.is_null() || pool.is_null() {
-        return 1;
+        return (1, 0);
     }
     // SAFETY: a published snapshot stays alive while READERS counts us (see `reclaim`); the
     // pool is never freed.
     let (snap, pool) = unsafe { (&*snap, &*pool) };
-    let sp = regs.sp;
-    let range = match bounds {
-        Some((lo, hi)) if (lo as u64) <= sp && sp < hi as u64 => Some((sp, hi as u64)),
-        _ => snap.stack_of(sp).or_else(|| {
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        unwind_rules::prefetch(&snap.rule_entries, regs.pc);
+    }
+    let range = match known {
+        Some((_, hi)) => Some((sp, hi as u64)),
+        None => snap.stack_of(sp).or_else(|| {
             // A stack newer than the snapshot: ask for a refresh, use the fallback meanwhile.
             MAPS_STALE.store(true, Ordering::Relaxed);
             thread_pointer_bound(sp)
@@ -389,17 +495,8 @@ pub(crate) fn unwind(
     };
     let Some((lo, hi)) = range else {
         MAPS_STALE.store(true, Ordering::Relaxed);
-        return 1;
+        return (1, 0);
     };
-    let Some(entry) = pool.iter().find(|e| {
-        e.busy
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-    }) else {
-        return 1;
-    };
-    // SAFETY: we own `entry` until `busy` is released below.
-    let cache = unsafe { &mut *entry.cache.get() };
     let mut read_stack = |addr: u64| -> Result<u64, ()> {
         if addr >= lo && addr.checked_add(8).is_some_and(|e| e <= hi) {
             // SAFETY: [addr, addr+8) lies within the live stack mapping containing sp.
@@ -417,18 +514,61 @@ pub(crate) fn unwind(
         regs.sp,
         regs.fp,
     );
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = fast;
     let mut uregs = uregs;
+    if known.is_none() {
+        prefetch_stack(lo, hi);
+    }
     let mut n = 0;
+    let mut fast_frames = 0;
+    // A framehop cache, borrowed from the pool the first time a frame needs framehop.
+    let mut entry: Option<&PoolEntry> = None;
     let mut frame = FrameAddress::from_instruction_pointer(regs.pc);
     // Bounded by frames written and by steps taken (skipped frames count too).
     for _ in 0..out.len() + 64 {
         if n >= out.len() {
             break;
         }
+        let lookup = frame.address_for_lookup();
         if uregs.sp() >= skip_to_sp {
-            out[n] = frame.address_for_lookup();
+            out[n] = lookup;
             n += 1;
         }
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            if let Some(rule) = unwind_rules::rule(&snap.rule_entries, lookup) {
+                match unwind_rules::step(rule, &mut uregs, &mut read_stack) {
+                    Step::Next(ret) => {
+                        fast_frames += 1;
+                        match FrameAddress::from_return_address(ret) {
+                            Some(f) => frame = f,
+                            None => break,
+                        }
+                        continue;
+                    }
+                    Step::End => break,
+                    Step::Fallback => {}
+                }
+            }
+        }
+        let e = match entry {
+            Some(e) => e,
+            None => {
+                let Some(e) = pool.iter().find(|e| {
+                    e.busy
+                        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                        .is_ok()
+                }) else {
+                    // Every cache is busy: the stack ends here.
+                    break;
+                };
+                entry = Some(e);
+                e
+            }
+        };
+        // SAFETY: we own `e` (its `busy` flag) until it is released below.
+        let cache = unsafe { &mut *e.cache.get() };
         match snap
             .unwinder
             .unwind_frame(frame, &mut uregs, cache, &mut read_stack)
@@ -440,12 +580,58 @@ pub(crate) fn unwind(
             _ => break,
         }
     }
-    entry.busy.store(false, Ordering::Release);
+    if let Some(e) = entry {
+        e.busy.store(false, Ordering::Release);
+    }
     if n == 0 {
         out[0] = regs.pc;
         n = 1;
     }
-    n
+    (n, fast_frames)
+}
+
+/// How much of the stack above `sp` a walk prefetches: a handler finds the stack cold, and a walk
+/// reads it as a chain of dependent loads (each frame's position comes from the previous one),
+/// so without prefetching every cache miss is paid one after the other.
+const PREFETCH_BYTES: u64 = 8192;
+
+/// Asks the CPU to fetch `[lo, min(hi, lo + PREFETCH_BYTES))` into the cache, all at once.
+#[inline]
+fn prefetch_stack(lo: u64, hi: u64) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let end = hi.min(lo.saturating_add(PREFETCH_BYTES));
+        let mut line = lo & !63;
+        while line < end {
+            // SAFETY: a prefetch is a hint: it never faults nor changes memory, whatever the
+            // address (this one lies in the stack mapping anyway).
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    line as *const i8,
+                )
+            };
+            line += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (lo, hi);
+}
+
+/// Lets the fast path learn the rules for `addrs` (lookup addresses of a captured stack).
+/// Best effort and cheap when everything is known; allocates otherwise, so never call it from
+/// a signal handler.
+pub(crate) fn learn(addrs: &[u64]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let _reader = ReaderGuard::enter();
+        let snap = HOT.snapshot.load(Ordering::SeqCst);
+        if !snap.is_null() {
+            // SAFETY: a published snapshot stays alive while READERS counts us.
+            unsafe { &*snap }.rules.learn(addrs);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = addrs;
 }
 
 /// Whether a reader found no stack mapping since the last refresh.
@@ -495,14 +681,14 @@ struct ReaderGuard;
 
 impl ReaderGuard {
     fn enter() -> ReaderGuard {
-        READERS.fetch_add(1, Ordering::SeqCst);
+        HOT.readers.fetch_add(1, Ordering::SeqCst);
         ReaderGuard
     }
 }
 
 impl Drop for ReaderGuard {
     fn drop(&mut self) {
-        READERS.fetch_sub(1, Ordering::SeqCst);
+        HOT.readers.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -644,5 +830,55 @@ mod tests {
         hdr.extend_from_slice(&(-0x20i32).to_le_bytes());
         assert_eq!(eh_frame_address(&hdr, 0x1000), Some(0x1000 + 4 - 0x20));
         assert_eq!(eh_frame_address(&[2, 0, 0, 0, 0, 0, 0, 0], 0), None);
+    }
+
+    /// Recursion through a function compiled without frame pointers and through `level1`/
+    /// `level2`, so the stack has many frames and several distinct rules.
+    #[inline(never)]
+    fn recurse(depth: u32, out: &mut [u64], fast: bool) -> (usize, usize) {
+        if depth == 0 {
+            let regs = current_regs();
+            unwind_counted(regs, crate::tls::current_stack_bounds(), 0, out, fast)
+        } else {
+            let r = std::hint::black_box(recurse(depth - 1, out, fast));
+            (r.0, std::hint::black_box(r.1))
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn compact_rules_unwind_exactly_like_framehop() {
+        init_pool();
+        refresh(true);
+        // One call site for every walk, so all stacks are the same down to the thread's start:
+        // framehop alone, fast path before learning (falls back everywhere), after learning.
+        let mut stacks = Vec::new();
+        for (round, fast) in [false, true, true].into_iter().enumerate() {
+            let mut out = [0u64; MAX_FRAMES];
+            let (n, used) = recurse(20, &mut out, fast);
+            if round == 1 {
+                learn(&out[..n]);
+            }
+            stacks.push((out[..n].to_vec(), used));
+        }
+        let (slow, fast_before, fast_after) = (&stacks[0], &stacks[1], &stacks[2]);
+        assert!(
+            slow.0.len() > 22,
+            "framehop walked only {} frames",
+            slow.0.len()
+        );
+        assert_eq!(slow.1, 0);
+        assert_eq!(fast_before.0, slow.0);
+        assert_eq!(
+            fast_after.0, slow.0,
+            "the compact rules must give framehop's stack"
+        );
+        // The recursion's frames, at least, have compact rules.
+        assert!(
+            fast_after.1 >= 20,
+            "only {} of {} frames took the fast path",
+            fast_after.1,
+            fast_after.0.len()
+        );
     }
 }
