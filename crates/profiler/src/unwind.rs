@@ -391,6 +391,15 @@ fn reclaim(retired: &mut Vec<usize>, wait: Duration) {
 /// are gone, and so are cache borrowers.
 pub(crate) fn after_fork_in_child() {
     HOT.readers.store(0, Ordering::SeqCst);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let snap = HOT.snapshot.load(Ordering::SeqCst);
+        if !snap.is_null() {
+            // SAFETY: the only thread left is this one, and it is not inside a reader: nothing
+            // can free the snapshot meanwhile.
+            unsafe { &*snap }.rules.after_fork_in_child();
+        }
+    }
     let pool = HOT.pool.load(Ordering::SeqCst);
     if !pool.is_null() {
         // SAFETY: the pool is never freed once published.

@@ -15,7 +15,8 @@
 //! entry with a release store of its key after its rule. Entries are written once; the table
 //! belongs to one set of loaded objects and is replaced with them.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use framehop::x86_64::UnwindRegsX86_64;
@@ -24,7 +25,6 @@ use addr2line::gimli::{
     BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, RegisterRule, UnwindContext,
     UnwindSection, X86_64,
 };
-use parking_lot::Mutex;
 
 use crate::unwind::MemSlice;
 
@@ -64,9 +64,19 @@ pub(crate) struct RuleTable {
     entries: Entries,
     /// Sorted by start, non-overlapping.
     modules: Vec<RuleModule>,
-    /// Serializes writers; holds gimli's evaluation state between derivations.
-    writer: Mutex<Box<UnwindContext<usize>>>,
+    /// Held by the one writer (try-lock only, so nobody ever waits); a plain flag rather than a
+    /// mutex so a forked child can clear it when the holder did not survive the fork.
+    writing: AtomicBool,
+    /// gimli's evaluation state, used by the holder of `writing`.
+    ctx: UnsafeCell<Box<UnwindContext<usize>>>,
 }
+
+// SAFETY: `ctx` is only touched by the holder of `writing` (taken with a compare-and-swap);
+// everything else is atomics or immutable after construction (`modules` points at read-only
+// sections of loaded objects).
+unsafe impl Sync for RuleTable {}
+// SAFETY: as above; nothing in the table is tied to the thread that built it.
+unsafe impl Send for RuleTable {}
 
 /// What one fast step did.
 #[derive(Debug, PartialEq, Eq)]
@@ -90,8 +100,14 @@ impl RuleTable {
                 })
                 .collect(),
             modules,
-            writer: Mutex::new(Box::new(UnwindContext::new())),
+            writing: AtomicBool::new(false),
+            ctx: UnsafeCell::new(Box::new(UnwindContext::new())),
         }
+    }
+
+    /// In a forked child: a learner that held the table did not survive the fork.
+    pub(crate) fn after_fork_in_child(&self) {
+        self.writing.store(false, Ordering::Release);
     }
 
     /// The entries, for [`rule`].
@@ -113,14 +129,20 @@ impl RuleTable {
         if addrs.iter().all(|&a| a == 0 || self.known(a)) {
             return;
         }
-        let Some(mut ctx) = self.writer.try_lock() else {
+        if self
+            .writing
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
             return;
-        };
+        }
+        // SAFETY: `writing` is ours until released below; only its holder touches `ctx`.
+        let ctx = unsafe { &mut *self.ctx.get() };
         for &addr in addrs {
             if addr == 0 || self.known(addr) {
                 continue;
             }
-            let rule = self.derive(&mut ctx, addr).unwrap_or(NO_RULE);
+            let rule = self.derive(ctx, addr).unwrap_or(NO_RULE);
             let home = home(addr);
             if let Some(e) = [home, home ^ 1]
                 .iter()
@@ -132,6 +154,7 @@ impl RuleTable {
                 e.key.store(addr, Ordering::Release);
             }
         }
+        self.writing.store(false, Ordering::Release);
     }
 
     /// The compact form of the CFI row for `addr`, when the row has one.
