@@ -253,6 +253,13 @@ fn main() {
         median(&mut pprof_handler) / 1e3
     ));
     let samples_m = median(&mut samples_cpu);
+    let latency = ferroprof_bench::memory_latency_ns();
+    report.push_str(&format!(
+        "\nHost memory latency right after the CPU rounds (dependent random loads over 64 MiB): \
+         {latency:.0} ns. A handler interrupts a thread that ran other code for 10 ms, finds its \
+         memory cold and walks the stack as a chain of dependent loads, so its cost follows this \
+         figure.\n"
+    ));
     report.push_str(&format!(
         "\nferroprof signal handler: {:.0} ns per sample (run medians of the per-run mean; of \
          the per-run median: {:.0} ns) at a median {:.0} frames; \

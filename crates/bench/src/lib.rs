@@ -140,6 +140,28 @@ pub fn start_alloc_profiler(
 }
 
 /// Median of `v` (sorted in place).
+/// Nanoseconds per dependent load at random places in 64 MiB: the host's memory latency (cache
+/// and TLB misses) right now. A signal handler finds its memory cold, so its cost follows this
+/// figure; the CPU benchmark reports it next to the handler's.
+pub fn memory_latency_ns() -> f64 {
+    let n = (64usize << 20) / 8;
+    // One random cycle through every slot (Sattolo's shuffle), so each load depends on the last.
+    let mut next_slot: Vec<usize> = (0..n).collect();
+    let mut r = 0x2545_f491_4f6c_dd1d_u64;
+    for i in (1..n).rev() {
+        let j = (self::next(&mut r) % i as u64) as usize;
+        next_slot.swap(i, j);
+    }
+    let steps = 1_000_000;
+    let mut p = 0usize;
+    let t = Instant::now();
+    for _ in 0..steps {
+        p = next_slot[p];
+    }
+    std::hint::black_box(p);
+    t.elapsed().as_nanos() as f64 / steps as f64
+}
+
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
