@@ -94,10 +94,11 @@ struct Slot {
     state: AtomicU32,
     seq: AtomicU32,
     len: AtomicU32,
+    /// The whole handler's run time, from the payload check to the last store.
     handler_ns: AtomicU64,
-    /// The thread's CPU clock when its handler finished, to tell later whether it ran since.
-    cpu_end: AtomicU64,
-    /// The monotonic clock then (orders a ring's captures, and gives their wall time).
+    /// The monotonic clock when the handler finished (orders a ring's captures, and gives
+    /// their wall time). The thread's CPU clock is not read here: on Linux that is a system
+    /// call, the most expensive thing a handler would do; the sampler reads it instead.
     wall_at: AtomicU64,
     frames: UnsafeCell<[u64; MAX_FRAMES]>,
 }
@@ -109,7 +110,6 @@ impl Slot {
             seq: AtomicU32::new(0),
             len: AtomicU32::new(0),
             handler_ns: AtomicU64::new(0),
-            cpu_end: AtomicU64::new(0),
             wall_at: AtomicU64::new(0),
             frames: UnsafeCell::new([0; MAX_FRAMES]),
         }
@@ -257,6 +257,7 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
         (libc::SI_TIMER, TIMER_MAGIC) => true,
         _ => return false,
     };
+    let t0 = monotonic_ns();
     let idx = (ki.value & 0xffff) as usize;
     let seq = (ki.value >> 16) as u32;
     let slot = if timer {
@@ -281,7 +282,6 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
         }
         slot
     };
-    let t0 = monotonic_ns();
     // SAFETY: ctx is this handler's ucontext.
     let regs = unsafe { unwind::regs_from_ucontext(ctx) };
     // SAFETY: the slot is REQUESTED for this very request, or this handler claimed it from
@@ -289,13 +289,10 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
     let frames = unsafe { &mut *slot.frames.get() };
     let n = unwind::unwind(regs, tls::known_stack_bounds(), 0, frames);
     slot.len.store(n as u32, Ordering::Relaxed);
+    let end = monotonic_ns();
     slot.handler_ns
-        .store(monotonic_ns().saturating_sub(t0), Ordering::Relaxed);
-    slot.cpu_end.store(
-        clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0),
-        Ordering::Relaxed,
-    );
-    slot.wall_at.store(monotonic_ns(), Ordering::Relaxed);
+        .store(end.saturating_sub(t0), Ordering::Relaxed);
+    slot.wall_at.store(end, Ordering::Relaxed);
     slot.state.store(DONE, Ordering::Release);
     true
 }
@@ -901,7 +898,7 @@ impl Sampler {
 
         // Stacks the thread's CPU timer captured since the last visit (they cover this tick if
         // it was busy).
-        if self.take_timer_captures(tid, ticks, busy) {
+        if self.take_timer_captures(tid, ticks, busy, Some(cpu)) {
             return true;
         }
         let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
@@ -1080,7 +1077,18 @@ impl Sampler {
     /// sum); true then: they cover this tick. A thread that was not busy also spent time off
     /// CPU, which belongs to where it waited, not to where it ran: its captures get their CPU
     /// time only, and its wall time and ticks are left to the visit (false).
-    fn take_timer_captures(&mut self, tid: i32, ticks: i64, busy: bool) -> bool {
+    ///
+    /// `cpu_now` is the thread's CPU clock read just now by the sampler (`None` when it could
+    /// not be read, e.g. the thread is gone): the CPU time since the last sample is split evenly
+    /// over the captures, each of which the timer took after one period of CPU time. Without a
+    /// reading each capture is credited one period.
+    fn take_timer_captures(
+        &mut self,
+        tid: i32,
+        ticks: i64,
+        busy: bool,
+        cpu_now: Option<u64>,
+    ) -> bool {
         let Some(r) = self
             .threads
             .get(&tid)
@@ -1113,6 +1121,14 @@ impl Sampler {
             .stats
             .cpu_timer_samples
             .fetch_add(k as u64, Ordering::Relaxed);
+        let period = 1_000_000_000 / self.shared.settings.cpu_hz.max(1) as u64;
+        let (cpu_total, cpu_ref) = match (cpu_now, self.threads.get(&tid)) {
+            (Some(now), Some(info)) => (now.saturating_sub(info.last_cpu), now),
+            (_, info) => {
+                let total = period * k as u64;
+                (total, info.map_or(0, |i| i.last_cpu) + total)
+            }
+        };
         for (j, &i) in done[..k].iter().enumerate() {
             let s = &ring.slots[i];
             let Some(info) = self.threads.get_mut(&tid) else {
@@ -1120,12 +1136,14 @@ impl Sampler {
             };
             take_stack(s, &mut info.stack, &self.shared.stats);
             info.has_stack = !info.stack.is_empty();
-            let cpu_end = s.cpu_end.load(Ordering::Relaxed);
             let wall_at = s.wall_at.load(Ordering::Relaxed);
             s.state.store(ARMED, Ordering::Release);
-            info.idle_ref = cpu_end;
-            let cpu_ns = cpu_end.saturating_sub(info.last_cpu) as i64;
-            info.last_cpu = info.last_cpu.max(cpu_end);
+            let (j64, k64) = (j as u64, k as u64);
+            let cpu_ns = (cpu_total * (j64 + 1) / k64 - cpu_total * j64 / k64) as i64;
+            if j + 1 == k {
+                info.last_cpu = info.last_cpu.max(cpu_ref);
+                info.idle_ref = cpu_ref;
+            }
             let mut wall_ns = 0;
             if busy {
                 wall_ns = wall_at.saturating_sub(info.last_wall) as i64;
@@ -1141,7 +1159,12 @@ impl Sampler {
     /// Ends the CPU timer of `tid`: records what it captured, and the ticks still waiting for
     /// it on the thread's last known stack (it was busy there a moment ago).
     fn settle_timer(&mut self, tid: i32, thread_gone: bool) {
-        self.take_timer_captures(tid, 0, true);
+        let cpu_now = if thread_gone {
+            None
+        } else {
+            thread_cpu_ns(tid)
+        };
+        self.take_timer_captures(tid, 0, true, cpu_now);
         let now = monotonic_ns();
         let Some(info) = self.threads.get_mut(&tid) else {
             return;
@@ -1187,7 +1210,9 @@ impl Sampler {
         let s = Self::slot(p.idx);
         take_stack(s, &mut info.stack, &self.shared.stats);
         info.has_stack = !info.stack.is_empty();
-        info.idle_ref = s.cpu_end.load(Ordering::Relaxed);
+        // The CPU clock when the request was sent: the handler ran after it, so a thread whose
+        // clock has not moved past it (give or take the handler) has not run since.
+        info.idle_ref = p.cpu;
         s.state.store(IDLE, Ordering::Release);
         self.free_slots.push(p.idx);
         let cpu = p.cpu.saturating_sub(info.last_cpu) as i64;
