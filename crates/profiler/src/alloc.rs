@@ -290,7 +290,7 @@ fn draw_countdown(s: &ThreadState, interval: u64) -> i64 {
 fn sample(p: *mut u8, size: usize, weight: i64, entry_sp: u64) {
     let mut addrs = [0u64; MAX_FRAMES];
     let regs = unwind::current_regs();
-    let n = unwind::unwind(regs, tls::current_stack_bounds(), entry_sp, &mut addrs);
+    let n = unwind::unwind(regs, tls::current_stack_bounds(), entry_sp, &mut addrs, 0);
     let addrs = &addrs[..n];
     // Teaches the unwinder's fast path these frames (a few probes once they are known).
     unwind::learn(addrs);

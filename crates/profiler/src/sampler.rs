@@ -293,7 +293,9 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
     // SAFETY: the slot is REQUESTED for this very request, or this handler claimed it from
     // ARMED: only this handler writes its frames until it publishes DONE.
     let frames = unsafe { &mut *slot.frames.get() };
-    let n = unwind::unwind(regs, tls::known_stack_bounds(), 0, frames);
+    // The slot still holds the stack it captured last time (a ring's slots are reused).
+    let stale = slot.len.load(Ordering::Relaxed) as usize;
+    let n = unwind::unwind(regs, tls::known_stack_bounds(), 0, frames, stale);
     slot.len.store(n as u32, Ordering::Relaxed);
     let end = stamp();
     slot.handler_stamps

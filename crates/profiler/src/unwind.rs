@@ -453,13 +453,19 @@ pub(crate) fn init_pool() {
 ///
 /// Async-signal-safe: no allocation, no lock, no waiting; memory reads stay within the stack
 /// mapping containing `regs.sp`.
+///
+/// `stale`: how many entries of `out` still hold an earlier stack of the same thread (a
+/// reused capture slot). Their rules are prefetched before the walk: a thread's stacks repeat
+/// from one sample to the next, and a handler would otherwise meet each rule's cache miss
+/// only when its frame comes up, one after the other.
 pub(crate) fn unwind(
     regs: StartRegs,
     bounds: Option<(usize, usize)>,
     skip_to_sp: u64,
     out: &mut [u64],
+    stale: usize,
 ) -> usize {
-    unwind_counted(regs, bounds, skip_to_sp, out, true).0
+    unwind_counted(regs, bounds, skip_to_sp, out, true, stale).0
 }
 
 /// [`unwind`], also returning how many frames the compact rules stepped through; `fast` off
@@ -470,6 +476,7 @@ fn unwind_counted(
     skip_to_sp: u64,
     out: &mut [u64],
     fast: bool,
+    stale: usize,
 ) -> (usize, usize) {
     if out.is_empty() {
         return (0, 0);
@@ -493,7 +500,12 @@ fn unwind_counted(
     #[cfg(target_arch = "x86_64")]
     if fast {
         unwind_rules::prefetch(&snap.rule_entries, regs.pc);
+        for &a in out.iter().take(stale).skip(1) {
+            unwind_rules::prefetch(&snap.rule_entries, a);
+        }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = stale;
     let range = match known {
         Some((_, hi)) => Some((sp, hi as u64)),
         None => snap.stack_of(sp).or_else(|| {
@@ -794,7 +806,7 @@ mod tests {
     #[inline(never)]
     fn capture(out: &mut [u64]) -> usize {
         let regs = current_regs();
-        unwind(regs, crate::tls::current_stack_bounds(), 0, out)
+        unwind(regs, crate::tls::current_stack_bounds(), 0, out, 0)
     }
 
     #[inline(never)]
@@ -848,7 +860,7 @@ mod tests {
     fn recurse(depth: u32, out: &mut [u64], fast: bool) -> (usize, usize) {
         if depth == 0 {
             let regs = current_regs();
-            unwind_counted(regs, crate::tls::current_stack_bounds(), 0, out, fast)
+            unwind_counted(regs, crate::tls::current_stack_bounds(), 0, out, fast, 0)
         } else {
             let r = std::hint::black_box(recurse(depth - 1, out, fast));
             (r.0, std::hint::black_box(r.1))
