@@ -139,7 +139,6 @@ pub fn start_alloc_profiler(
         .expect("profiler starts")
 }
 
-/// Median of `v` (sorted in place).
 /// Nanoseconds per dependent load at random places in 64 MiB: the host's memory latency (cache
 /// and TLB misses) right now. A signal handler finds its memory cold, so its cost follows this
 /// figure; the CPU benchmark reports it next to the handler's.
@@ -162,6 +161,7 @@ pub fn memory_latency_ns() -> f64 {
     t.elapsed().as_nanos() as f64 / steps as f64
 }
 
+/// Median of `v` (sorted in place).
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
