@@ -315,6 +315,43 @@ fn shard_of(hash: u64, shards: usize) -> usize {
 
 const MIN_INDEX_SLOTS: usize = 16;
 
+// Both shard kinds index with linear probing over a power-of-two table whose 0 entries are
+// free; `home` gives an entry's home position (before masking).
+
+/// Puts `entry` in the first free slot from `home` on.
+fn probe_place<T: Copy + PartialEq + Default>(table: &mut [T], home: usize, entry: T) {
+    let mask = table.len() - 1;
+    let mut i = home & mask;
+    while table[i] != T::default() {
+        i = (i + 1) & mask;
+    }
+    table[i] = entry;
+}
+
+/// Backward-shift deletion of the entry at `hole`: later entries of its probe run move up, so
+/// every chain stays gap-free without tombstones.
+fn probe_delete<T: Copy + PartialEq + Default>(
+    table: &mut [T],
+    mut hole: usize,
+    home: impl Fn(T) -> usize,
+) {
+    let mask = table.len() - 1;
+    let mut j = hole;
+    loop {
+        j = (j + 1) & mask;
+        let e = table[j];
+        if e == T::default() {
+            break;
+        }
+        // The entry may fill the hole when the hole lies on its probe path [home, j).
+        if (j.wrapping_sub(home(e)) & mask) >= (j.wrapping_sub(hole) & mask) {
+            table[hole] = e;
+            hole = j;
+        }
+    }
+    table[hole] = T::default();
+}
+
 #[derive(Default)]
 struct ObjShard {
     /// Dense, unordered; removal swaps the last record into the hole.
@@ -360,12 +397,7 @@ impl ObjShard {
     }
 
     fn place(&mut self, hash: u64, value: u32) {
-        let mask = self.mask();
-        let mut i = hash as usize & mask;
-        while self.slots[i] != 0 {
-            i = (i + 1) & mask;
-        }
-        self.slots[i] = value;
+        probe_place(&mut self.slots, hash as usize, value);
     }
 
     fn rebuild_index(&mut self, len: usize) {
@@ -399,7 +431,10 @@ impl ObjShard {
     fn remove(&mut self, id: u64, hash: u64) -> Option<ObjRecord> {
         let i = self.find(id, hash)?;
         let pos = self.slots[i] as usize - 1;
-        self.delete_slot(i);
+        let recs = &self.recs;
+        probe_delete(&mut self.slots, i, |s| {
+            mix64(recs[s as usize - 1].id) as usize
+        });
         let last = self.recs.len() - 1;
         if pos != last {
             // The last record moves into `pos`: repoint its index slot (found by value, since
@@ -422,27 +457,6 @@ impl ObjShard {
         let rec = self.recs.swap_remove(pos);
         self.maybe_shrink();
         Some(rec)
-    }
-
-    /// Backward-shift deletion: keeps every probe chain gap-free without tombstones.
-    fn delete_slot(&mut self, slot: usize) {
-        let mask = self.mask();
-        let mut hole = slot;
-        let mut j = slot;
-        loop {
-            j = (j + 1) & mask;
-            let s = self.slots[j];
-            if s == 0 {
-                break;
-            }
-            let home = mix64(self.recs[s as usize - 1].id) as usize & mask;
-            // The entry may fill the hole when the hole lies on its probe path [home, j).
-            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.slots[hole] = s;
-                hole = j;
-            }
-        }
-        self.slots[hole] = 0;
     }
 
     /// Gives memory back once most objects died (with hysteresis so churn does not thrash).
@@ -517,12 +531,7 @@ impl StackShard {
     }
 
     fn place(&mut self, entry: u64) {
-        let mask = self.index.len() - 1;
-        let mut i = (entry >> 32) as usize & mask;
-        while self.index[i] != 0 {
-            i = (i + 1) & mask;
-        }
-        self.index[i] = entry;
+        probe_place(&mut self.index, (entry >> 32) as usize, entry);
     }
 
     fn rebuild_index(&mut self, len: usize) {
@@ -540,7 +549,7 @@ impl StackShard {
         self.indexed += 1;
     }
 
-    /// Removes `slot` (whose hash word is `hash`) from the index, by backward-shift deletion.
+    /// Removes `slot` (whose hash word is `hash`) from the index.
     fn index_remove(&mut self, hash: u64, slot: usize) {
         let mask = self.index.len() - 1;
         let target = (hash << 32) | (slot as u64 + 1);
@@ -552,20 +561,7 @@ impl StackShard {
             }
             hole = (hole + 1) & mask;
         }
-        let mut j = hole;
-        loop {
-            j = (j + 1) & mask;
-            let e = self.index[j];
-            if e == 0 {
-                break;
-            }
-            let home = (e >> 32) as usize & mask;
-            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.index[hole] = e;
-                hole = j;
-            }
-        }
-        self.index[hole] = 0;
+        probe_delete(&mut self.index, hole, |e| (e >> 32) as usize);
         self.indexed -= 1;
         if self.index.len() > MIN_INDEX_SLOTS && self.indexed * 8 < self.index.len() {
             self.rebuild_index((self.index.len() / 2).max(MIN_INDEX_SLOTS));
@@ -1355,33 +1351,31 @@ impl HeapRecorder {
             return Ok(None);
         }
         let mut ids = Vec::new();
-        {
-            // Ids handed in by the caller are turned back into text: the record needs references
-            // of its own, and interning is the only way to take one.
-            let mut owned = Vec::new();
-            for f in frames {
-                if let Frame::Symbol { name, filename, .. } = f {
-                    for s in [name, filename] {
-                        if let Str::Id(id) = s {
-                            owned.push(self.strings.get(*id)?);
-                        }
+        // Ids handed in by the caller are turned back into text: the record needs references
+        // of its own, and interning is the only way to take one.
+        let mut owned = Vec::new();
+        for f in frames {
+            if let Frame::Symbol { name, filename, .. } = f {
+                for s in [name, filename] {
+                    if let Str::Id(id) = s {
+                        owned.push(self.strings.get(*id)?);
                     }
                 }
             }
-            let mut owned_iter = owned.iter();
-            let mut strs: Vec<&str> = Vec::with_capacity(2 * frames.len());
-            for f in frames {
-                if let Frame::Symbol { name, filename, .. } = f {
-                    for s in [name, filename] {
-                        strs.push(match s {
-                            Str::Lit(t) => t,
-                            Str::Id(_) => owned_iter.next().map_or("", String::as_str),
-                        });
-                    }
-                }
-            }
-            self.strings.intern_all(&strs, &mut ids)?;
         }
+        let mut owned_iter = owned.iter();
+        let mut strs: Vec<&str> = Vec::with_capacity(2 * frames.len());
+        for f in frames {
+            if let Frame::Symbol { name, filename, .. } = f {
+                for s in [name, filename] {
+                    strs.push(match s {
+                        Str::Lit(t) => t,
+                        Str::Id(_) => owned_iter.next().map_or("", String::as_str),
+                    });
+                }
+            }
+        }
+        self.strings.intern_all(&strs, &mut ids)?;
         // Two texts per frame (empty ones for address frames), so a comparison walks frames,
         // words and texts in step.
         let mut text_ids = Vec::with_capacity(2 * frames.len());
