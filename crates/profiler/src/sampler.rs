@@ -103,7 +103,9 @@ struct Slot {
     /// the sampler reads it instead.
     wall_at: AtomicU64,
     /// Whether stamps are good wall-clock readings here (the kernel's clock source is the
-    /// TSC, so it is constant-rate and synchronized across CPUs).
+    /// TSC, so it is constant-rate and synchronized across CPUs): [`stamps_are_wall_clock`],
+    /// copied into the slot the handler touches anyway rather than read from a static, which
+    /// would be one more cold cache line.
     stamp_wall: bool,
     /// Out of line, so a ring's slot headers (whose states a handler tries in turn) share a
     /// few cache lines instead of lying a kilobyte apart.
@@ -361,6 +363,11 @@ unsafe fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_
             f(sig);
         }
     }
+}
+
+/// The sampling period: one tick of the sampler, one period of a thread's CPU timer.
+fn period_ns(settings: &crate::settings::Settings) -> u64 {
+    1_000_000_000 / settings.cpu_hz.max(1) as u64
 }
 
 fn monotonic_ns() -> u64 {
@@ -750,8 +757,7 @@ impl Sampler {
     /// The sampler thread's body.
     pub(crate) fn run(mut self) {
         tls::enter_profiler_thread();
-        let hz = self.shared.settings.cpu_hz.max(1) as u64;
-        let period = 1_000_000_000 / hz;
+        let period = period_ns(&self.shared.settings);
         // The snapshot was built by `start`; only changes are picked up from here on.
         unwind::refresh(false);
         let mut next = monotonic_ns() + period;
@@ -1113,7 +1119,7 @@ impl Sampler {
             s.state.store(ARMED, Ordering::Release);
         }
         let value = (TIMER_MAGIC << 48) | ((seq as u64) << 16) | r as u64;
-        let period = 1_000_000_000 / self.shared.settings.cpu_hz.max(1) as u64;
+        let period = period_ns(&self.shared.settings);
         match create_cpu_timer(tid, self.signal, value, period) {
             Some(id) => {
                 if let Some(info) = self.threads.get_mut(&tid) {
@@ -1212,7 +1218,7 @@ impl Sampler {
             .stats
             .cpu_timer_samples
             .fetch_add(k as u64, Ordering::Relaxed);
-        let period = 1_000_000_000 / self.shared.settings.cpu_hz.max(1) as u64;
+        let period = period_ns(&self.shared.settings);
         let (cpu_total, cpu_ref) = match (cpu_now, self.threads.get(&tid)) {
             (Some(now), Some(info)) => (now.saturating_sub(info.last_cpu), now),
             (_, info) => {

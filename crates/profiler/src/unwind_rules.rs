@@ -116,10 +116,7 @@ impl RuleTable {
     }
 
     fn known(&self, addr: u64) -> bool {
-        let home = home(addr);
-        [home, home ^ 1]
-            .iter()
-            .any(|&i| self.entries[i].key.load(Ordering::Acquire) == addr)
+        entry_of(&self.entries, addr).is_some()
     }
 
     /// Derives and publishes rules for the addresses not in the table yet. Best effort: skips
@@ -143,11 +140,8 @@ impl RuleTable {
                 continue;
             }
             let rule = self.derive(ctx, addr).unwrap_or(NO_RULE);
-            let home = home(addr);
-            if let Some(e) = [home, home ^ 1]
-                .iter()
-                .map(|&i| &self.entries[i])
-                .find(|e| e.key.load(Ordering::Relaxed) == 0)
+            if let Some(e) =
+                set_of(&self.entries, addr).find(|e| e.key.load(Ordering::Relaxed) == 0)
             {
                 // Rule first, then the key with release: a reader that sees the key sees the rule.
                 e.rule.store(rule, Ordering::Relaxed);
@@ -204,19 +198,27 @@ fn home(addr: u64) -> usize {
     (addr.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - TABLE_BITS)) as usize
 }
 
+/// The two entries (one set) where `addr` may be kept; the ways are neighbours, most often in
+/// one cache line.
+#[inline]
+fn set_of(entries: &[Entry], addr: u64) -> impl Iterator<Item = &Entry> {
+    let home = home(addr);
+    [home, home ^ 1]
+        .into_iter()
+        .filter_map(move |i| entries.get(i))
+}
+
+/// The published entry for `addr` (acquire: its rule is visible).
+#[inline]
+fn entry_of(entries: &[Entry], addr: u64) -> Option<&Entry> {
+    set_of(entries, addr).find(|e| e.key.load(Ordering::Acquire) == addr)
+}
+
 /// The compact rule for lookup address `addr`, if it has one. Async-signal-safe.
 #[inline]
 pub(crate) fn rule(entries: &[Entry], addr: u64) -> Option<u64> {
-    let home = home(addr);
-    // The two ways are neighbours, most often in one cache line.
-    for i in [home, home ^ 1] {
-        let e = entries.get(i)?;
-        if e.key.load(Ordering::Acquire) == addr {
-            let r = e.rule.load(Ordering::Relaxed);
-            return (r & VALID != 0).then_some(r);
-        }
-    }
-    None
+    let r = entry_of(entries, addr)?.rule.load(Ordering::Relaxed);
+    (r & VALID != 0).then_some(r)
 }
 
 /// Starts fetching the entries `addr` would use, so the miss overlaps other work.
