@@ -28,6 +28,8 @@ use parking_lot::Mutex;
 use crate::error::{HeapError, StringError};
 use crate::profile::{Frame, Str, MAX_FRAMES};
 use crate::spin::SpinLock;
+#[cfg(target_arch = "x86_64")]
+use crate::strings::bytes_eq_avx2;
 use crate::strings::{bytes_eq, StringId, StringStorage, Table};
 
 /// Objects younger than this many generations are left out of iterations (managed default).
@@ -747,18 +749,49 @@ fn symbol_stack_hash(frames: &[Frame<'_>], table: Option<&Table>) -> Result<u64,
 
 /// Whether a frame string equals the stored string `id` whose text is `text` (ids compare as
 /// ids: a live string has one id).
-#[inline]
-fn same_str(s: &Str<'_>, id: u32, text: &str) -> bool {
+#[inline(always)]
+fn same_str(s: &Str<'_>, id: u32, text: &str, eq: impl Fn(&[u8], &[u8]) -> bool) -> bool {
     match s {
         Str::Id(i) => i.0 == id,
-        Str::Lit(t) => bytes_eq(text.as_bytes(), t.as_bytes()),
+        Str::Lit(t) => eq(text.as_bytes(), t.as_bytes()),
     }
 }
 
-/// Whether a stored stack (`words`, and `texts` for its symbol frames) holds exactly `frames`.
-/// Out of line: inlined into its caller it runs short of registers and spills in the loop.
-#[inline(never)]
+/// Whether a stored stack (`words`, and `texts` for its symbol frames) holds exactly `frames`,
+/// comparing text with the widest vectors the CPU has.
+#[inline]
 fn frames_match(words: &[u64], texts: &[Arc<str>], frames: &[Frame<'_>]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { frames_match_avx2(words, texts, frames) };
+    }
+    frames_match_sse(words, texts, frames)
+}
+
+/// Out of line: inlined into its caller the comparison runs short of registers and spills.
+#[inline(never)]
+fn frames_match_sse(words: &[u64], texts: &[Arc<str>], frames: &[Frame<'_>]) -> bool {
+    frames_match_with(words, texts, frames, bytes_eq)
+}
+
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline(never)]
+unsafe fn frames_match_avx2(words: &[u64], texts: &[Arc<str>], frames: &[Frame<'_>]) -> bool {
+    // SAFETY: AVX2 is supported, by this function's contract.
+    frames_match_with(words, texts, frames, |a, b| unsafe { bytes_eq_avx2(a, b) })
+}
+
+#[inline(always)]
+fn frames_match_with(
+    words: &[u64],
+    texts: &[Arc<str>],
+    frames: &[Frame<'_>],
+    eq: impl Fn(&[u8], &[u8]) -> bool + Copy,
+) -> bool {
     if let Some(addrs) = address_frames(words) {
         return addrs.len() == frames.len()
             && frames
@@ -784,8 +817,8 @@ fn frames_match(words: &[u64], texts: &[Arc<str>], frames: &[Frame<'_>]) -> bool
                 // and is found by the exact word comparison of the insert path instead.
                 i64::from(b as u32 as i32) == *line
                     && b & ADDRESS_TAG == 0
-                    && same_str(name, a as u32, name_text)
-                    && same_str(filename, (a >> 32) as u32, file_text)
+                    && same_str(name, a as u32, name_text, eq)
+                    && same_str(filename, (a >> 32) as u32, file_text, eq)
             }
         };
         if !same {
@@ -2196,6 +2229,89 @@ mod tests {
         assert_eq!(rec.stats().num_object_records, 0);
         strings.advance_generation();
         assert_eq!(strings.len(), 0);
+    }
+
+    /// Both text comparisons (SSE2 baseline, AVX2 when the CPU has it) against a stored stack:
+    /// equal only for the same frames, whatever the string lengths or where they differ.
+    #[test]
+    fn stored_stack_comparison_sees_every_difference() {
+        let (rec, _strings) = native();
+        let texts: Vec<String> = [0usize, 5, 9, 16, 17, 31, 32, 33, 48, 64, 65, 100]
+            .iter()
+            .map(|&n| {
+                (0..n)
+                    .map(|i| char::from(b'a' + (i * 7 % 26) as u8))
+                    .collect()
+            })
+            .collect();
+        let mut frames: Vec<Frame<'_>> = texts
+            .iter()
+            .zip(texts.iter().rev())
+            .enumerate()
+            .map(|(i, (n, f))| Frame::sym(n, f, i as i64 * 3))
+            .collect();
+        frames.insert(3, Frame::Address(0xdead_beef));
+        rec.track(1, 1, 16, None, &frames).unwrap();
+        let hash = symbol_stack_hash(&frames, None).unwrap();
+        let shard = rec.stacks[shard_of(hash, STACK_SHARDS)].lock();
+        let slot = shard
+            .slots
+            .iter()
+            .find(|s| s.words.as_deref().is_some_and(|w| w[0] == hash))
+            .expect("the stack is stored");
+        let (words, stored) = (slot.words.as_deref().unwrap(), &slot.texts[..]);
+        let check = |candidate: &[Frame<'_>], expect: bool, what: &str| {
+            assert_eq!(
+                frames_match_sse(words, stored, candidate),
+                expect,
+                "sse: {what}"
+            );
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked just above).
+                let avx2 = unsafe { frames_match_avx2(words, stored, candidate) };
+                assert_eq!(avx2, expect, "avx2: {what}");
+            }
+        };
+        check(&frames, true, "same frames");
+        let copies: Vec<(String, String)> = texts
+            .iter()
+            .zip(texts.iter().rev())
+            .map(|(n, f)| (n.clone(), f.clone()))
+            .collect();
+        for (i, (n, f)) in copies.iter().enumerate() {
+            let at = if i >= 3 { i + 1 } else { i };
+            for which in 0..2 {
+                let base = if which == 0 { n } else { f };
+                for pos in 0..base.len() {
+                    let mut bytes = base.clone().into_bytes();
+                    bytes[pos] = if bytes[pos] == b'Z' { b'Y' } else { b'Z' };
+                    let changed = String::from_utf8(bytes).unwrap();
+                    let mut v = frames.clone();
+                    v[at] = if which == 0 {
+                        Frame::sym(&changed, f, i as i64 * 3)
+                    } else {
+                        Frame::sym(n, &changed, i as i64 * 3)
+                    };
+                    check(&v, false, &format!("frame {at} string {which} byte {pos}"));
+                }
+                let longer = format!("{base}x");
+                let mut v = frames.clone();
+                v[at] = if which == 0 {
+                    Frame::sym(&longer, f, i as i64 * 3)
+                } else {
+                    Frame::sym(n, &longer, i as i64 * 3)
+                };
+                check(&v, false, &format!("frame {at} string {which} longer"));
+            }
+            let mut v = frames.clone();
+            v[at] = Frame::sym(n, f, i as i64 * 3 + 1);
+            check(&v, false, &format!("frame {at} line"));
+        }
+        let mut v = frames.clone();
+        v[3] = Frame::Address(0xdead_bee0);
+        check(&v, false, "address frame");
+        check(&frames[..frames.len() - 1], false, "one frame fewer");
     }
 
     #[test]
