@@ -208,7 +208,10 @@ fn on_alloc_slow(p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
 }
 
 fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
-    SEEN.store(true, Ordering::Relaxed);
+    // Looked at first: a store on every sample would pull the line from other cores each time.
+    if !SEEN.load(Ordering::Relaxed) {
+        SEEN.store(true, Ordering::Relaxed);
+    }
     if s.rng.get() == 0 {
         // First allocation on this thread since sampling started: draw the first countdown and
         // decide this allocation against it.
@@ -324,7 +327,7 @@ fn record(sh: &Shared, p: *mut u8, size: usize, weight: i64, addrs: &[u64]) {
             {
                 sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
             }
-            sh.stats.alloc_samples.fetch_add(1, Ordering::Relaxed);
+            sh.stats.alloc_samples.add(1);
             if sh.heap_enabled() {
                 let w = weight.clamp(1, u32::MAX as i64) as u32;
                 match sh

@@ -27,20 +27,21 @@
 //! holds one of those while waiting at the gate, so draining it always finishes.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
+use crate::sharded::ShardedCount;
 use crate::state::{self, Shared};
 
 static REGISTER: Once = Once::new();
 /// The running profiler at the time of the fork, from prepare to parent/child.
 static IN_FORK: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
 
-/// The fork gate: the number of threads inside the recorder through [`outside_fork`], plus
-/// `FORKING` while a fork is being prepared.
-static GATE: AtomicUsize = AtomicUsize::new(0);
-const FORKING: usize = 1 << (usize::BITS - 1);
+/// The fork gate: the threads inside the recorder through [`outside_fork`] (counted per shard,
+/// see `crate::sharded`), and whether a fork is being prepared.
+static GATE: ShardedCount = ShardedCount::new();
+static FORKING: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     /// Set on the thread running the prepare handler until the fork is done: whatever it does
@@ -51,27 +52,28 @@ thread_local! {
 /// Runs `f`, a call into the running profiler's recorder, never while a fork is under way: waits
 /// for a fork being prepared to finish first. `f` must take no lock but the recorder's own.
 pub(crate) fn outside_fork<R>(f: impl FnOnce() -> R) -> R {
-    struct Leave;
+    struct Leave(usize);
     impl Drop for Leave {
         fn drop(&mut self) {
-            GATE.fetch_sub(1, Ordering::SeqCst);
+            GATE.leave(self.0);
         }
     }
     let mut round = 0u32;
     loop {
-        // SeqCst on both sides (here and in `close_gate`): either the prepare handler sees this
-        // thread counted, or this thread sees FORKING.
-        if GATE.fetch_add(1, Ordering::SeqCst) & FORKING == 0 {
-            let _leave = Leave;
+        // Count in, then look (and `close_gate` the other way round), all SeqCst: either the
+        // prepare handler sees this thread counted, or this thread sees FORKING.
+        let shard = GATE.enter();
+        if !FORKING.load(Ordering::SeqCst) {
+            let _leave = Leave(shard);
             return f();
         }
-        GATE.fetch_sub(1, Ordering::SeqCst);
+        GATE.leave(shard);
         if FORKING_THREAD.with(Cell::get) {
             // The forking thread itself (from another library's prepare handler): it cannot be
             // inside the recorder when the fork happens, since it is the one forking.
             return f();
         }
-        while GATE.load(Ordering::SeqCst) & FORKING != 0 {
+        while FORKING.load(Ordering::SeqCst) {
             if round < 64 {
                 std::thread::yield_now();
             } else {
@@ -86,9 +88,9 @@ pub(crate) fn outside_fork<R>(f: impl FnOnce() -> R) -> R {
 /// Closes the gate and waits until no thread is inside.
 fn close_gate() {
     FORKING_THREAD.with(|f| f.set(true));
-    GATE.fetch_or(FORKING, Ordering::SeqCst);
+    FORKING.store(true, Ordering::SeqCst);
     let mut round = 0u32;
-    while GATE.load(Ordering::SeqCst) & !FORKING != 0 {
+    while !GATE.is_empty() {
         if round < 64 {
             std::thread::yield_now();
         } else {
@@ -99,13 +101,13 @@ fn close_gate() {
 }
 
 /// Opens the gate again (in the child nobody can be counted: the prepare handler waited for
-/// that, and the word is reset to be sure).
+/// that, and the counts are reset to be sure).
 fn open_gate(child: bool) {
     if child {
-        GATE.store(0, Ordering::SeqCst);
-    } else {
-        GATE.fetch_and(!FORKING, Ordering::SeqCst);
+        // Threads that were passing by (counted in, about to see FORKING and leave) are gone.
+        GATE.reset();
     }
+    FORKING.store(false, Ordering::SeqCst);
     FORKING_THREAD.with(|f| f.set(false));
 }
 

@@ -51,6 +51,7 @@ mod modules;
 mod profiler;
 mod sampler;
 mod settings;
+mod sharded;
 mod state;
 mod symbolize;
 mod tls;

@@ -681,7 +681,7 @@ impl ProfilerGuard {
                 0 => 0,
                 tid => sampler::thread_cpu_ns(tid).unwrap_or(0),
             },
-            alloc_samples: l(&s.alloc_samples),
+            alloc_samples: s.alloc_samples.total() as u64,
             record_errors: l(&s.record_errors),
             exports: l(&s.exports),
             export_errors: l(&s.export_errors),

@@ -14,6 +14,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::export::Exporter;
 use crate::settings::Settings;
+use crate::sharded::ShardedCount;
 use crate::symbolize::ProcessSymbolizer;
 use crate::tls::STATE;
 
@@ -24,8 +25,11 @@ pub(crate) const THREAD_NAME_LABEL: &str = "thread name";
 pub(crate) const HANDLER_BUCKET_NS: u64 = 100;
 pub(crate) const HANDLER_BUCKETS: usize = 256;
 
-/// Counters of what the profiler did, for [`crate::ProfilerStats`].
+/// Counters of what the profiler did, for [`crate::ProfilerStats`]. Cache-line aligned (its
+/// size rounds up too): written often, it shares no line with the settings and pointers that
+/// every sample reads.
 #[derive(Default)]
+#[repr(align(128))]
 pub(crate) struct Stats {
     pub cpu_samples: AtomicU64,
     pub sampler_ticks: AtomicU64,
@@ -36,7 +40,8 @@ pub(crate) struct Stats {
     pub cpu_timer_ticks: AtomicU64,
     pub cpu_timer_samples: AtomicU64,
     pub cpu_signal_failures: AtomicU64,
-    pub alloc_samples: AtomicU64,
+    /// Bumped by every allocating thread: sharded (see `crate::sharded`).
+    pub alloc_samples: ShardedCount,
     pub record_errors: AtomicU64,
     pub exports: AtomicU64,
     pub export_errors: AtomicU64,
@@ -259,18 +264,17 @@ impl Shared {
 }
 
 static ACTIVE: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
-static ACTIVE_USERS: AtomicUsize = AtomicUsize::new(0);
+static ACTIVE_USERS: ShardedCount = ShardedCount::new();
 
 /// Runs `f` with the running profiler, if any (see the module docs for the protocol).
 pub(crate) fn with_active<R>(f: impl FnOnce(&Shared) -> R) -> Option<R> {
-    struct Leave;
+    struct Leave(usize);
     impl Drop for Leave {
         fn drop(&mut self) {
-            ACTIVE_USERS.fetch_sub(1, Ordering::SeqCst);
+            ACTIVE_USERS.leave(self.0);
         }
     }
-    ACTIVE_USERS.fetch_add(1, Ordering::SeqCst);
-    let _leave = Leave;
+    let _leave = Leave(ACTIVE_USERS.enter());
     let p = ACTIVE.load(Ordering::SeqCst);
     if p.is_null() {
         return None;
@@ -320,7 +324,7 @@ pub(crate) fn deactivate(shared: &Arc<Shared>) {
     {
         return;
     }
-    while ACTIVE_USERS.load(Ordering::SeqCst) != 0 {
+    while !ACTIVE_USERS.is_empty() {
         std::thread::yield_now();
     }
     // SAFETY: the reference taken by `activate`; nobody can reach it through ACTIVE any more.
@@ -329,7 +333,7 @@ pub(crate) fn deactivate(shared: &Arc<Shared>) {
 
 /// In a forked child: users that were inside are gone.
 pub(crate) fn after_fork_in_child() {
-    ACTIVE_USERS.store(0, Ordering::SeqCst);
+    ACTIVE_USERS.reset();
 }
 
 /// The calling thread's kernel id, cached per thread.

@@ -30,6 +30,8 @@ pub(crate) struct ThreadState {
     pub name: Cell<[u8; 16]>,
     pub name_len: Cell<u8>,
     pub name_age: Cell<u8>,
+    /// This thread's shard of the reader counts plus one (see `crate::sharded`); 0 = none yet.
+    pub reader_shard: Cell<u8>,
 }
 
 thread_local! {
@@ -45,6 +47,7 @@ thread_local! {
             name: Cell::new([0; 16]),
             name_len: Cell::new(0xff),
             name_age: Cell::new(0),
+            reader_shard: Cell::new(0),
         }
     };
 }
