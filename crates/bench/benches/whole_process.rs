@@ -67,6 +67,9 @@ fn run(dir: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> BTreeMap<
 
 struct Series(BTreeMap<String, Vec<f64>>);
 
+/// A benchmark variant: its name, the program, its argument and extra environment.
+type Variant<'a> = (&'a str, &'a str, &'a str, &'a [(&'a str, &'a str)]);
+
 impl Series {
     fn push(&mut self, variant: &str, v: f64) {
         self.0.entry(variant.to_owned()).or_default().push(v);
@@ -87,45 +90,88 @@ fn main() {
     let ops_s = ops.to_string();
     let dhat_ops = (ops / 25).max(1000).to_string();
 
-    // Allocation-heavy workload.
+    // Allocation-heavy workload. Each round runs every variant once, in an order shuffled per
+    // round (a fixed order lets a variant inherit the machine state its predecessor leaves), and
+    // System twice: the second run is a control whose paired difference shows the noise floor.
     let mut alloc = Series(BTreeMap::new());
     let mut samples = Vec::new();
+    let mut paired: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let big_interval = (1u64 << 30).to_string();
+    let je_conf = "prof:true,prof_active:true,lg_prof_sample:19";
+    let variants: [Variant<'_>; 7] = [
+        ("system", "alloc_system", &ops_s, &[]),
+        ("system_again", "alloc_system", &ops_s, &[]),
+        ("ferroprof", "alloc_ferroprof", &ops_s, &[]),
+        (
+            "ferroprof_nosamples",
+            "alloc_ferroprof",
+            &ops_s,
+            &[("FERROPROF_BENCH_INTERVAL", &big_interval)],
+        ),
+        ("jemalloc", "alloc_jemalloc", &ops_s, &[]),
+        (
+            "jemalloc_prof",
+            "alloc_jemalloc",
+            &ops_s,
+            &[("_RJEM_MALLOC_CONF", je_conf)],
+        ),
+        ("dhat", "alloc_dhat", &dhat_ops, &[]),
+    ];
+    let mut rng = 0x5DEE_CE66_D1CE_4E5Bu64;
     for r in 0..rounds {
         eprintln!("alloc round {}/{rounds}", r + 1);
-        let v = run(&dir, "alloc_system", &[&ops_s], &[]);
-        alloc.push("system", v["cpu_ns_per_op"]);
-        alloc.push("system_wall", v["ns_per_op"]);
-        let v = run(&dir, "alloc_ferroprof", &[&ops_s], &[]);
-        alloc.push("ferroprof", v["cpu_ns_per_op"]);
-        alloc.push("ferroprof_wall", v["ns_per_op"]);
-        samples.push(v["samples"]);
-        let v = run(&dir, "alloc_jemalloc", &[&ops_s], &[]);
-        alloc.push("jemalloc", v["cpu_ns_per_op"]);
-        alloc.push("jemalloc_wall", v["ns_per_op"]);
-        let conf = [(
-            "_RJEM_MALLOC_CONF",
-            "prof:true,prof_active:true,lg_prof_sample:19",
-        )];
-        let v = run(&dir, "alloc_jemalloc", &[&ops_s], &conf);
-        alloc.push("jemalloc_prof", v["cpu_ns_per_op"]);
-        alloc.push("jemalloc_prof_wall", v["ns_per_op"]);
-        let v = run(&dir, "alloc_dhat", &[&dhat_ops], &[]);
-        alloc.push("dhat", v["cpu_ns_per_op"]);
-        alloc.push("dhat_wall", v["ns_per_op"]);
+        let mut order: Vec<usize> = (0..variants.len()).collect();
+        for i in (1..order.len()).rev() {
+            let j = (ferroprof_bench::next(&mut rng) % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+        let mut round = BTreeMap::new();
+        for i in order {
+            let (name, program, arg, env) = variants[i];
+            let v = run(&dir, program, &[arg], env);
+            alloc.push(name, v["cpu_ns_per_op"]);
+            alloc.push(&format!("{name}_wall"), v["ns_per_op"]);
+            round.insert(name, (v["cpu_ns_per_op"], v["ns_per_op"]));
+            if name == "ferroprof" {
+                samples.push(v["samples"]);
+            }
+        }
+        for (name, base) in [
+            ("system_again", "system"),
+            ("ferroprof", "system"),
+            ("ferroprof_nosamples", "system"),
+            ("jemalloc_prof", "jemalloc"),
+        ] {
+            let (a, b) = (round[name], round[base]);
+            paired
+                .entry(name.to_owned())
+                .or_default()
+                .push((a.0 / b.0 - 1.0) * 100.0);
+            paired
+                .entry(format!("{name}_wall"))
+                .or_default()
+                .push((a.1 / b.1 - 1.0) * 100.0);
+        }
     }
     let sys = alloc.median("system");
     let je = alloc.median("jemalloc");
     report.push_str(&format!(
         "### Allocation workload (2 threads, 16-1040 B, live set 4096/thread, {ops} ops/thread, median of {rounds})\n\n\
          CPU time per operation (process CPU / operations; robust to other load on the machine), \
-         and wall time per operation per thread.\n\n\
+         and wall time per operation per thread. Variants run in a shuffled order each round.\n\n\
          | allocator | CPU ns/op | vs System | vs its own base | wall ns/op |\n|---|---|---|---|---|\n"
     ));
     for (name, label, base) in [
         ("system", "System", sys),
+        ("system_again", "System again (control)", sys),
         (
             "ferroprof",
             "SamplingAllocator(System), 512 KiB, heap on",
+            sys,
+        ),
+        (
+            "ferroprof_nosamples",
+            "SamplingAllocator(System), 1 GiB (fast path only), heap on",
             sys,
         ),
         ("jemalloc", "jemalloc (profiling compiled, off)", je),
@@ -138,6 +184,36 @@ fn main() {
             (m / sys - 1.0) * 100.0,
             (m / base - 1.0) * 100.0,
             alloc.median(&format!("{name}_wall"))
+        ));
+    }
+    report.push_str(
+        "\nPaired per round (each run against the same round's base run), medians of the \
+         per-round differences, CPU / wall (rounds where the variant was slower):\n\n",
+    );
+    for (name, label, base) in [
+        ("system_again", "System again (noise floor)", "System"),
+        ("ferroprof", "SamplingAllocator, 512 KiB, heap on", "System"),
+        (
+            "ferroprof_nosamples",
+            "SamplingAllocator, 1 GiB (fast path only)",
+            "System",
+        ),
+        (
+            "jemalloc_prof",
+            "jemalloc prof lg_prof_sample:19",
+            "jemalloc",
+        ),
+    ] {
+        let cpu = paired.get(name).cloned().unwrap_or_default();
+        let wall = paired
+            .get(&format!("{name}_wall"))
+            .cloned()
+            .unwrap_or_default();
+        let slower = cpu.iter().filter(|&&d| d > 0.0).count();
+        report.push_str(&format!(
+            "- {label} vs {base}: {:+.2}% / {:+.2}% ({slower} of {rounds})\n",
+            median(&mut cpu.clone()),
+            median(&mut wall.clone()),
         ));
     }
     report.push_str(&format!(
