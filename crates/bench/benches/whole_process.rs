@@ -3,8 +3,10 @@
 //! `target/ferroprof-bench-report.md`).
 //!
 //! `cargo bench -p ferroprof-bench --bench whole_process`
-//! Knobs: FERROPROF_BENCH_ROUNDS (default 7), FERROPROF_BENCH_OPS (allocation operations per
-//! thread, default 5 000 000; dhat runs 1/25 of it), FERROPROF_BENCH_CPU_ROUNDS (default 80 000).
+//! Knobs: FERROPROF_BENCH_ROUNDS (CPU rounds, default 7), FERROPROF_BENCH_ALLOC_ROUNDS (default
+//! 30: two runs of one allocation program differ by up to +-10% here, so the allocation
+//! comparison needs many short rounds), FERROPROF_BENCH_OPS (allocation operations per thread,
+//! default 2 000 000; dhat runs 1/25 of it), FERROPROF_BENCH_CPU_ROUNDS (default 80 000).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -67,6 +69,17 @@ fn run(dir: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> BTreeMap<
 
 struct Series(BTreeMap<String, Vec<f64>>);
 
+/// Mean of `v` and the half-width of its 95% confidence interval (normal approximation).
+fn mean_ci95(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    if v.len() < 2 {
+        return (v.first().copied().unwrap_or(f64::NAN), f64::NAN);
+    }
+    let mean = v.iter().sum::<f64>() / n;
+    let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1.0);
+    (mean, 1.96 * (var / n).sqrt())
+}
+
 /// A benchmark variant: its name, the program, its argument and extra environment.
 type Variant<'a> = (&'a str, &'a str, &'a str, &'a [(&'a str, &'a str)]);
 
@@ -82,7 +95,8 @@ impl Series {
 
 fn main() {
     let rounds = env_u64("FERROPROF_BENCH_ROUNDS", 7);
-    let ops = env_u64("FERROPROF_BENCH_OPS", 5_000_000);
+    let alloc_rounds = env_u64("FERROPROF_BENCH_ALLOC_ROUNDS", 30);
+    let ops = env_u64("FERROPROF_BENCH_OPS", 2_000_000);
     let cpu_rounds = env_u64("FERROPROF_BENCH_CPU_ROUNDS", 80_000);
     build_examples();
     let dir = examples_dir();
@@ -118,8 +132,8 @@ fn main() {
         ("dhat", "alloc_dhat", &dhat_ops, &[]),
     ];
     let mut rng = 0x5DEE_CE66_D1CE_4E5Bu64;
-    for r in 0..rounds {
-        eprintln!("alloc round {}/{rounds}", r + 1);
+    for r in 0..alloc_rounds {
+        eprintln!("alloc round {}/{alloc_rounds}", r + 1);
         let mut order: Vec<usize> = (0..variants.len()).collect();
         for i in (1..order.len()).rev() {
             let j = (ferroprof_bench::next(&mut rng) % (i as u64 + 1)) as usize;
@@ -136,27 +150,33 @@ fn main() {
                 samples.push(v["samples"]);
             }
         }
-        for (name, base) in [
-            ("system_again", "system"),
-            ("ferroprof", "system"),
-            ("ferroprof_nosamples", "system"),
-            ("jemalloc_prof", "jemalloc"),
-        ] {
-            let (a, b) = (round[name], round[base]);
-            paired
-                .entry(name.to_owned())
-                .or_default()
-                .push((a.0 / b.0 - 1.0) * 100.0);
-            paired
-                .entry(format!("{name}_wall"))
-                .or_default()
-                .push((a.1 / b.1 - 1.0) * 100.0);
+        // Both System runs of the round make its base; their difference is the noise floor.
+        let base = |i: usize| {
+            let (a, b) = (round["system"], round["system_again"]);
+            if i == 0 {
+                (a.0 + b.0) / 2.0
+            } else {
+                (a.1 + b.1) / 2.0
+            }
+        };
+        let mut push = |key: String, v: f64, b: f64| {
+            paired.entry(key).or_default().push((v / b - 1.0) * 100.0);
+        };
+        for name in ["ferroprof", "ferroprof_nosamples"] {
+            push(name.to_owned(), round[name].0, base(0));
+            push(format!("{name}_wall"), round[name].1, base(1));
         }
+        let (a, b) = (round["system_again"], round["system"]);
+        push("system_again".into(), a.0, b.0);
+        push("system_again_wall".into(), a.1, b.1);
+        let (a, b) = (round["jemalloc_prof"], round["jemalloc"]);
+        push("jemalloc_prof".into(), a.0, b.0);
+        push("jemalloc_prof_wall".into(), a.1, b.1);
     }
     let sys = alloc.median("system");
     let je = alloc.median("jemalloc");
     report.push_str(&format!(
-        "### Allocation workload (2 threads, 16-1040 B, live set 4096/thread, {ops} ops/thread, median of {rounds})\n\n\
+        "### Allocation workload (2 threads, 16-1040 B, live set 4096/thread, {ops} ops/thread, median of {alloc_rounds})\n\n\
          CPU time per operation (process CPU / operations; robust to other load on the machine), \
          and wall time per operation per thread. Variants run in a shuffled order each round.\n\n\
          | allocator | CPU ns/op | vs System | vs its own base | wall ns/op |\n|---|---|---|---|---|\n"
@@ -187,16 +207,22 @@ fn main() {
         ));
     }
     report.push_str(
-        "\nPaired per round (each run against the same round's base run), medians of the \
-         per-round differences, CPU / wall (rounds where the variant was slower):\n\n",
+        "\nPaired per round, CPU time: each variant against the same round's base (the mean of its \
+         two System runs; System again against System alone shows the noise floor). Median and \
+         mean +- 95% interval of the per-round differences, rounds where the variant was slower; \
+         wall time medians last:\n\n",
     );
     for (name, label, base) in [
         ("system_again", "System again (noise floor)", "System"),
-        ("ferroprof", "SamplingAllocator, 512 KiB, heap on", "System"),
+        (
+            "ferroprof",
+            "SamplingAllocator, 512 KiB, heap on",
+            "System x2",
+        ),
         (
             "ferroprof_nosamples",
             "SamplingAllocator, 1 GiB (fast path only)",
-            "System",
+            "System x2",
         ),
         (
             "jemalloc_prof",
@@ -209,9 +235,11 @@ fn main() {
             .get(&format!("{name}_wall"))
             .cloned()
             .unwrap_or_default();
+        let (mean, half) = mean_ci95(&cpu);
         let slower = cpu.iter().filter(|&&d| d > 0.0).count();
         report.push_str(&format!(
-            "- {label} vs {base}: {:+.2}% / {:+.2}% ({slower} of {rounds})\n",
+            "- {label} vs {base}: median {:+.2}%, mean {mean:+.2}% +- {half:.2} ({slower} of \
+             {alloc_rounds}); wall median {:+.2}%\n",
             median(&mut cpu.clone()),
             median(&mut wall.clone()),
         ));
