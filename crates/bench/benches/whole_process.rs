@@ -80,6 +80,16 @@ fn mean_ci95(v: &[f64]) -> (f64, f64) {
     (mean, 1.96 * (var / n).sqrt())
 }
 
+/// `0..n` in a random order (Fisher-Yates over the workloads' xorshift).
+fn shuffled(n: usize, rng: &mut u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (ferroprof_bench::next(rng) % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
 /// A benchmark variant: its name, the program, its argument and extra environment.
 type Variant<'a> = (&'a str, &'a str, &'a str, &'a [(&'a str, &'a str)]);
 
@@ -134,13 +144,8 @@ fn main() {
     let mut rng = 0x5DEE_CE66_D1CE_4E5Bu64;
     for r in 0..alloc_rounds {
         eprintln!("alloc round {}/{alloc_rounds}", r + 1);
-        let mut order: Vec<usize> = (0..variants.len()).collect();
-        for i in (1..order.len()).rev() {
-            let j = (ferroprof_bench::next(&mut rng) % (i as u64 + 1)) as usize;
-            order.swap(i, j);
-        }
         let mut round = BTreeMap::new();
-        for i in order {
+        for i in shuffled(variants.len(), &mut rng) {
             let (name, program, arg, env) = variants[i];
             let v = run(&dir, program, &[arg], env);
             alloc.push(name, v["cpu_ns_per_op"]);
@@ -289,7 +294,8 @@ fn main() {
     for r in 0..rounds {
         eprintln!("cpu round {}/{rounds}", r + 1);
         let mut round = BTreeMap::new();
-        for mode in ["none", "ferroprof", "pprof"] {
+        let modes = ["none", "ferroprof", "pprof"];
+        for mode in shuffled(modes.len(), &mut rng).into_iter().map(|i| modes[i]) {
             let v = run(&dir, "cpu_workload", &[mode, &cr], &[]);
             cpu.push(&format!("{mode}_wall"), v["wall_ns"]);
             cpu.push(&format!("{mode}_cpu"), v["cpu_ns"]);
@@ -340,12 +346,15 @@ fn main() {
         ));
     }
     report.push_str(&format!(
-        "\nPaired per round (each run against the same round's unprofiled run), medians: \
-         ferroprof {:+.2}% CPU, pprof-rs {:+.2}% CPU, ferroprof minus pprof-rs {:+.2} points \
-         (ferroprof lower in {} of {rounds} rounds).\n",
+        "\nPaired per round (each run against the same round's unprofiled run; the three run in a \
+         shuffled order), medians: ferroprof {:+.2}% CPU, pprof-rs {:+.2}% CPU, ferroprof minus \
+         pprof-rs {:+.2} points (mean {:+.2} +- {:.2}; ferroprof lower in {} of {rounds} \
+         rounds).\n",
         median(&mut d_ferro),
         median(&mut d_pprof),
         median(&mut d_diff.clone()),
+        mean_ci95(&d_diff).0,
+        mean_ci95(&d_diff).1,
         d_diff.iter().filter(|&&d| d < 0.0).count()
     ));
     report.push_str(&format!(
