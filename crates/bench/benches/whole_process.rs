@@ -295,7 +295,10 @@ fn main() {
         eprintln!("cpu round {}/{rounds}", r + 1);
         let mut round = BTreeMap::new();
         let modes = ["none", "ferroprof", "pprof"];
-        for mode in shuffled(modes.len(), &mut rng).into_iter().map(|i| modes[i]) {
+        for mode in shuffled(modes.len(), &mut rng)
+            .into_iter()
+            .map(|i| modes[i])
+        {
             let v = run(&dir, "cpu_workload", &[mode, &cr], &[]);
             cpu.push(&format!("{mode}_wall"), v["wall_ns"]);
             cpu.push(&format!("{mode}_cpu"), v["cpu_ns"]);

@@ -38,6 +38,10 @@ const VALID: u64 = 1 << 63;
 const CFA_FROM_BP: u64 = 1 << 32;
 /// The caller's `rbp` is saved at CFA + offset (else `rbp` is unchanged).
 const BP_SAVED: u64 = 1 << 33;
+/// The return address is undefined here: the outermost frame (a thread's entry, e.g. the
+/// child side of `clone3`). Every walk of a thread's stack ends at one; without this rule each
+/// would borrow a framehop cache for that last frame alone, the coldest work of a walk.
+const OUTERMOST: u64 = VALID | 1 << 34;
 
 /// One module's unwind sections, in place in memory.
 pub(crate) struct RuleModule {
@@ -181,6 +185,7 @@ impl RuleTable {
         };
         let ra = match row.register(X86_64::RA) {
             Some(RegisterRule::Offset(o)) => o,
+            Some(RegisterRule::Undefined) => return Some(OUTERMOST),
             _ => return None,
         };
         // No rule: the ABI's default for a callee-saved register, unchanged.
@@ -234,7 +239,7 @@ pub(crate) fn prefetch(entries: &[Entry], addr: u64) {
     }
 }
 
-/// Packs a rule: CFA offset as i32 in bits 0..32, flags in 32..34, the return address's and
+/// Packs a rule: CFA offset as i32 in bits 0..32, flags in 32..35, the return address's and
 /// saved `rbp`'s CFA offsets in 8-byte units as i8 in bits 40..48 and 48..56.
 fn encode(from_bp: bool, cfa_offset: i64, ra_offset: i64, bp_offset: Option<i64>) -> Option<u64> {
     let units = |o: i64| -> Option<u64> {
@@ -262,6 +267,9 @@ pub(crate) fn step(
     regs: &mut UnwindRegsX86_64,
     read: &mut impl FnMut(u64) -> Result<u64, ()>,
 ) -> Step {
+    if rule & OUTERMOST == OUTERMOST {
+        return Step::End;
+    }
     let sp = regs.sp();
     let base = if rule & CFA_FROM_BP != 0 {
         regs.bp()
@@ -344,6 +352,10 @@ mod tests {
             0x1000,
             "registers untouched unless the step succeeds"
         );
+        // The outermost frame's rule ends the walk without reading anything.
+        let mut regs = before(0x77);
+        assert_eq!(step(OUTERMOST, &mut regs, &mut |_| Err(())), Step::End);
+        assert_eq!((regs.sp(), regs.bp()), (0x1000, 0x77));
         // Offsets that are not whole words, or too far, have no compact form.
         assert_eq!(encode(false, 16, -4, None), None);
         assert_eq!(encode(false, 16, -8, Some(8 * 200)), None);
