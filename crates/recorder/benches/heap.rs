@@ -109,6 +109,34 @@ fn track_untrack(c: &mut Criterion) {
         })
     });
 
+    // The hint's worst case: one buffer alternating between two stacks that differ only in
+    // the outermost frame, so every hinted comparison runs to the last frame and fails.
+    let mut frames = symbol_stack(&owned);
+    let last = DEPTH - 1;
+    let (alt_name, alt_file) = (
+        "my_crate::main_alt".to_owned(),
+        "/src/my_crate/src/alt.rs".to_owned(),
+    );
+    let stacks = [frames[last], Frame::sym(&alt_name, &alt_file, 99)];
+    for (i, f) in stacks.iter().enumerate() {
+        frames[last] = *f;
+        rec.track(2 + i as u64, 1, 64, None, &frames).unwrap();
+    }
+    let mut turn = 0usize;
+    g.bench_function(
+        "track+untrack 32 symbol frames, two stacks alternating in one buffer",
+        |b| {
+            b.iter(|| {
+                id += 64;
+                turn ^= 1;
+                frames[last] = stacks[turn];
+                rec.track(black_box(id), 1, 64, None, black_box(&frames))
+                    .unwrap();
+                black_box(rec.untrack(black_box(id)));
+            })
+        },
+    );
+
     let frames = address_stack();
     rec.set_sample_every(16).unwrap();
     g.bench_function("track+untrack, sample_every=16 (mostly skipped)", |b| {

@@ -1,6 +1,6 @@
 //! Deterministic driver for instruction counts of the heap bench's hot path (track + untrack of
 //! an object whose 32-frame stack is already known):
-//! `valgrind --tool=callgrind target/release/examples/heap_track [address|symbol] [iterations]`
+//! `valgrind --tool=callgrind target/release/examples/heap_track [address|symbol|alternate] [iterations]`
 //! (divide the counts by the iterations), or without valgrind for a quick ns/op.
 
 use std::hint::black_box;
@@ -27,7 +27,7 @@ fn main() {
         "address" => (0..DEPTH as u64)
             .map(|i| Frame::Address(0x5555_0000_1000 + i * 0x40))
             .collect(),
-        "symbol" => names
+        "symbol" | "alternate" => names
             .iter()
             .enumerate()
             .map(|(i, (n, f))| Frame::sym(n, f, 10 + i as i64))
@@ -40,10 +40,26 @@ fn main() {
         rec.track(0x7000_0000_0000 + id * 64, 1, 64, None, &frames)
             .unwrap();
     }
+    // "alternate": one buffer switching between two stacks that differ in the last frame.
+    let mut frames = frames;
+    let last = DEPTH - 1;
+    let alt = Frame::sym("my_crate::main_alt", "/src/my_crate/src/alt.rs", 99);
+    let stacks = [frames[last], alt];
+    let alternate = mode == "alternate";
+    if alternate {
+        // Both stacks already seen (kept alive by an object each).
+        for (i, f) in stacks.iter().enumerate() {
+            frames[last] = *f;
+            rec.track(1 + i as u64, 1, 64, None, &frames).unwrap();
+        }
+    }
     let mut id = 0x1000_0000_0000u64;
     let t = Instant::now();
-    for _ in 0..iters {
+    for i in 0..iters {
         id += 64;
+        if alternate {
+            frames[last] = stacks[(i & 1) as usize];
+        }
         rec.track(black_box(id), 1, 64, None, black_box(&frames))
             .unwrap();
         black_box(rec.untrack(black_box(id)));

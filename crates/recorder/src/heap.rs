@@ -241,6 +241,8 @@ const ADDRESS_TAG: u64 = 1 << 32;
 const ADDRESS_STACK: u64 = 1 << 63;
 /// Stacks up to this many frames are encoded in a stack buffer (no allocation on the hot path).
 const INLINE_FRAMES: usize = 64;
+/// Entries of the symbol-stack hint table (see [`HeapRecorder::hinted_stack`]).
+const STACK_HINTS: usize = 64;
 
 /// One tracked object: 32 bytes, the whole per-object cost apart from a few index bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,6 +305,28 @@ fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// The hint-table entry for a caller's frames buffer (its address and length).
+#[inline]
+fn hint_slot(frames: &[Frame<'_>]) -> usize {
+    (mix64(frames.as_ptr() as u64 ^ (frames.len() as u64).rotate_left(48)) as usize)
+        & (STACK_HINTS - 1)
+}
+
+/// A stack's shape: its frames' lines and addresses (no text is read: a few instructions a
+/// frame). Equal stacks have equal shapes; stacks from different call sites mostly do not.
+#[inline]
+fn shape_of(frames: &[Frame<'_>]) -> u32 {
+    let mut h = frames.len() as u64;
+    for f in frames {
+        let w = match f {
+            Frame::Address(a) => *a,
+            Frame::Symbol { line, .. } => *line as u64,
+        };
+        h = h.rotate_left(11) ^ w;
+    }
+    (mix64(h) >> 32) as u32
 }
 
 /// Shard choice uses bits 32.. of a hash; in-shard positions use the low bits, so they stay
@@ -958,6 +982,11 @@ pub struct HeapRecorder {
     // mutex.
     objs: Box<[Padded<SpinLock<ObjShard>>]>,
     stacks: Box<[Padded<SpinLock<StackShard>>]>,
+    /// Per caller frames buffer (address and length, hashed), the symbol stack last found or
+    /// stored from it: its reference plus one in the low half (0 = none), the frames' shape
+    /// ([`shape_of`]) in the high half. Only a hint: it is always confirmed by comparing content
+    /// under the shard's lock.
+    stack_hints: Box<[AtomicU64]>,
 
     active: Mutex<Active>,
     pending: Mutex<Vec<ObjRecord>>,
@@ -1005,6 +1034,7 @@ impl HeapRecorder {
             native_gen: AtomicU64::new(0),
             objs: (0..OBJ_SHARDS).map(|_| Padded::default()).collect(),
             stacks: (0..STACK_SHARDS).map(|_| Padded::default()).collect(),
+            stack_hints: (0..STACK_HINTS).map(|_| AtomicU64::new(0)).collect(),
             active: Mutex::new(Active::Idle),
             pending: Mutex::new(Vec::with_capacity(if deferred_ids {
                 MAX_PENDING_RECORDINGS
@@ -1302,15 +1332,53 @@ impl HeapRecorder {
                 limit: MAX_FRAMES,
             });
         }
-        let hash = match address_stack_hash(frames) {
-            Some(h) => h,
-            // Ids handed in by the caller are hashed through their text: without the table an
-            // id fails the first try, which then runs again with the table locked.
-            None => match symbol_stack_hash(frames, None) {
-                Ok(h) => h,
-                Err(_) => symbol_stack_hash(frames, Some(&self.strings.lock()))?,
-            },
+        if let Some(hash) = address_stack_hash(frames) {
+            return self.find_or_insert_stack(frames, hash);
+        }
+        // Symbol stacks are costly to hash (their text): a caller that fills one buffer per
+        // thread and allocates repeatedly from one site presents the same stack again and
+        // again, so first try the stack last seen from this buffer.
+        // The shape (lines, no text) turns most wrong hints away before the comparison: a
+        // buffer alternating between stacks would otherwise compare in vain.
+        let hint = &self.stack_hints[hint_slot(frames)];
+        let shape = shape_of(frames);
+        let hinted = hint.load(Ordering::Relaxed);
+        if (hinted >> 32) as u32 == shape {
+            if let Some(r) = self.hinted_stack(hinted as u32, frames) {
+                return Ok(r);
+            }
+        }
+        // Ids handed in by the caller are hashed through their text: without the table an id
+        // fails the first try, which then runs again with the table locked.
+        let hash = match symbol_stack_hash(frames, None) {
+            Ok(h) => h,
+            Err(_) => symbol_stack_hash(frames, Some(&self.strings.lock()))?,
         };
+        let r = self.find_or_insert_stack(frames, hash)?;
+        hint.store(u64::from(shape) << 32 | u64::from(r + 1), Ordering::Relaxed);
+        Ok(r)
+    }
+
+    /// Takes a reference on stack `hint - 1` when it is live and holds exactly `frames`.
+    fn hinted_stack(&self, hint: u32, frames: &[Frame<'_>]) -> Option<u32> {
+        let r = hint.checked_sub(1)?;
+        let (shard_idx, slot) = split_stack_ref(r);
+        let mut shard = self.stacks.get(shard_idx)?.lock();
+        let s = shard.slots.get_mut(slot)?;
+        // No reference: free, or released and kept only for a snapshot (no longer indexed):
+        // never revive it.
+        if s.refs == 0 || s.refs == u32::MAX {
+            return None;
+        }
+        if !frames_match(s.words.as_deref()?, &s.texts, frames) {
+            return None;
+        }
+        s.refs += 1;
+        Some(r)
+    }
+
+    /// Finds the heap record for `frames` by its hash word, or creates it; takes one reference.
+    fn find_or_insert_stack(&self, frames: &[Frame<'_>], hash: u64) -> Result<u32, HeapError> {
         let shard_idx = shard_of(hash, STACK_SHARDS);
         {
             let mut shard = self.stacks[shard_idx].lock();
@@ -2227,6 +2295,76 @@ mod tests {
         assert!(rec.untrack(5000) && rec.untrack(6000) && rec.untrack(6001));
         assert_eq!(rec.stats().num_heap_records, 0);
         assert_eq!(rec.stats().num_object_records, 0);
+        strings.advance_generation();
+        assert_eq!(strings.len(), 0);
+    }
+
+    /// The stack hint is keyed by the caller's buffer, whose content can change between calls,
+    /// and names a slot that can be freed and reused: whatever it says, the records are exactly
+    /// those a lookup by content gives.
+    #[test]
+    fn stack_hints_never_change_which_record_a_stack_gets() {
+        let (rec, strings) = native();
+        let names: Vec<String> = (0..6).map(|i| format!("crate::f{i}")).collect();
+        let mut buf: Vec<Frame<'_>> = names[..3]
+            .iter()
+            .map(|n| Frame::sym(n, "a.rs", 1))
+            .collect();
+        rec.track(1, 1, 8, None, &buf).unwrap();
+        rec.track(2, 1, 8, None, &buf).unwrap();
+        assert_eq!(rec.stats().num_heap_records, 1, "same content, same record");
+        // Same buffer (address and length), other content: a record of its own.
+        buf[2] = Frame::sym(&names[5], "a.rs", 1);
+        rec.track(3, 1, 8, None, &buf).unwrap();
+        assert_eq!(rec.stats().num_heap_records, 2);
+        // Only the line differs.
+        buf[2] = Frame::sym(&names[5], "a.rs", 2);
+        rec.track(4, 1, 8, None, &buf).unwrap();
+        assert_eq!(rec.stats().num_heap_records, 3);
+        // Back to the first content through the buffer whose hint names another stack.
+        buf[2] = Frame::sym(&names[2], "a.rs", 1);
+        rec.track(5, 1, 8, None, &buf).unwrap();
+        assert_eq!(
+            rec.stats().num_heap_records,
+            3,
+            "found by content, not duplicated"
+        );
+        // Free the hinted stack; another stack takes its slot; the buffer comes back with the
+        // freed content: the hint now names the newcomer and must not be taken.
+        assert!(rec.untrack(4));
+        assert_eq!(rec.stats().num_heap_records, 2);
+        let other: Vec<Frame<'_>> = names[3..6]
+            .iter()
+            .map(|n| Frame::sym(n, "b.rs", 9))
+            .collect();
+        rec.track(6, 1, 8, None, &other).unwrap();
+        buf[2] = Frame::sym(&names[5], "a.rs", 2);
+        rec.track(7, 1, 8, None, &buf).unwrap();
+        assert_eq!(rec.stats().num_heap_records, 4);
+        for id in 1..=7 {
+            rec.untrack(id);
+        }
+        assert_eq!(rec.stats().num_heap_records, 0);
+        assert_eq!(rec.stats().num_object_records, 0);
+        strings.advance_generation();
+        assert_eq!(strings.len(), 0, "every record gave its strings back");
+    }
+
+    /// A stack released while a snapshot pins it keeps its slot (for the snapshot) but has no
+    /// reference: a hint to it must not revive it.
+    #[test]
+    fn stack_hints_do_not_revive_a_stack_kept_for_a_snapshot() {
+        let (rec, strings) = native();
+        let frames = stack("pinned.rs");
+        rec.track(1, 1, 8, None, &frames).unwrap();
+        rec.prepare_iteration().unwrap();
+        assert!(rec.untrack(1));
+        rec.track(2, 1, 8, None, &frames).unwrap();
+        rec.finish_iteration().unwrap();
+        assert_eq!(rec.stats().num_heap_records, 1);
+        assert!(rec.is_object_recorded(2));
+        assert!(rec.untrack(2));
+        assert_eq!(rec.stats().num_heap_records, 0);
         strings.advance_generation();
         assert_eq!(strings.len(), 0);
     }
