@@ -406,19 +406,8 @@ impl SliceSet {
         let off = self.items.len() as u32;
         self.items.extend_from_slice(ids);
         self.spans.push((off, ids.len() as u32));
-        // A bulk add writes the table front to back into memory it has not touched lately:
-        // start fetching the lines the next stacks go to, so their misses overlap other work.
-        #[cfg(target_arch = "x86_64")]
-        {
-            let ahead = self.items.as_ptr().wrapping_add(self.items.len() + 64);
-            // SAFETY: a prefetch is a hint: it never faults nor changes memory, wherever it
-            // points (here up to 256 bytes past the table's end).
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(
-                    ahead.cast(),
-                )
-            };
-        }
+        prefetch_past_end(&self.items);
+        prefetch_past_end(&self.spans);
         Ok(id)
     }
 
@@ -813,6 +802,23 @@ impl Tables {
 #[inline(always)]
 fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a == b
+}
+
+/// Starts fetching, for writing, the memory 256 bytes past the end of `v`. A bulk add appends
+/// to tables it has not touched lately, front to back: without this each new line is a store
+/// miss met when the store comes, and they queue up.
+#[inline(always)]
+fn prefetch_past_end<T>(v: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let ahead = v.as_ptr_range().end.cast::<u8>().wrapping_add(256);
+        // SAFETY: a prefetch is a hint: it never faults nor changes memory, wherever it points.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(ahead.cast())
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
 }
 
 /// Two words standing for a literal string in the sample-key hash. Strings up to 32 bytes are
@@ -1399,6 +1405,8 @@ impl Profile {
         let row = t.agg.len() as u32;
         t.agg.push((stack.0, labels.0));
         t.agg_values.extend_from_slice(values);
+        prefetch_past_end(&t.agg);
+        prefetch_past_end(&t.agg_values);
         Ok(RowId(row))
     }
 
