@@ -1,6 +1,6 @@
 //! Deterministic driver for instruction counts of the heap bench's hot path (track + untrack of
 //! an object whose 32-frame stack is already known):
-//! `valgrind --tool=callgrind target/release/examples/heap_track [address|symbol|alternate] [iterations]`
+//! `valgrind --tool=callgrind target/release/examples/heap_track [address|symbol|alternate|alternate-lines] [iterations]`
 //! (divide the counts by the iterations), or without valgrind for a quick ns/op.
 
 use std::hint::black_box;
@@ -27,7 +27,7 @@ fn main() {
         "address" => (0..DEPTH as u64)
             .map(|i| Frame::Address(0x5555_0000_1000 + i * 0x40))
             .collect(),
-        "symbol" | "alternate" => names
+        "symbol" | "alternate" | "alternate-lines" => names
             .iter()
             .enumerate()
             .map(|(i, (n, f))| Frame::sym(n, f, 10 + i as i64))
@@ -40,12 +40,18 @@ fn main() {
         rec.track(0x7000_0000_0000 + id * 64, 1, 64, None, &frames)
             .unwrap();
     }
-    // "alternate": one buffer switching between two stacks that differ in the last frame.
+    // "alternate": one buffer switching between two stacks that differ in the last frame's
+    // text only (same shape: they share a hint); "alternate-lines": ... and in its line.
     let mut frames = frames;
     let last = DEPTH - 1;
-    let alt = Frame::sym("my_crate::main_alt", "/src/my_crate/src/alt.rs", 99);
+    let alt_line = if mode == "alternate" {
+        10 + last as i64
+    } else {
+        99
+    };
+    let alt = Frame::sym("my_crate::main_alt", "/src/my_crate/src/alt.rs", alt_line);
     let stacks = [frames[last], alt];
-    let alternate = mode == "alternate";
+    let alternate = mode.starts_with("alternate");
     if alternate {
         // Both stacks already seen (kept alive by an object each).
         for (i, f) in stacks.iter().enumerate() {

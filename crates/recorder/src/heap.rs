@@ -307,11 +307,12 @@ fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The hint-table entry for a caller's frames buffer (its address and length).
+/// The hint-table entry for a caller's frames buffer (its address and length) holding a stack
+/// of `shape`.
 #[inline]
-fn hint_slot(frames: &[Frame<'_>]) -> usize {
-    (mix64(frames.as_ptr() as u64 ^ (frames.len() as u64).rotate_left(48)) as usize)
-        & (STACK_HINTS - 1)
+fn hint_slot(frames: &[Frame<'_>], shape: u32) -> usize {
+    let key = frames.as_ptr() as u64 ^ (frames.len() as u64).rotate_left(48) ^ u64::from(shape);
+    (mix64(key) as usize) & (STACK_HINTS - 1)
 }
 
 /// A stack's shape: its frames' lines and addresses (no text is read: a few instructions a
@@ -982,9 +983,9 @@ pub struct HeapRecorder {
     // mutex.
     objs: Box<[Padded<SpinLock<ObjShard>>]>,
     stacks: Box<[Padded<SpinLock<StackShard>>]>,
-    /// Per caller frames buffer (address and length, hashed), the symbol stack last found or
-    /// stored from it: its reference plus one in the low half (0 = none), the frames' shape
-    /// ([`shape_of`]) in the high half. Only a hint: it is always confirmed by comparing content
+    /// Per caller frames buffer (address and length) and stack shape ([`shape_of`]), hashed,
+    /// the symbol stack last found or stored from it: its reference plus one in the low half
+    /// (0 = none), the shape in the high half. Only a hint: it is always confirmed by comparing content
     /// under the shard's lock.
     stack_hints: Box<[AtomicU64]>,
 
@@ -1338,10 +1339,11 @@ impl HeapRecorder {
         // Symbol stacks are costly to hash (their text): a caller that fills one buffer per
         // thread and allocates repeatedly from one site presents the same stack again and
         // again, so first try the stack last seen from this buffer.
-        // The shape (lines, no text) turns most wrong hints away before the comparison: a
-        // buffer alternating between stacks would otherwise compare in vain.
-        let hint = &self.stack_hints[hint_slot(frames)];
+        // The shape (lines, no text) is part of the key, so a buffer alternating between
+        // stacks of other shapes keeps a hint for each, and it turns most wrong hints away
+        // before the comparison.
         let shape = shape_of(frames);
+        let hint = &self.stack_hints[hint_slot(frames, shape)];
         let hinted = hint.load(Ordering::Relaxed);
         if (hinted >> 32) as u32 == shape {
             if let Some(r) = self.hinted_stack(hinted as u32, frames) {
