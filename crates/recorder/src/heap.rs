@@ -985,8 +985,8 @@ pub struct HeapRecorder {
     stacks: Box<[Padded<SpinLock<StackShard>>]>,
     /// Per caller frames buffer (address and length) and stack shape ([`shape_of`]), hashed,
     /// the symbol stack last found or stored from it: its reference plus one in the low half
-    /// (0 = none), the shape in the high half. Only a hint: it is always confirmed by comparing content
-    /// under the shard's lock.
+    /// (0 = none), the shape in the high half. Only a hint: it is always confirmed by comparing
+    /// content under the shard's lock.
     stack_hints: Box<[AtomicU64]>,
 
     active: Mutex<Active>,
@@ -1324,8 +1324,9 @@ impl HeapRecorder {
 
     /// Finds or creates the heap record for `frames` and takes one reference on it.
     ///
-    /// A stack seen before is found by its content hash and a content comparison, without
-    /// interning anything (the record already holds its strings); only a new stack interns.
+    /// A stack seen before is found by its content hash and a content comparison (a symbol stack
+    /// first tries the hint for its caller's buffer), without interning anything (the record
+    /// already holds its strings); only a new stack interns.
     fn acquire_stack(&self, frames: &[Frame<'_>]) -> Result<u32, HeapError> {
         if frames.len() > MAX_FRAMES {
             return Err(HeapError::TooManyFrames {
