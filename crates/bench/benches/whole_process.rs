@@ -156,27 +156,27 @@ fn main() {
             }
         }
         // Both System runs of the round make its base; their difference is the noise floor.
-        let base = |i: usize| {
-            let (a, b) = (round["system"], round["system_again"]);
-            if i == 0 {
-                (a.0 + b.0) / 2.0
-            } else {
-                (a.1 + b.1) / 2.0
-            }
+        let (sys, sys_again) = (round["system"], round["system_again"]);
+        let sys_mean = ((sys.0 + sys_again.0) / 2.0, (sys.1 + sys_again.1) / 2.0);
+        let mut push = |name: &str, (cpu, wall): (f64, f64), (cpu_base, wall_base): (f64, f64)| {
+            let pct = |v: f64, b: f64| (v / b - 1.0) * 100.0;
+            paired
+                .entry(name.to_owned())
+                .or_default()
+                .push(pct(cpu, cpu_base));
+            paired
+                .entry(format!("{name}_wall"))
+                .or_default()
+                .push(pct(wall, wall_base));
         };
-        let mut push = |key: String, v: f64, b: f64| {
-            paired.entry(key).or_default().push((v / b - 1.0) * 100.0);
-        };
-        for name in ["ferroprof", "ferroprof_nosamples"] {
-            push(name.to_owned(), round[name].0, base(0));
-            push(format!("{name}_wall"), round[name].1, base(1));
-        }
-        let (a, b) = (round["system_again"], round["system"]);
-        push("system_again".into(), a.0, b.0);
-        push("system_again_wall".into(), a.1, b.1);
-        let (a, b) = (round["jemalloc_prof"], round["jemalloc"]);
-        push("jemalloc_prof".into(), a.0, b.0);
-        push("jemalloc_prof_wall".into(), a.1, b.1);
+        push("ferroprof", round["ferroprof"], sys_mean);
+        push(
+            "ferroprof_nosamples",
+            round["ferroprof_nosamples"],
+            sys_mean,
+        );
+        push("system_again", sys_again, sys);
+        push("jemalloc_prof", round["jemalloc_prof"], round["jemalloc"]);
     }
     let sys = alloc.median("system");
     let je = alloc.median("jemalloc");

@@ -30,7 +30,7 @@ pub(crate) struct ThreadState {
     pub name: Cell<[u8; 16]>,
     pub name_len: Cell<u8>,
     pub name_age: Cell<u8>,
-    /// This thread's shard of the reader counts plus one (see `crate::sharded`); 0 = none yet.
+    /// This thread's shard of the sharded counters plus one (see `crate::sharded`); 0 = none yet.
     pub reader_shard: Cell<u8>,
 }
 

@@ -315,19 +315,19 @@ fn hint_slot(frames: &[Frame<'_>], shape: u32) -> usize {
     (mix64(key) as usize) & (STACK_HINTS - 1)
 }
 
-/// A stack's shape: its frames' lines and addresses (no text is read: a few instructions a
-/// frame). Equal stacks have equal shapes; stacks from different call sites mostly do not.
+/// A stack's shape: its frames' lines and addresses folded as the stack hashes fold frames (no
+/// text is read). Equal stacks have equal shapes; stacks from different call sites mostly do
+/// not.
 #[inline]
 fn shape_of(frames: &[Frame<'_>]) -> u32 {
-    let mut h = frames.len() as u64;
-    for f in frames {
-        let w = match f {
+    let line_or_address = |f: &Frame<'_>| {
+        Ok::<u64, std::convert::Infallible>(match f {
             Frame::Address(a) => *a,
             Frame::Symbol { line, .. } => *line as u64,
-        };
-        h = h.rotate_left(11) ^ w;
-    }
-    (mix64(h) >> 32) as u32
+        })
+    };
+    let Ok(h) = fold_frames(frames, HK[0], line_or_address);
+    (h >> 32) as u32
 }
 
 /// Shard choice uses bits 32.. of a hash; in-shard positions use the low bits, so they stay
@@ -1339,10 +1339,9 @@ impl HeapRecorder {
         }
         // Symbol stacks are costly to hash (their text): a caller that fills one buffer per
         // thread and allocates repeatedly from one site presents the same stack again and
-        // again, so first try the stack last seen from this buffer.
-        // The shape (lines, no text) is part of the key, so a buffer alternating between
-        // stacks of other shapes keeps a hint for each, and it turns most wrong hints away
-        // before the comparison.
+        // again, so first try the stack last seen from this buffer with this shape (lines, no
+        // text). The shape keeps a hint per stack for a buffer alternating between stacks, and
+        // turns most wrong hints away before the comparison.
         let shape = shape_of(frames);
         let hint = &self.stack_hints[hint_slot(frames, shape)];
         let hinted = hint.load(Ordering::Relaxed);

@@ -809,16 +809,7 @@ fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
 /// miss met when the store comes, and they queue up.
 #[inline(always)]
 fn prefetch_past_end<T>(v: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let ahead = v.as_ptr_range().end.cast::<u8>().wrapping_add(256);
-        // SAFETY: a prefetch is a hint: it never faults nor changes memory, wherever it points.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(ahead.cast())
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = v;
+    prefetch_line(v.as_ptr_range().end.cast::<u8>().wrapping_add(256), true);
 }
 
 /// Two words standing for a literal string in the sample-key hash. Strings up to 32 bytes are
@@ -865,16 +856,26 @@ fn str_words(s: Str<'_>) -> (u64, u64) {
 /// this some iterations ahead of a random access so its cache miss overlaps with other work.
 #[inline(always)]
 pub(crate) fn prefetch<T>(r: &T) {
+    prefetch_line((r as *const T).cast(), false);
+}
+
+/// One prefetch instruction for the line holding `p` (any address: a prefetch never faults),
+/// `for_write` asking for it in a state ready to be written.
+#[inline(always)]
+fn prefetch_line(p: *const u8, for_write: bool) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is only a hint: it never faults nor changes memory, and the pointer
-    // comes from a live reference anyway. SSE, the intrinsic's target feature, is part of the
-    // x86_64 baseline, so the instruction exists on every CPU this code runs on.
+    // SAFETY: a prefetch is only a hint: it never faults nor changes memory, whatever the
+    // address. SSE, the intrinsic's target feature, is part of the x86_64 baseline.
     unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(r as *const T as *const i8);
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+        if for_write {
+            _mm_prefetch::<_MM_HINT_ET0>(p.cast());
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = r;
+    let _ = (p, for_write);
 }
 
 /// foldhash's mixing step: the two halves of a 64x64-bit product, folded together.
