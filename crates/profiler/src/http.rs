@@ -7,16 +7,32 @@
 //! | `/debug/pprof/heap` | the live heap now |
 //! | `/debug/pprof/allocs?seconds=N` | allocation samples over the next N seconds (default 30) |
 //!
-//! A small blocking server on `std::net`: one accept thread and one short-lived thread per
-//! request, at most [`HttpConfig::max_concurrent`] at once (a profile request holds its thread for
-//! N seconds); requests beyond that get `503`. Only `GET` (and `HEAD` for the index) is served.
+//! A small server on `std::net` and `poll`, built so that clients cannot hurt the host:
+//! - The accept thread only accepts (it waits in `poll` on the listener and a wake-up socket)
+//!   and passes each connection to the reading thread; it never reads from a client.
+//! - The reading thread receives the request heads of all connections at once with
+//!   non-blocking reads. Each head must arrive whole within [`HttpConfig::read_timeout`] of the
+//!   accept, however slowly its bytes trickle in (then `408`). At most
+//!   [`HttpConfig::max_reading`] connections are read; a new one beyond that displaces the one
+//!   that has been reading longest. A new connection is read before it can displace anyone, so
+//!   a client that sends its request at once gets through a crowd of slow ones.
+//! - A complete request gets a short-lived thread of its own. At most
+//!   [`HttpConfig::max_concurrent`] requests are served at once (a profile request holds its
+//!   slot for N seconds); requests beyond that get `503`. Writing a response has a deadline too.
+//! - [`PprofServer::stop`] closes every client connection and returns within a second; a request
+//!   thread still inside a capture is left to finish on its own and then sends nothing.
+//!
+//! Only `GET` (and `HEAD` for the index) is served.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::export::ProfileSource;
 
@@ -27,12 +43,27 @@ pub const ADDR_ENV: &str = "FERROPROF_HTTP_ADDR";
 
 /// Longest request head read; a longer one is answered with 431.
 const MAX_HEAD: usize = 16 * 1024;
+/// How long writing one response may take in all, so a client that stops reading cannot hold a
+/// thread and a slot for long.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a connection is drained after its response, so that bytes the client still sends
+/// do not make the close a reset that destroys the response before the client reads it.
+const LINGER: Duration = Duration::from_millis(250);
+/// How long [`PprofServer::stop`] waits for connection threads to see their socket closed.
+/// Threads inside a capture are not waited for: they cannot see it.
+const STOP_GRACE: Duration = Duration::from_millis(500);
 
 /// Errors starting the server.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
     #[error("invalid /debug/pprof address {addr:?}: {reason}")]
     BadAddress { addr: String, reason: String },
+    #[error("invalid /debug/pprof setting {field} = {value}: {reason}")]
+    BadConfig {
+        field: &'static str,
+        value: String,
+        reason: &'static str,
+    },
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: String,
@@ -50,9 +81,15 @@ pub struct HttpConfig {
     pub default_seconds: u64,
     /// Largest `seconds` accepted.
     pub max_seconds: u64,
-    /// Requests handled at once; more get 503.
+    /// Requests served at once (a profile request is served for its whole duration); more get
+    /// 503.
     pub max_concurrent: usize,
-    /// How long a client may take to send its request head.
+    /// Connections whose request head is still being received (they cost a descriptor and a
+    /// buffer each, no thread). When all are taken, a new connection displaces the one that has
+    /// been receiving longest.
+    pub max_reading: usize,
+    /// Deadline for receiving the whole request head, counted from the connection's accept
+    /// (not per read: a client trickling bytes is cut off too); then 408.
     pub read_timeout: Duration,
 }
 
@@ -62,16 +99,48 @@ impl Default for HttpConfig {
             default_seconds: 30,
             max_seconds: 600,
             max_concurrent: 4,
-            read_timeout: Duration::from_secs(10),
+            max_reading: 32,
+            read_timeout: Duration::from_secs(5),
         }
+    }
+}
+
+impl HttpConfig {
+    fn validate(&self) -> Result<(), HttpError> {
+        let bad = |field, value: String, reason| {
+            Err(HttpError::BadConfig {
+                field,
+                value,
+                reason,
+            })
+        };
+        if self.max_seconds == 0 {
+            return bad("max_seconds", "0".into(), "must be at least 1");
+        }
+        if !(1..=self.max_seconds).contains(&self.default_seconds) {
+            return bad(
+                "default_seconds",
+                self.default_seconds.to_string(),
+                "must be from 1 to max_seconds",
+            );
+        }
+        if self.max_reading == 0 {
+            return bad("max_reading", "0".into(), "must be at least 1");
+        }
+        if self.read_timeout.is_zero() {
+            return bad("read_timeout", "0s".into(), "must be longer than zero");
+        }
+        Ok(())
     }
 }
 
 /// A running server; stops when [`PprofServer::stop`] is called or when dropped.
 pub struct PprofServer {
     addr: SocketAddr,
-    stopping: Arc<AtomicBool>,
-    accept_thread: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+    /// Dropping this end wakes the accept thread's `poll`.
+    wake: Option<UnixStream>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl PprofServer {
@@ -85,29 +154,61 @@ impl PprofServer {
         format!("http://{}/debug/pprof/", self.addr)
     }
 
-    /// Stops accepting and joins the accept thread. Requests in progress finish on their own
-    /// threads.
+    /// Stops listening and closes every client connection; returns within a second whatever
+    /// clients do. A request still inside a capture when this is called is not waited for: its
+    /// thread ends when the capture does, without answering.
     pub fn stop(mut self) {
         self.shutdown();
     }
 
     fn shutdown(&mut self) {
-        let Some(t) = self.accept_thread.take() else {
+        let Some(wake) = self.wake.take() else {
             return;
         };
-        self.stopping.store(true, Ordering::SeqCst);
-        // `accept` has no timeout: wake it with a connection of our own.
-        let wake = match self.addr {
-            SocketAddr::V4(a) if a.ip().is_unspecified() => {
-                SocketAddr::from(([127, 0, 0, 1], a.port()))
+        let shared = &self.shared;
+        shared.stopping.store(true, Ordering::SeqCst);
+        // Closing our end makes the accept thread's `poll` see the other end readable.
+        drop(wake);
+        let _ = (&shared.notify).write(&[1]);
+        let mut conns = shared.lock();
+        for conn in conns.open.values() {
+            // Ends every blocked read and write on the connection's own thread.
+            let _ = conn.stream.shutdown(Shutdown::Both);
+        }
+        let deadline = Instant::now() + STOP_GRACE;
+        while conns.loops > 0 || conns.threads > conns.in_source {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
             }
-            SocketAddr::V6(a) if a.ip().is_unspecified() => {
-                SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, a.port()))
+            conns = shared
+                .changed
+                .wait_timeout(conns, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let (loops, left_running) = (conns.loops, conns.threads);
+        drop(conns);
+        // Connections accepted as the stop began and never taken up by the reading thread.
+        shared
+            .inbox
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        if loops == 0 {
+            // Both have ended (the listener is closed): joining cannot block.
+            for t in self.threads.drain(..) {
+                let _ = t.join();
             }
-            a => a,
-        };
-        if TcpStream::connect_timeout(&wake, Duration::from_secs(1)).is_ok() {
-            let _ = t.join();
+        } else {
+            // Cannot happen short of a stuck `poll`; never block the caller on it.
+            log::warn!("ferroprof: /debug/pprof server threads did not stop in time; detached");
+        }
+        if left_running > 0 {
+            log::debug!(
+                "ferroprof: /debug/pprof: {left_running} request thread(s) still capturing; \
+                 they end with their capture"
+            );
         }
         log::info!("ferroprof: /debug/pprof server on {} stopped", self.addr);
     }
@@ -141,38 +242,67 @@ pub fn serve_with(
     source: Arc<dyn ProfileSource>,
     config: HttpConfig,
 ) -> Result<PprofServer, HttpError> {
+    config.validate()?;
     let shown = format!("{addr:?}");
-    let listener = TcpListener::bind(&addr).map_err(|source| HttpError::Bind {
+    let bind_err = |source| HttpError::Bind {
         addr: shown.clone(),
         source,
-    })?;
-    let local = listener.local_addr().map_err(|source| HttpError::Bind {
-        addr: shown,
-        source,
-    })?;
+    };
+    let listener = TcpListener::bind(&addr).map_err(bind_err)?;
+    let local = listener.local_addr().map_err(bind_err)?;
+    // Accepting only when `poll` says so; non-blocking so a connection reset between the two
+    // cannot leave the thread blocked in `accept`, deaf to `stop`.
+    listener.set_nonblocking(true).map_err(bind_err)?;
+    let (wake, woken) = UnixStream::pair().map_err(HttpError::Thread)?;
+    let (notify, notified) = UnixStream::pair().map_err(HttpError::Thread)?;
+    notify.set_nonblocking(true).map_err(HttpError::Thread)?;
+    notified.set_nonblocking(true).map_err(HttpError::Thread)?;
     if !local.ip().is_loopback() {
         log::warn!(
             "ferroprof: /debug/pprof is listening on {local}, which is not a loopback address: \
              anyone who can reach it can profile this process"
         );
     }
-    let stopping = Arc::new(AtomicBool::new(false));
-    let server = Server {
+    let shared = Arc::new(Shared {
         source,
         config,
-        active: Arc::new(AtomicUsize::new(0)),
-    };
-    let stop = stopping.clone();
-    let accept_thread = std::thread::Builder::new()
-        .name("ferroprof-http".into())
-        .spawn(move || server.accept_loop(listener, stop))
-        .map_err(HttpError::Thread)?;
-    log::info!("ferroprof: serving /debug/pprof on http://{local}/debug/pprof/");
-    Ok(PprofServer {
+        stopping: AtomicBool::new(false),
+        inbox: Mutex::new(Vec::new()),
+        notify,
+        conns: Mutex::new(Conns::default()),
+        changed: Condvar::new(),
+    });
+    let mut server = PprofServer {
         addr: local,
-        stopping,
-        accept_thread: Some(accept_thread),
-    })
+        shared: shared.clone(),
+        wake: Some(wake),
+        threads: Vec::new(),
+    };
+    // On an error below, dropping `server` stops the thread already started.
+    for (name, run) in [
+        (
+            "ferroprof-http",
+            Box::new(move |s: &Arc<Shared>| accept_loop(s, listener, woken))
+                as Box<dyn FnOnce(&Arc<Shared>) + Send>,
+        ),
+        (
+            "ferroprof-http-read",
+            Box::new(move |s: &Arc<Shared>| read_loop(s, notified)),
+        ),
+    ] {
+        shared.lock().loops += 1;
+        let alive = LoopThread(shared.clone());
+        let t = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                run(&alive.0);
+                drop(alive);
+            })
+            .map_err(HttpError::Thread)?;
+        server.threads.push(t);
+    }
+    log::info!("ferroprof: serving /debug/pprof on http://{local}/debug/pprof/");
+    Ok(server)
 }
 
 /// Starts the server when `FERROPROF_HTTP_ADDR` is set (`1`/`true` mean [`DEFAULT_ADDR`]).
@@ -209,117 +339,368 @@ pub fn addr_from_env_value(v: &str) -> Result<Option<String>, HttpError> {
     Ok(Some(v.to_owned()))
 }
 
-struct Server {
+/// State shared by the server's threads and [`PprofServer`].
+struct Shared {
     source: Arc<dyn ProfileSource>,
     config: HttpConfig,
-    active: Arc<AtomicUsize>,
+    stopping: AtomicBool,
+    /// Connections accepted (and when) and not yet taken by the reading thread.
+    inbox: Mutex<Vec<(TcpStream, Instant)>>,
+    /// Written to (non-blocking) to wake the reading thread's `poll`.
+    notify: UnixStream,
+    conns: Mutex<Conns>,
+    /// Signalled when a thread ends or leaves the profile source.
+    changed: Condvar,
 }
 
-/// One response.
-struct Reply {
-    status: u16,
-    content_type: &'static str,
-    disposition: Option<&'static str>,
-    body: Vec<u8>,
+#[derive(Default)]
+struct Conns {
+    /// Id of the next connection.
+    next_id: u64,
+    /// Connections handed to their own thread, each with a clone of its socket so that `stop`
+    /// can shut it down.
+    open: BTreeMap<u64, Conn>,
+    /// Connection threads alive, and how many of them are inside the profile source.
+    threads: usize,
+    in_source: usize,
+    /// The accept and reading threads alive.
+    loops: usize,
 }
 
-impl Reply {
-    fn text(status: u16, body: impl Into<String>) -> Self {
-        let mut body = body.into();
-        if !body.ends_with('\n') {
-            body.push('\n');
-        }
-        Reply {
-            status,
-            content_type: "text/plain; charset=utf-8",
-            disposition: None,
-            body: body.into_bytes(),
-        }
-    }
-
-    fn profile(bytes: Vec<u8>, filename: &'static str) -> Self {
-        Reply {
-            status: 200,
-            content_type: "application/octet-stream",
-            disposition: Some(filename),
-            body: bytes,
-        }
+impl Conns {
+    fn count(&self, phase: Phase) -> usize {
+        self.open.values().filter(|c| c.phase == phase).count()
     }
 }
 
-impl Server {
-    fn accept_loop(self, listener: TcpListener, stopping: Arc<AtomicBool>) {
-        let this = Arc::new(self);
-        for conn in listener.incoming() {
-            if stopping.load(Ordering::SeqCst) {
-                break;
+struct Conn {
+    stream: TcpStream,
+    phase: Phase,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Producing and sending a response (counts against `max_concurrent`).
+    Serving,
+    /// Sending an error response and closing.
+    Closing,
+}
+
+/// What a connection's thread does.
+enum Work {
+    Request { method: String, target: String },
+    Reply(Reply),
+}
+
+/// Ends a connection's bookkeeping when its thread ends (or never starts).
+struct ConnThread {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Drop for ConnThread {
+    fn drop(&mut self) {
+        let mut c = self.shared.lock();
+        c.open.remove(&self.id);
+        c.threads -= 1;
+        drop(c);
+        self.shared.changed.notify_all();
+    }
+}
+
+/// Counts a thread as inside the profile source while alive.
+struct InSource<'a>(&'a Shared);
+
+impl Drop for InSource<'_> {
+    fn drop(&mut self) {
+        self.0.lock().in_source -= 1;
+        self.0.changed.notify_all();
+    }
+}
+
+/// Counts the accept or the reading thread as alive.
+struct LoopThread(Arc<Shared>);
+
+impl Drop for LoopThread {
+    fn drop(&mut self) {
+        self.0.lock().loops -= 1;
+        self.0.changed.notify_all();
+    }
+}
+
+/// Accepts until the server stops and hands each connection to the reading thread. Never reads
+/// from a client, so no client can hold up accepting or stopping.
+fn accept_loop(shared: &Shared, listener: TcpListener, woken: UnixStream) {
+    // Beyond this many connections waiting for the reading thread, new ones are closed at once.
+    let inbox_cap = shared.config.max_reading.saturating_mul(4);
+    while !shared.stopping.load(Ordering::SeqCst) {
+        poll_readable(&[listener.as_raw_fd(), woken.as_raw_fd()], None);
+        loop {
+            if shared.stopping.load(Ordering::SeqCst) {
+                return;
             }
-            let stream = match conn {
-                Ok(s) => s,
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let mut inbox = shared.inbox.lock().unwrap_or_else(|e| e.into_inner());
+                    if inbox.len() < inbox_cap && stream.set_nonblocking(true).is_ok() {
+                        inbox.push((stream, Instant::now()));
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     log::warn!("ferroprof: /debug/pprof: accept failed: {e}");
                     // Out of descriptors and similar: do not spin.
                     std::thread::sleep(Duration::from_millis(50));
-                    continue;
+                    break;
                 }
-            };
-            if this.active.fetch_add(1, Ordering::SeqCst) >= this.config.max_concurrent {
-                this.active.fetch_sub(1, Ordering::SeqCst);
-                let mut stream = stream;
-                // Read the request first: closing with unread data makes the kernel send a
-                // reset, which can destroy the 503 before the client reads it. The short
-                // timeout bounds how long a slow client holds up accepting.
-                let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
-                let _ = read_request_head(&mut stream);
-                let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
-                let _ = write_reply(
-                    &mut stream,
-                    &Reply::text(
-                        503,
-                        "too many /debug/pprof requests in progress; try again later",
-                    ),
-                    false,
-                );
-                continue;
             }
-            let server = this.clone();
-            let spawned = std::thread::Builder::new()
-                .name("ferroprof-http-req".into())
-                .spawn(move || {
-                    server.handle(stream);
-                    server.active.fetch_sub(1, Ordering::SeqCst);
+        }
+        // Full means a wake-up is already pending.
+        let _ = (&shared.notify).write(&[1]);
+    }
+}
+
+/// A connection whose request head is being received.
+struct Pending {
+    stream: TcpStream,
+    head: Vec<u8>,
+    /// How much of `head` has been searched for its end.
+    scanned: usize,
+    /// When the whole head must have arrived, counted from the accept.
+    deadline: Instant,
+}
+
+/// What reading a connection came to.
+enum Step {
+    /// Incomplete head, nothing more to read now.
+    More,
+    /// Closed by the client, or failed: drop it.
+    Gone,
+    Done(Work),
+}
+
+impl Pending {
+    /// Reads what has arrived (the socket is non-blocking).
+    fn read_some(&mut self) -> Step {
+        let mut chunk = [0u8; 2048];
+        loop {
+            if let Some(end) = head_end(&self.head, self.scanned) {
+                return Step::Done(match parse_head(&self.head[..end]) {
+                    Ok((method, target)) => Work::Request { method, target },
+                    Err(reply) => Work::Reply(reply),
                 });
-            if let Err(e) = spawned {
-                this.active.fetch_sub(1, Ordering::SeqCst);
-                log::warn!("ferroprof: /debug/pprof: cannot start a request thread: {e}");
+            }
+            // The end marker is at most three bytes: it may start in what was already searched.
+            self.scanned = self.head.len().saturating_sub(2);
+            if self.head.len() >= MAX_HEAD {
+                return Step::Done(Work::Reply(Reply::text(
+                    431,
+                    format!("request head larger than {MAX_HEAD} bytes"),
+                )));
+            }
+            let want = (MAX_HEAD - self.head.len()).min(chunk.len());
+            match self.stream.read(&mut chunk[..want]) {
+                Ok(0) if self.head.is_empty() => return Step::Gone,
+                Ok(0) => {
+                    return Step::Done(Work::Reply(Reply::text(400, "request head cut short")))
+                }
+                Ok(n) => self.head.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::More,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return Step::Gone,
             }
         }
     }
+}
 
-    fn handle(&self, mut stream: TcpStream) {
-        let _ = stream.set_read_timeout(Some(self.config.read_timeout));
-        let (method, target) = match read_request_head(&mut stream) {
-            Ok(Some(x)) => x,
-            Ok(None) => return,
-            Err(reply) => {
-                let _ = write_reply(&mut stream, &reply, false);
+/// Receives request heads on all connections at once, each within its deadline, and hands
+/// each complete one to a thread of its own. At most `max_reading` connections are read; a new
+/// one beyond that displaces the one that has been reading longest. A new connection is read
+/// before it can displace anyone, so a client that sends its request at once is never displaced
+/// by a crowd of slow ones.
+fn read_loop(shared: &Arc<Shared>, notified: UnixStream) {
+    let max = shared.config.max_reading;
+    // Oldest first.
+    let mut reading: Vec<Pending> = Vec::new();
+    let mut fds = Vec::new();
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let arrived = std::mem::take(&mut *shared.inbox.lock().unwrap_or_else(|e| e.into_inner()));
+        for (stream, accepted) in arrived {
+            let mut p = Pending {
+                stream,
+                head: Vec::new(),
+                scanned: 0,
+                deadline: accepted + shared.config.read_timeout,
+            };
+            match p.read_some() {
+                Step::More => {
+                    if reading.len() >= max {
+                        reading.remove(0); // closes it
+                    }
+                    reading.push(p);
+                }
+                Step::Gone => {}
+                Step::Done(work) => shared.start(p.stream, work),
+            }
+        }
+        fds.clear();
+        fds.push(notified.as_raw_fd());
+        fds.extend(reading.iter().map(|p| p.stream.as_raw_fd()));
+        let next_deadline = reading.iter().map(|p| p.deadline).min();
+        let ready = poll_readable(&fds, next_deadline);
+        if ready.first() == Some(&true) {
+            let mut sink = [0u8; 64];
+            while matches!((&notified).read(&mut sink), Ok(1..)) {}
+        }
+        let now = Instant::now();
+        for (i, mut p) in std::mem::take(&mut reading).into_iter().enumerate() {
+            // `ready[0]` is the notification socket.
+            let step = match ready.get(i + 1) {
+                Some(true) => p.read_some(),
+                _ => Step::More,
+            };
+            match step {
+                Step::More if now < p.deadline => reading.push(p),
+                Step::More => {
+                    let late = Reply::text(408, "the request head did not arrive in time");
+                    shared.start(p.stream, Work::Reply(late));
+                }
+                Step::Gone => {}
+                Step::Done(work) => shared.start(p.stream, work),
+            }
+        }
+    }
+    // Close everything not yet handed off.
+    drop(reading);
+    shared
+        .inbox
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clear();
+}
+
+/// Waits until one of `fds` is readable (or closed), `deadline` passes, or a signal arrives;
+/// says which are readable.
+fn poll_readable(fds: &[RawFd], deadline: Option<Instant>) -> Vec<bool> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let timeout_ms = match deadline {
+        None => -1,
+        // Rounded up, so an early wake-up does not spin until the deadline.
+        Some(d) => d
+            .saturating_duration_since(Instant::now())
+            .as_micros()
+            .div_ceil(1000)
+            .min(i32::MAX as u128) as i32,
+    };
+    // SAFETY: `pfds` is a valid, writable array of `pfds.len()` entries for the whole call; the
+    // descriptors belong to sockets the caller keeps open until it returns.
+    let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        // A signal (the profiler's own, say): the caller looks at its state and comes back.
+        if e.kind() != ErrorKind::Interrupted {
+            log::warn!("ferroprof: /debug/pprof: poll failed: {e}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    pfds.iter().map(|p| p.revents != 0).collect()
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Conns> {
+        // The bookkeeping stays consistent even if a thread panicked while holding the lock.
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hands a connection with a complete head (or an error to answer) to a thread of its own.
+    /// A request beyond `max_concurrent` gets 503.
+    fn start(self: &Arc<Self>, stream: TcpStream, work: Work) {
+        // Out of descriptors and the like: drop the connection.
+        let (Ok(()), Ok(clone)) = (stream.set_nonblocking(false), stream.try_clone()) else {
+            return;
+        };
+        let (id, work) = {
+            let mut c = self.lock();
+            if self.stopping.load(Ordering::SeqCst) {
                 return;
             }
+            let (phase, work) = match work {
+                Work::Request { .. } if c.count(Phase::Serving) >= self.config.max_concurrent => (
+                    Phase::Closing,
+                    Work::Reply(Reply::text(
+                        503,
+                        "too many /debug/pprof requests in progress; try again later",
+                    )),
+                ),
+                Work::Request { .. } => (Phase::Serving, work),
+                Work::Reply(_) => (Phase::Closing, work),
+            };
+            // Error answers take a thread for a moment each; a flood of them gets closed instead.
+            if phase == Phase::Closing && c.count(Phase::Closing) >= self.config.max_reading {
+                return;
+            }
+            let id = c.next_id;
+            c.next_id += 1;
+            c.open.insert(
+                id,
+                Conn {
+                    stream: clone,
+                    phase,
+                },
+            );
+            c.threads += 1;
+            (id, work)
         };
+        // Owned by the thread; if the thread cannot start, dropping it here undoes the above.
+        let done = ConnThread {
+            shared: self.clone(),
+            id,
+        };
+        let spawned = std::thread::Builder::new()
+            .name("ferroprof-http-conn".into())
+            .spawn(move || {
+                let mut stream = stream;
+                match work {
+                    Work::Request { method, target } => done.shared.serve(stream, &method, &target),
+                    Work::Reply(reply) => finish(&mut stream, &reply, false),
+                }
+                drop(done);
+            });
+        if let Err(e) = spawned {
+            log::warn!("ferroprof: /debug/pprof: cannot start a connection thread: {e}");
+        }
+    }
+
+    fn serve(&self, mut stream: TcpStream, method: &str, target: &str) {
         let head_only = method == "HEAD";
         let path = target.split('?').next().unwrap_or("");
         let is_index = path == "/debug/pprof" || path == "/debug/pprof/";
         // HEAD is for the index only: on a profile it would take the profile and throw it away.
         let reply = if method == "GET" || (head_only && is_index) {
-            self.route(&target)
+            self.route(target)
         } else {
             Reply::text(405, format!("method {method} not allowed here; use GET"))
         };
-        // Bounded, so a client that stops reading cannot hold the thread forever.
-        let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
-        if let Err(e) = write_reply(&mut stream, &reply, head_only) {
-            log::debug!("ferroprof: /debug/pprof: writing the response failed: {e}");
+        // After a stop the socket is shut down: nothing to answer.
+        if !self.stopping.load(Ordering::SeqCst) {
+            finish(&mut stream, &reply, head_only);
         }
+    }
+
+    /// Runs `f` (a call into the profile source) counted as such, so `stop` does not wait for
+    /// it.
+    fn in_source<T>(&self, f: impl FnOnce() -> T) -> T {
+        self.lock().in_source += 1;
+        let _counted = InSource(self);
+        f()
     }
 
     fn route(&self, target: &str) -> Reply {
@@ -332,18 +713,18 @@ impl Server {
                 body: INDEX.as_bytes().to_vec(),
             },
             "/debug/pprof/profile" => match self.seconds(query) {
-                Ok(d) => match self.source.cpu_profile(d) {
+                Ok(d) => match self.in_source(|| self.source.cpu_profile(d)) {
                     Ok(b) => Reply::profile(b, "profile"),
                     Err(e) => Reply::text(500, format!("could not take a CPU profile: {e}")),
                 },
                 Err(r) => r,
             },
-            "/debug/pprof/heap" => match self.source.heap_profile() {
+            "/debug/pprof/heap" => match self.in_source(|| self.source.heap_profile()) {
                 Ok(b) => Reply::profile(b, "heap"),
                 Err(e) => Reply::text(500, format!("could not take a heap profile: {e}")),
             },
             "/debug/pprof/allocs" => match self.seconds(query) {
-                Ok(d) => match self.source.allocs_profile(d) {
+                Ok(d) => match self.in_source(|| self.source.allocs_profile(d)) {
                     Ok(b) => Reply::profile(b, "allocs"),
                     Err(e) => {
                         Reply::text(500, format!("could not take an allocation profile: {e}"))
@@ -382,19 +763,44 @@ impl Server {
     }
 }
 
-/// Reads the request line and headers; returns (method, target). `Ok(None)` when the client sent
-/// nothing (e.g. the wake-up connection of `stop`).
-fn read_request_head(stream: &mut TcpStream) -> Result<Option<(String, String)>, Reply> {
-    let mut reader = BufReader::new(stream.take(MAX_HEAD as u64));
-    let mut line = String::new();
-    match reader.read_line(&mut line) {
-        Ok(0) => return Ok(None),
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-            return Err(Reply::text(400, "request line is not UTF-8"))
+/// One response.
+struct Reply {
+    status: u16,
+    content_type: &'static str,
+    disposition: Option<&'static str>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn text(status: u16, body: impl Into<String>) -> Self {
+        let mut body = body.into();
+        if !body.ends_with('\n') {
+            body.push('\n');
         }
-        Err(_) => return Ok(None),
+        Reply {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            disposition: None,
+            body: body.into_bytes(),
+        }
     }
+
+    fn profile(bytes: Vec<u8>, filename: &'static str) -> Self {
+        Reply {
+            status: 200,
+            content_type: "application/octet-stream",
+            disposition: Some(filename),
+            body: bytes,
+        }
+    }
+}
+
+/// The method and target of a complete request head; an error answer if it is not HTTP/1.x.
+fn parse_head(head: &[u8]) -> Result<(String, String), Reply> {
+    let line = head.split(|&b| b == b'\n').next().unwrap_or(&[]);
+    let Ok(line) = std::str::from_utf8(line) else {
+        return Err(Reply::text(400, "request line is not UTF-8"));
+    };
     let mut parts = line.split_whitespace();
     let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next())
     else {
@@ -409,18 +815,23 @@ fn read_request_head(stream: &mut TcpStream) -> Result<Option<(String, String)>,
             format!("unsupported protocol {version:?}"),
         ));
     }
-    let (method, target) = (method.to_owned(), target.to_owned());
-    // Skip headers up to the blank line; a GET has no body worth reading.
-    loop {
-        let mut h = String::new();
-        match reader.read_line(&mut h) {
-            Ok(0) => return Err(Reply::text(431, "request head too large or cut short")),
-            Ok(_) if h == "\r\n" || h == "\n" => break,
-            Ok(_) => {}
-            Err(_) => return Err(Reply::text(400, "could not read the request headers")),
+    // The headers are skipped: a GET has no body, and nothing here depends on them.
+    Ok((method.to_owned(), target.to_owned()))
+}
+
+/// Where the head ends: after the first empty line (`\n\n` or `\n\r\n`), if it has arrived.
+/// Looks at line ends from `from` on.
+fn head_end(head: &[u8], from: usize) -> Option<usize> {
+    head.iter().enumerate().skip(from).find_map(|(i, &b)| {
+        if b != b'\n' {
+            return None;
         }
-    }
-    Ok(Some((method, target)))
+        match &head[i + 1..] {
+            [b'\n', ..] => Some(i + 2),
+            [b'\r', b'\n', ..] => Some(i + 3),
+            _ => None,
+        }
+    })
 }
 
 fn reason(status: u16) -> &'static str {
@@ -429,6 +840,7 @@ fn reason(status: u16) -> &'static str {
         400 => "Bad Request",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        408 => "Request Timeout",
         431 => "Request Header Fields Too Large",
         500 => "Internal Server Error",
         503 => "Service Unavailable",
@@ -437,7 +849,38 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
-fn write_reply(stream: &mut TcpStream, reply: &Reply, head_only: bool) -> std::io::Result<()> {
+/// Sends the reply within [`WRITE_TIMEOUT`], then closes the connection gracefully.
+fn finish(stream: &mut TcpStream, reply: &Reply, head_only: bool) {
+    let deadline = Instant::now() + WRITE_TIMEOUT;
+    if let Err(e) = write_reply(stream, reply, head_only, deadline) {
+        log::debug!("ferroprof: /debug/pprof: writing the response failed: {e}");
+        return;
+    }
+    let _ = stream.shutdown(Shutdown::Write);
+    // Drain what the client still sends (briefly, and not much), so the close is not a reset.
+    let end = Instant::now() + LINGER;
+    let mut buf = [0u8; 2048];
+    let mut drained = 0;
+    while drained < 4 * MAX_HEAD {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match stream.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => drained += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
+fn write_reply(
+    stream: &mut TcpStream,
+    reply: &Reply,
+    head_only: bool,
+    deadline: Instant,
+) -> std::io::Result<()> {
     let mut head = format!(
         "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\
          X-Content-Type-Options: nosniff\r\n",
@@ -452,11 +895,30 @@ fn write_reply(stream: &mut TcpStream, reply: &Reply, head_only: bool) -> std::i
         ));
     }
     head.push_str("\r\n");
-    stream.write_all(head.as_bytes())?;
+    write_all_by(stream, head.as_bytes(), deadline)?;
     if !head_only {
-        stream.write_all(&reply.body)?;
+        write_all_by(stream, &reply.body, deadline)?;
     }
-    stream.flush()
+    Ok(())
+}
+
+/// `write_all` that gives up at `deadline` (a per-write timeout alone would let a client that
+/// reads a little now and then keep the thread forever).
+fn write_all_by(stream: &mut TcpStream, mut buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        stream.set_write_timeout(Some(left))?;
+        match stream.write(buf) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 const INDEX: &str = "<!DOCTYPE html>
