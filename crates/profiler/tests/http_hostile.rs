@@ -500,3 +500,51 @@ fn stop_returns_within_a_second_during_a_real_capture() {
     // The capture still running does not hold up the profiler's own stop either.
     assert!(guard_took < Duration::from_secs(5), "{guard_took:?}");
 }
+
+/// The heavy version, for `scripts/reliability.sh`: `FERROPROF_HTTP_HOSTILE_CLIENTS` slowloris
+/// clients (default 200, far beyond the default reading slots) for
+/// `FERROPROF_HTTP_HOSTILE_SECS` seconds (default 20), while real requests keep coming.
+#[test]
+#[ignore = "heavy: run from scripts/reliability.sh"]
+fn slowloris_flood_heavy() {
+    let env = |name, default| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (clients, secs) = (
+        env("FERROPROF_HTTP_HOSTILE_CLIENTS", 200),
+        env("FERROPROF_HTTP_HOSTILE_SECS", 20),
+    );
+    let server = serve_with(
+        "127.0.0.1:0",
+        Arc::new(SleepySource::default()),
+        HttpConfig::default(),
+    )
+    .unwrap();
+    let addr = server.addr();
+    let quit = Arc::new(AtomicBool::new(false));
+    let (connects, threads) = slowloris(addr, clients, Duration::from_millis(500), &quit);
+    std::thread::sleep(Duration::from_secs(1));
+    let start = Instant::now();
+    let mut answers = Vec::new();
+    while start.elapsed() < Duration::from_secs(secs as u64) {
+        answers.push(timed_get(addr, "/debug/pprof/", Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let took = timed_stop(server);
+    quit_all(&quit, threads);
+    let worst = answers.iter().map(|a| a.1).max();
+    let bad: Vec<_> = answers
+        .iter()
+        .filter(|(status, took)| *status != 200 || *took > Duration::from_secs(2))
+        .collect();
+    eprintln!(
+        "{clients} slowloris clients, {} connects, {} requests, worst {worst:?}, stop {took:?}",
+        connects.load(Ordering::SeqCst),
+        answers.len()
+    );
+    assert!(bad.is_empty(), "{} bad answers: {bad:?}", bad.len());
+    assert!(took.is_some_and(|d| d < Duration::from_secs(1)), "{took:?}");
+}
