@@ -764,6 +764,7 @@ impl Shared {
 }
 
 /// One response.
+#[derive(Debug)]
 struct Reply {
     status: u16,
     content_type: &'static str,
@@ -957,5 +958,46 @@ mod tests {
         );
         let e = addr_from_env_value("localhost").unwrap_err().to_string();
         assert!(e.contains("localhost"), "{e}");
+    }
+
+    #[test]
+    fn head_end_is_found_however_the_head_is_split() {
+        for head in [
+            &b"GET / HTTP/1.1\r\nHost: x\r\n\r\nrest"[..],
+            b"GET / HTTP/1.1\nHost: x\n\nrest",
+            b"GET / HTTP/1.1\r\n\r\n",
+        ] {
+            let whole = head_end(head, 0).unwrap();
+            assert_eq!(
+                &head[whole..],
+                if head.ends_with(b"rest") {
+                    &b"rest"[..]
+                } else {
+                    b""
+                }
+            );
+            // As the reading thread does: search the first part, then the rest from two bytes
+            // before the old end.
+            for split in 0..head.len() {
+                let first = head_end(&head[..split], 0);
+                let found = first.or_else(|| head_end(head, split.saturating_sub(2)));
+                assert_eq!(found, Some(whole), "split at {split}");
+            }
+        }
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nHost: x\r\n", 0), None);
+    }
+
+    #[test]
+    fn request_lines() {
+        let (m, t) = parse_head(b"GET /debug/pprof/heap HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        assert_eq!((m.as_str(), t.as_str()), ("GET", "/debug/pprof/heap"));
+        assert_eq!(parse_head(b"GET /\r\n\r\n").unwrap_err().status, 400);
+        assert_eq!(parse_head(b"GET / SPDY/3\r\n\r\n").unwrap_err().status, 505);
+        assert_eq!(
+            parse_head(b"GET /\xff HTTP/1.1\r\n\r\n")
+                .unwrap_err()
+                .status,
+            400
+        );
     }
 }
