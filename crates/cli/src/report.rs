@@ -2,9 +2,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
+use std::io::Read as _;
 use std::path::Path;
 
-use ferroprof_pprof::Profile;
+use ferroprof_pprof::{Profile, ReadError};
 
 /// A user-facing error; the binary prints it and exits with status 2.
 #[derive(Debug)]
@@ -22,20 +23,80 @@ fn err(msg: impl Into<String>) -> anyhow::Error {
     CliError(msg.into()).into()
 }
 
-/// Reads and decodes a pprof file, with errors that name the file.
+/// The default for `--max-decompressed-size`: far above real profiles (tens of MB at most),
+/// far below what a compression bomb would inflate to.
+pub const DEFAULT_MAX_DECOMPRESSED_SIZE: u64 = 256 << 20;
+
+/// Reads and decodes a pprof file with the default size cap.
 pub fn load(path: &Path) -> anyhow::Result<Profile> {
-    let bytes =
-        std::fs::read(path).map_err(|e| err(format!("cannot read {}: {e}", path.display())))?;
+    load_with_limit(path, DEFAULT_MAX_DECOMPRESSED_SIZE)
+}
+
+/// Reads and decodes a pprof file, with errors that name the file. Neither the file nor what it
+/// decompresses to may exceed `max_size` bytes; both are checked while reading, so a hostile
+/// file costs at most about `max_size` bytes of memory before the error.
+pub fn load_with_limit(path: &Path, max_size: u64) -> anyhow::Result<Profile> {
+    let too_large = |what: &str| {
+        err(format!(
+            "{}: {what} more than {} (the --max-decompressed-size cap); if the file is \
+             trusted, raise the cap, e.g. --max-decompressed-size {}",
+            path.display(),
+            format_size(max_size),
+            format_size(max_size.saturating_mul(4)),
+        ))
+    };
+    let cannot_read = |e: std::io::Error| err(format!("cannot read {}: {e}", path.display()));
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(max_size.saturating_add(1)).read_to_end(&mut bytes))
+        .map_err(cannot_read)?;
+    if bytes.len() as u64 > max_size {
+        return Err(too_large("the file is"));
+    }
     if bytes.is_empty() {
         return Err(err(format!(
             "{} is empty, not a pprof profile",
             path.display()
         )));
     }
-    ferroprof_pprof::decode(&bytes).map_err(|e| {
+    ferroprof_pprof::decode_limited(&bytes, max_size).map_err(|e| match e {
+        ReadError::TooLarge { .. } => too_large("it decompresses to"),
         // The reader's messages already start with "not a pprof profile".
-        err(format!("{}: {e}", path.display()))
+        e => err(format!("{}: {e}", path.display())),
     })
+}
+
+/// Parses a size for `--max-decompressed-size`: bytes, or a number with a binary-unit suffix
+/// (`K`/`KiB`, `M`/`MiB`, `G`/`GiB`, case-insensitive; `KB` and the like mean the same).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(digits);
+    let shift = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        _ => return Err(format!("{s:?} is not a size (e.g. 512M, 2G, 1048576)")),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 512M, 2G, 1048576)"))?;
+    match n.checked_mul(1 << shift) {
+        Some(0) => Err("the size must be more than 0".to_owned()),
+        Some(v) => Ok(v),
+        None => Err(format!("{s:?} is too large")),
+    }
+}
+
+/// A byte count in the largest binary unit that divides it exactly ("256 MiB", "1000 bytes").
+pub fn format_size(v: u64) -> String {
+    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if v >= 1 << shift && v % (1 << shift) == 0 {
+            return format!("{} {unit}", v >> shift);
+        }
+    }
+    format!("{v} bytes")
 }
 
 /// The sample type to show: `wanted`, else the profile's default, else the first.
@@ -484,5 +545,21 @@ mod tests {
             lines[3].ends_with("hot") && lines[3].contains("-2.00s"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("256M"), Ok(256 << 20));
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("-1M").is_err());
+        assert!(parse_size("99999999999999G").is_err());
+        assert_eq!(format_size(DEFAULT_MAX_DECOMPRESSED_SIZE), "256 MiB");
+        assert_eq!(format_size(1 << 30), "1 GiB");
+        assert_eq!(format_size(1536), "1536 bytes");
+        assert_eq!(format_size(1 << 10), "1 KiB");
     }
 }

@@ -1,0 +1,278 @@
+//! The `ferroprof` binary on hostile files: a gzip bomb, a profile with 100k locations, and
+//! megabyte function names. Each run is a child whose wall time and peak RSS (from `wait4`) are
+//! bounded; a run past its time bound is killed and fails the test.
+//!
+//! Sizes can be raised for the heavy versions (scripts/reliability.sh):
+//! `FERROPROF_BOMB_MIB` (inflated size of the bomb, default 2048) and
+//! `FERROPROF_HOSTILE_LOCATIONS` / `FERROPROF_HOSTILE_SAMPLES` (defaults 100000 / 20000).
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use prost::Message;
+
+use ferroprof_pprof::{Function, Line, Location, Profile, Sample, ValueType};
+
+const MIB: u64 = 1 << 20;
+
+fn tempdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferroprof-hostile-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// One run of the binary: exit code (None if killed), output, wall time, peak RSS.
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    elapsed: Duration,
+    peak_rss: u64,
+    timed_out: bool,
+}
+
+impl std::fmt::Debug for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Outputs can be megabytes (that is what some of these tests are about): show heads.
+        let head = |s: &str| s.chars().take(600).collect::<String>();
+        write!(
+            f,
+            "exit {:?}, {:.2} s, peak RSS {} MB{}\nstderr: {}\nstdout: {}",
+            self.code,
+            self.elapsed.as_secs_f64(),
+            self.peak_rss / 1_000_000,
+            if self.timed_out {
+                ", KILLED at the time bound"
+            } else {
+                ""
+            },
+            head(&self.stderr),
+            head(&self.stdout)
+        )
+    }
+}
+
+/// Runs `ferroprof args` with stdout and stderr in files under `dir`; kills it after `limit`.
+fn run(dir: &Path, args: &[&str], limit: Duration) -> Run {
+    let out_path = dir.join("stdout.txt");
+    let err_path = dir.join("stderr.txt");
+    let child = Command::new(env!("CARGO_BIN_EXE_ferroprof"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(File::create(&out_path).unwrap())
+        .stderr(File::create(&err_path).unwrap())
+        .spawn()
+        .expect("spawn ferroprof");
+    let pid = child.id() as libc::pid_t;
+    let start = Instant::now();
+    let mut timed_out = false;
+    let (status, usage) = loop {
+        let mut status = 0;
+        // SAFETY: an all-zero rusage is a valid value of this plain C struct.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `pid` is our child, reaped only here (std's `Child` is never waited on, so
+        // the pid cannot be reused before this call); both pointers are to live locals.
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        assert!(r >= 0, "wait4: {}", std::io::Error::last_os_error());
+        if r == pid {
+            break (status, usage);
+        }
+        if !timed_out && start.elapsed() > limit {
+            timed_out = true;
+            // SAFETY: signalling our own unreaped child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let elapsed = start.elapsed();
+    drop(child);
+    let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+    Run {
+        code,
+        stdout: String::from_utf8_lossy(&std::fs::read(&out_path).unwrap()).into_owned(),
+        stderr: String::from_utf8_lossy(&std::fs::read(&err_path).unwrap()).into_owned(),
+        elapsed,
+        // Linux reports ru_maxrss in KiB.
+        peak_rss: usage.ru_maxrss as u64 * 1024,
+        timed_out,
+    }
+}
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(bytes).unwrap();
+    gz.finish().unwrap()
+}
+
+/// Interns strings into a profile's string table.
+struct Strings(Vec<String>);
+
+impl Strings {
+    fn new() -> Self {
+        Strings(vec![String::new()])
+    }
+    fn add(&mut self, s: String) -> i64 {
+        self.0.push(s);
+        self.0.len() as i64 - 1
+    }
+}
+
+/// A CPU profile with one function and one location per name, and the given stacks
+/// (indexes into `names`, innermost first) with their values.
+fn profile(names: Vec<String>, stacks: &[(Vec<usize>, i64)]) -> Profile {
+    let mut s = Strings::new();
+    let sample_type = vec![ValueType {
+        r#type: s.add("cpu-time".into()),
+        unit: s.add("nanoseconds".into()),
+    }];
+    let file = s.add("src/lib.rs".into());
+    let mut function = Vec::with_capacity(names.len());
+    let mut location = Vec::with_capacity(names.len());
+    for (i, n) in names.into_iter().enumerate() {
+        let id = i as u64 + 1;
+        let name = s.add(n);
+        function.push(Function {
+            id,
+            name,
+            system_name: name,
+            filename: file,
+            start_line: 0,
+        });
+        location.push(Location {
+            id,
+            address: 0x1000 + id,
+            line: vec![Line {
+                function_id: id,
+                line: 1,
+                column: 0,
+            }],
+            ..Default::default()
+        });
+    }
+    let sample = stacks
+        .iter()
+        .map(|(stack, v)| Sample {
+            location_id: stack.iter().map(|&i| i as u64 + 1).collect(),
+            value: vec![*v],
+            label: vec![],
+        })
+        .collect();
+    Profile {
+        sample_type,
+        sample,
+        location,
+        function,
+        string_table: s.0,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn gzip_bomb_is_refused_with_bounded_memory() {
+    let d = tempdir("bomb");
+    let inflated = env_or("FERROPROF_BOMB_MIB", 2048) * MIB;
+    // Zeros through the encoder, 16 MiB to a gzip member; the member written again and again
+    // (a reader must take concatenated members: `gzip a b > c`). A few MB on disk, `inflated`
+    // bytes inside, without deflating gigabytes in the test.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    let chunk = vec![0u8; MIB as usize];
+    for _ in 0..16 {
+        gz.write_all(&chunk).unwrap();
+    }
+    let member = gz.finish().unwrap();
+    let bomb = d.join("bomb.pb.gz");
+    let mut f = std::io::BufWriter::new(File::create(&bomb).unwrap());
+    for _ in 0..inflated.div_ceil(16 * MIB) {
+        f.write_all(&member).unwrap();
+    }
+    f.into_inner().unwrap().sync_all().unwrap();
+    let on_disk = std::fs::metadata(&bomb).unwrap().len();
+    assert!(on_disk < inflated / 100, "{on_disk} bytes on disk");
+    let bomb = bomb.to_str().unwrap();
+
+    let svg = d.join("b.svg");
+    for args in [
+        vec!["top", bomb],
+        vec!["diff", bomb, bomb],
+        vec!["flamegraph", bomb, "-o", svg.to_str().unwrap()],
+    ] {
+        let r = run(&d, &args, Duration::from_secs(60));
+        eprintln!("{args:?}: {r:?}");
+        assert!(!r.timed_out, "{args:?}: {r:?}");
+        assert_eq!(r.code, Some(2), "{args:?}: {r:?}");
+        assert!(
+            r.stderr.contains("bomb.pb.gz")
+                && r.stderr.contains("256 MiB")
+                && r.stderr.contains("--max-decompressed-size"),
+            "the error names the file, the cap and the flag: {r:?}"
+        );
+        assert!(
+            r.peak_rss < 400_000_000,
+            "{args:?}: peak RSS {} MB for a {on_disk}-byte file: {r:?}",
+            r.peak_rss / 1_000_000
+        );
+    }
+}
+
+#[test]
+fn max_decompressed_size_flag_raises_the_cap() {
+    let d = tempdir("cap");
+    // About 200 KiB inflated, a few KiB compressed.
+    let names: Vec<String> = (0..2000)
+        .map(|i| format!("app::some_rather_long_module_path::function_number_{i:06}_{i:0>40}"))
+        .collect();
+    let stacks: Vec<(Vec<usize>, i64)> = (0..2000).map(|i| (vec![i, 0], 10)).collect();
+    let p = profile(names, &stacks);
+    let raw = p.encode_to_vec();
+    assert!(raw.len() > 128 * 1024, "{} bytes", raw.len());
+    let gz = d.join("big.pb.gz");
+    std::fs::write(&gz, gzip(&raw)).unwrap();
+    let plain = d.join("big.pb");
+    std::fs::write(&plain, &raw).unwrap();
+    let limit = Duration::from_secs(60);
+
+    for f in [&gz, &plain] {
+        let f = f.to_str().unwrap();
+        let r = run(&d, &["top", "--max-decompressed-size", "64K", f], limit);
+        assert_eq!(r.code, Some(2), "{r:?}");
+        assert!(
+            r.stderr.contains(f)
+                && r.stderr.contains("64 KiB")
+                && r.stderr.contains("--max-decompressed-size"),
+            "{r:?}"
+        );
+        // Raised: the same file is read (the flag works before or after the subcommand).
+        let r = run(&d, &["top", f, "--max-decompressed-size", "1M"], limit);
+        assert_eq!(r.code, Some(0), "{r:?}");
+        assert!(r.stdout.contains("in 2000 samples"), "{r:?}");
+        let r = run(
+            &d,
+            &["--max-decompressed-size", "1048576", "diff", f, f],
+            limit,
+        );
+        assert_eq!(r.code, Some(0), "{r:?}");
+    }
+    let r = run(
+        &d,
+        &[
+            "top",
+            "--max-decompressed-size",
+            "lots",
+            gz.to_str().unwrap(),
+        ],
+        limit,
+    );
+    assert_eq!(r.code, Some(2), "{r:?}");
+    assert!(r.stderr.contains("lots"), "{r:?}");
+}
