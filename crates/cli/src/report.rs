@@ -1,11 +1,14 @@
 //! Reading profiles and turning them into per-function tables, diffs and folded stacks.
 
-use std::collections::{HashMap, HashSet};
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::Read as _;
+use std::ops::Range;
 use std::path::Path;
+use std::rc::Rc;
 
-use ferroprof_pprof::{Profile, ReadError};
+use ferroprof_pprof::{Profile, ReadError, Sample};
 
 /// A user-facing error; the binary prints it and exits with status 2.
 #[derive(Debug)]
@@ -123,6 +126,91 @@ pub fn pick_type(p: &Profile, wanted: Option<&str>, path: &Path) -> anyhow::Resu
     }
 }
 
+/// A profile's frames, resolved once: each distinct function name stored once (borrowed from
+/// the string table where it can be) and each location's frames as indices into them. A
+/// sample's stack then costs one map lookup per location and no strings, whatever its names.
+struct Frames<'p> {
+    names: Vec<Cow<'p, str>>,
+    /// Location id -> its frames in `frames`, innermost (inlined) first.
+    locations: HashMap<u64, Range<usize>>,
+    frames: Vec<usize>,
+    /// The name standing for an empty stack.
+    no_frames: usize,
+}
+
+impl<'p> Frames<'p> {
+    fn new(p: &'p Profile) -> Self {
+        let mut ids: HashMap<Cow<'p, str>, usize> = HashMap::new();
+        let mut names: Vec<Cow<'p, str>> = Vec::new();
+        let mut intern = |name: Cow<'p, str>| {
+            *ids.entry(name).or_insert_with_key(|n| {
+                names.push(n.clone());
+                names.len() - 1
+            })
+        };
+        let no_frames = intern(Cow::Borrowed(NO_FRAMES));
+        // Later duplicates of an id win, as they would in any id -> item map.
+        let mut functions: HashMap<u64, usize> = HashMap::with_capacity(p.function.len());
+        for f in &p.function {
+            functions.insert(f.id, intern(Cow::Borrowed(p.str(f.name))));
+        }
+        let unknown = intern(Cow::Borrowed(""));
+        let mut locations = HashMap::with_capacity(p.location.len());
+        let mut frames = Vec::with_capacity(p.location.len());
+        for loc in &p.location {
+            let start = frames.len();
+            if loc.line.is_empty() {
+                frames.push(intern(Cow::Owned(format!("{:#x}", loc.address))));
+            }
+            for line in &loc.line {
+                frames.push(functions.get(&line.function_id).copied().unwrap_or(unknown));
+            }
+            locations.insert(loc.id, start..frames.len());
+        }
+        Frames {
+            names,
+            locations,
+            frames,
+            no_frames,
+        }
+    }
+
+    /// Replaces `out` with the name ids of `s`'s stack, innermost first; an empty stack is
+    /// `(no frames)`.
+    fn stack(&self, s: &Sample, out: &mut Vec<usize>) {
+        self.stack_of(&s.location_id, out)
+    }
+
+    fn stack_of(&self, location_ids: &[u64], out: &mut Vec<usize>) {
+        out.clear();
+        for id in location_ids {
+            if let Some(r) = self.locations.get(id) {
+                out.extend_from_slice(&self.frames[r.clone()]);
+            }
+        }
+        if out.is_empty() {
+            out.push(self.no_frames);
+        }
+    }
+}
+
+/// Names longer than this are cut for display (they stay whole as keys).
+pub const MAX_DISPLAY_NAME: usize = 1024;
+
+/// `name` as shown in reports: names over [`MAX_DISPLAY_NAME`] bytes are cut at a character
+/// boundary and marked with an ellipsis and their full length, so a crafted megabyte name
+/// cannot blow up a report (or a flame graph, once per frame).
+pub fn display_name(name: &str) -> Cow<'_, str> {
+    if name.len() <= MAX_DISPLAY_NAME {
+        return Cow::Borrowed(name);
+    }
+    let mut end = MAX_DISPLAY_NAME;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!("{}… ({} bytes)", &name[..end], name.len()))
+}
+
 /// Flat and cumulative value per function for one sample type.
 #[derive(Debug, Clone, Default)]
 pub struct FunctionTable {
@@ -130,8 +218,8 @@ pub struct FunctionTable {
     pub unit: String,
     pub total: i64,
     pub samples: usize,
-    /// (function, flat, cum), unsorted.
-    pub rows: Vec<(String, i64, i64)>,
+    /// (function, flat, cum), unsorted; one row per distinct name.
+    pub rows: Vec<(Rc<str>, i64, i64)>,
     /// Whether `flat` counts allocation sites rather than leaf frames.
     pub sites: bool,
 }
@@ -151,51 +239,52 @@ impl FunctionTable {
         Self::build_with(p, index, is_alloc_type(&name))
     }
 
+    /// One pass over the samples, with per-name arrays instead of per-sample maps or strings:
+    /// linear in the profile's size.
     fn build_with(p: &Profile, index: usize, sites: bool) -> Self {
         let (type_name, unit) = p.sample_types().swap_remove(index);
-        let mut flat: HashMap<String, i64> = HashMap::new();
-        let mut cum: HashMap<String, i64> = HashMap::new();
+        let frames = Frames::new(p);
+        let n = frames.names.len();
+        // Once per name rather than once per frame: the test scans the whole name.
+        let machinery: Vec<bool> = if sites {
+            frames.names.iter().map(|n| is_alloc_machinery(n)).collect()
+        } else {
+            Vec::new()
+        };
+        let mut flat = vec![0i64; n];
+        let mut cum = vec![0i64; n];
+        // The last sample that added to each name's `cum` (usize::MAX: none yet), so a
+        // recursive function counts once per sample without a set per sample.
+        let mut last = vec![usize::MAX; n];
+        let mut stack = Vec::new();
         let mut total = 0i64;
         let mut samples = 0;
-        for s in &p.sample {
+        for (i, s) in p.sample.iter().enumerate() {
             let v = s.value.get(index).copied().unwrap_or(0);
             if v == 0 {
                 continue;
             }
             samples += 1;
             total = total.saturating_add(v);
-            let names = p.stack_names(s);
+            frames.stack(s, &mut stack);
             let leaf_at = if sites {
-                names
-                    .iter()
-                    .position(|n| !is_alloc_machinery(n))
-                    .unwrap_or(0)
+                stack.iter().position(|&f| !machinery[f]).unwrap_or(0)
             } else {
                 0
             };
-            let leaf = names.get(leaf_at).map(String::as_str).unwrap_or(NO_FRAMES);
             // Saturating: a crafted file's values must not overflow into a panic (or wrap).
-            let f = flat.entry(leaf.to_owned()).or_default();
+            let f = &mut flat[stack[leaf_at]];
             *f = f.saturating_add(v);
-            // A recursive function counts once per sample in `cum`.
-            let mut seen = HashSet::new();
-            if names.is_empty() {
-                let c = cum.entry(NO_FRAMES.to_owned()).or_default();
-                *c = c.saturating_add(v);
-            }
-            for n in names {
-                if seen.insert(n.clone()) {
-                    let c = cum.entry(n).or_default();
-                    *c = c.saturating_add(v);
+            for &f in &stack {
+                if last[f] != i {
+                    last[f] = i;
+                    cum[f] = cum[f].saturating_add(v);
                 }
             }
         }
-        let rows = cum
-            .into_iter()
-            .map(|(f, c)| {
-                let fl = flat.get(&f).copied().unwrap_or(0);
-                (f, fl, c)
-            })
+        let rows = (0..n)
+            .filter(|&f| last[f] != usize::MAX)
+            .map(|f| (Rc::from(&*frames.names[f]), flat[f], cum[f]))
             .collect();
         FunctionTable {
             type_name,
@@ -208,7 +297,7 @@ impl FunctionTable {
     }
 
     /// Rows sorted by flat (or cum) value, largest first; ties by name for stable output.
-    pub fn sorted(&self, by_cum: bool) -> Vec<(String, i64, i64)> {
+    pub fn sorted(&self, by_cum: bool) -> Vec<(Rc<str>, i64, i64)> {
         let mut rows = self.rows.clone();
         rows.sort_by(|a, b| {
             let (ka, kb) = if by_cum { (a.2, b.2) } else { (a.1, b.1) };
@@ -218,15 +307,6 @@ impl FunctionTable {
                 .then(a.0.cmp(&b.0))
         });
         rows
-    }
-
-    /// Flat value of `function`.
-    pub fn flat(&self, function: &str) -> i64 {
-        self.rows
-            .iter()
-            .find(|r| r.0 == function)
-            .map(|r| r.1)
-            .unwrap_or(0)
     }
 }
 
@@ -344,6 +424,7 @@ pub fn top_text(t: &FunctionTable, n: usize, by_cum: bool, label: &str) -> Strin
             percent(sum, t.total),
             format_value(*cum, &t.unit),
             percent(*cum, t.total),
+            f = display_name(f),
         );
     }
     out
@@ -367,12 +448,17 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
         format_value(b.total, unit),
         signed(delta_total, unit),
     );
-    let mut names: Vec<&str> = a.rows.iter().chain(&b.rows).map(|r| r.0.as_str()).collect();
-    names.sort_unstable();
-    names.dedup();
-    let mut rows: Vec<(&str, i64, i64)> = names
+    // Flat values of A and B per name, in one map: linear in the two tables.
+    let mut both: HashMap<&str, (i64, i64)> = HashMap::with_capacity(a.rows.len());
+    for (f, flat, _) in &a.rows {
+        both.entry(f).or_default().0 = *flat;
+    }
+    for (f, flat, _) in &b.rows {
+        both.entry(f).or_default().1 = *flat;
+    }
+    let mut rows: Vec<(&str, i64, i64)> = both
         .into_iter()
-        .map(|f| (f, a.flat(f), b.flat(f)))
+        .map(|(f, (x, y))| (f, x, y))
         .filter(|(_, x, y)| x != y)
         .collect();
     let change = |r: &(&str, i64, i64)| r.2.saturating_sub(r.1).unsigned_abs();
@@ -406,7 +492,8 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
             format_value(x, unit),
             format_value(y, unit),
             signed(y.saturating_sub(x), unit),
-            pct
+            pct,
+            f = display_name(f),
         );
     }
     out
@@ -421,28 +508,47 @@ fn signed(v: i64, unit: &str) -> String {
 }
 
 /// Folded stacks (`root;...;leaf value`), one line per distinct stack, for flame graphs.
+/// Samples are summed by their location ids first (borrowed, no strings), and each distinct
+/// stack is rendered once, from names shared between frames and cut for display.
 pub fn folded(p: &Profile, index: usize) -> Vec<String> {
-    let mut acc: HashMap<String, i64> = HashMap::new();
+    let mut by_locations: HashMap<&[u64], i64> = HashMap::new();
     for s in &p.sample {
         let v = s.value.get(index).copied().unwrap_or(0);
         if v <= 0 {
             continue;
         }
-        let mut names = p.stack_names(s);
-        if names.is_empty() {
-            names.push(NO_FRAMES.to_owned());
-        }
-        // `;` separates frames in the folded format; Rust names can contain it (`[u8; 4]`).
-        let line = names
-            .iter()
-            .rev()
-            .map(|n| n.replace(';', ","))
-            .collect::<Vec<_>>()
-            .join(";");
-        let a = acc.entry(line).or_default();
+        let a = by_locations.entry(&s.location_id).or_default();
         *a = a.saturating_add(v);
     }
-    let mut lines: Vec<String> = acc.into_iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let frames = Frames::new(p);
+    // `;` separates frames in the folded format; Rust names can contain it (`[u8; 4]`).
+    let shown: Vec<String> = frames
+        .names
+        .iter()
+        .map(|n| display_name(n).replace(';', ","))
+        .collect();
+    // Different locations can carry the same names: sum again by the rendered line.
+    let mut by_line: HashMap<String, i64> = HashMap::with_capacity(by_locations.len());
+    let mut stack = Vec::new();
+    for (ids, v) in by_locations {
+        frames.stack_of(ids, &mut stack);
+        let mut line = String::new();
+        for (i, &f) in stack.iter().rev().enumerate() {
+            if i > 0 {
+                line.push(';');
+            }
+            line.push_str(&shown[f]);
+        }
+        let a = by_line.entry(line).or_default();
+        *a = a.saturating_add(v);
+    }
+    let mut lines: Vec<String> = by_line
+        .into_iter()
+        .map(|(mut k, v)| {
+            let _ = write!(k, " {v}");
+            k
+        })
+        .collect();
     lines.sort();
     lines
 }
@@ -467,10 +573,10 @@ mod tests {
         let t = FunctionTable::build(&profile(), 0);
         assert_eq!(t.total, 4_500_000_000);
         let rows = t.sorted(false);
-        assert_eq!(rows[0], ("hot".to_owned(), 3_000_000_000, 3_000_000_000));
-        let main = rows.iter().find(|r| r.0 == "main").unwrap();
+        assert_eq!(rows[0], ("hot".into(), 3_000_000_000, 3_000_000_000));
+        let main = rows.iter().find(|r| &*r.0 == "main").unwrap();
         assert_eq!((main.1, main.2), (0, 4_500_000_000));
-        let rec = rows.iter().find(|r| r.0 == "rec").unwrap();
+        let rec = rows.iter().find(|r| &*r.0 == "rec").unwrap();
         assert_eq!(
             (rec.1, rec.2),
             (500_000_000, 500_000_000),
@@ -497,16 +603,16 @@ mod tests {
         let sites = FunctionTable::build_sites(&p, 0);
         assert_eq!(
             sites.sorted(false)[0],
-            ("app::load_cache".to_owned(), 1 << 20, 1 << 20)
+            ("app::load_cache".into(), 1 << 20, 1 << 20)
         );
         let raw = FunctionTable::build(&p, 0);
-        assert_eq!(raw.sorted(false)[0].0, "ferroprof::alloc::on_alloc");
+        assert_eq!(&*raw.sorted(false)[0].0, "ferroprof::alloc::on_alloc");
         // CPU types keep their leaf frames.
         let q = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
             .sample(&["core::ptr::drop_in_place", "app::f"], &[5], &[])
             .build();
         assert_eq!(
-            FunctionTable::build_sites(&q, 0).sorted(false)[0].0,
+            &*FunctionTable::build_sites(&q, 0).sorted(false)[0].0,
             "core::ptr::drop_in_place"
         );
     }
@@ -545,6 +651,105 @@ mod tests {
             lines[3].ends_with("hot") && lines[3].contains("-2.00s"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn long_names_are_cut_for_display_at_a_char_boundary() {
+        assert_eq!(display_name("main"), "main");
+        let exact = "x".repeat(MAX_DISPLAY_NAME);
+        assert_eq!(display_name(&exact), exact);
+        // A 3-byte character straddles the cut: it goes whole or not at all.
+        let long = format!("{}€{}", "a".repeat(MAX_DISPLAY_NAME - 1), "b".repeat(5000));
+        let shown = display_name(&long);
+        assert_eq!(
+            shown,
+            format!(
+                "{}… ({} bytes)",
+                "a".repeat(MAX_DISPLAY_NAME - 1),
+                long.len()
+            )
+        );
+    }
+
+    #[test]
+    fn long_names_stay_whole_as_keys_and_are_cut_in_reports() {
+        let (a, b) = ("a".repeat(5000), "a".repeat(6000));
+        let p = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+            .sample(&[&a, "main"], &[2], &[])
+            .sample(&[&b, "main"], &[1], &[])
+            .sample(&[&b, &b, &b], &[4], &[])
+            .build();
+        let t = FunctionTable::build(&p, 0);
+        // Same 1 KiB prefix, still two functions.
+        assert_eq!(t.rows.len(), 3);
+        let rows = t.sorted(false);
+        assert_eq!((&*rows[0].0, rows[0].1, rows[0].2), (b.as_str(), 5, 5));
+        let text = top_text(&t, 10, false, "p");
+        assert!(text.contains("… (6000 bytes)") && text.contains("… (5000 bytes)"));
+        assert!(
+            text.lines().all(|l| l.len() < 2 * MAX_DISPLAY_NAME),
+            "{text}"
+        );
+        let cut = display_name(&b).into_owned();
+        let lines = folded(&p, 0);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(lines.contains(&format!("{cut};{cut};{cut} 4")), "{lines:?}");
+        assert!(lines.contains(&format!("main;{cut} 1")), "{lines:?}");
+    }
+
+    #[test]
+    fn folded_sums_equal_stacks_and_keeps_inline_and_address_frames() {
+        use ferroprof_pprof::{Function, Line, Location, Sample};
+        let mut p = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")]).build();
+        let s = |p: &mut Profile, v: &str| {
+            p.string_table.push(v.to_owned());
+            p.string_table.len() as i64 - 1
+        };
+        let (f1, f2) = (s(&mut p, "inlined"), s(&mut p, "outer; [u8; 4]"));
+        for (id, name) in [(1, f1), (2, f2)] {
+            p.function.push(Function {
+                id,
+                name,
+                ..Default::default()
+            });
+        }
+        let line = |function_id| Line {
+            function_id,
+            line: 1,
+            column: 0,
+        };
+        p.location.push(Location {
+            id: 10,
+            line: vec![line(1), line(2)],
+            ..Default::default()
+        });
+        p.location.push(Location {
+            id: 11,
+            address: 0xbeef,
+            ..Default::default()
+        });
+        // Location 12 has the same frames as 10: its stacks sum with 10's.
+        p.location.push(Location {
+            id: 12,
+            line: vec![line(1), line(2)],
+            ..Default::default()
+        });
+        for (ids, v) in [(vec![11, 10], 5), (vec![11, 12], 2), (vec![], 1)] {
+            p.sample.push(Sample {
+                location_id: ids,
+                value: vec![v],
+                label: vec![],
+            });
+        }
+        assert_eq!(
+            folded(&p, 0),
+            vec!["(no frames) 1", "outer, [u8, 4];inlined;0xbeef 7"]
+        );
+        let t = FunctionTable::build(&p, 0);
+        let rows = t.sorted(false);
+        assert_eq!((&*rows[0].0, rows[0].1, rows[0].2), ("0xbeef", 7, 7));
+        assert!(rows.iter().any(|r| &*r.0 == "(no frames)" && r.1 == 1));
+        assert!(rows.iter().any(|r| &*r.0 == "outer; [u8; 4]" && r.2 == 7));
     }
 
     #[test]

@@ -178,6 +178,16 @@ fn profile(names: Vec<String>, stacks: &[(Vec<usize>, i64)]) -> Profile {
     }
 }
 
+/// xorshift: deterministic stacks without a dependency.
+fn rng(mut x: u64) -> impl FnMut() -> u64 {
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
 #[test]
 fn gzip_bomb_is_refused_with_bounded_memory() {
     let d = tempdir("bomb");
@@ -222,6 +232,116 @@ fn gzip_bomb_is_refused_with_bounded_memory() {
             "{args:?}: peak RSS {} MB for a {on_disk}-byte file: {r:?}",
             r.peak_rss / 1_000_000
         );
+    }
+}
+
+#[test]
+fn top_and_diff_are_linear_in_locations() {
+    let d = tempdir("wide");
+    let n = env_or("FERROPROF_HOSTILE_LOCATIONS", 100_000) as usize;
+    let samples = env_or("FERROPROF_HOSTILE_SAMPLES", 20_000) as usize;
+    let names: Vec<String> = (0..n)
+        .map(|i| format!("app::module_{}::function_{i}", i % 97))
+        .collect();
+    let write = |name: &str, seed: u64| {
+        let mut next = rng(seed);
+        let stacks: Vec<(Vec<usize>, i64)> = (0..samples)
+            .map(|_| {
+                let depth = 4 + next() as usize % 12;
+                let stack = (0..depth).map(|_| next() as usize % n).collect();
+                (stack, 1 + (next() % 1_000_000) as i64)
+            })
+            .collect();
+        let path = d.join(name);
+        std::fs::write(&path, profile(names.clone(), &stacks).encode_gzip()).unwrap();
+        path
+    };
+    let a = write("a.pb.gz", 0x9e37_79b9_7f4a_7c15);
+    let b = write("b.pb.gz", 0x2545_f491_4f6c_dd1d);
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    eprintln!(
+        "{n} locations, {samples} samples: {} bytes",
+        std::fs::metadata(a).unwrap().len()
+    );
+
+    // Generous for a loaded 2-core machine: the quadratic code took ~100 s on 100k.
+    let limit = Duration::from_secs(20);
+    let r = run(&d, &["top", a], limit);
+    eprintln!("top: {r:?}");
+    assert!(!r.timed_out && r.code == Some(0), "top: {r:?}");
+    assert!(
+        r.stdout.contains(&format!("in {samples} samples")),
+        "top: {r:?}"
+    );
+    let r = run(&d, &["top", "--cum", "-n", "5", b], limit);
+    eprintln!("top --cum: {r:?}");
+    assert!(!r.timed_out && r.code == Some(0), "top --cum: {r:?}");
+
+    let r = run(&d, &["diff", a, b], limit);
+    eprintln!("diff: {r:?}");
+    assert!(!r.timed_out && r.code == Some(0), "diff: {r:?}");
+    assert!(r.stdout.contains("changed functions"), "diff: {r:?}");
+}
+
+/// `count` names of `len` bytes each, distinct in their first character.
+fn huge_names(count: usize, len: usize) -> Vec<String> {
+    (0..count)
+        .map(|i| {
+            let mut s = format!("{}::", (b'a' + i as u8) as char);
+            s.extend(std::iter::repeat_n('x', len - s.len()));
+            s
+        })
+        .collect()
+}
+
+#[test]
+fn megabyte_names_are_shared_and_truncated() {
+    let d = tempdir("names");
+    let names = huge_names(4, MIB as usize);
+    // Distinct stacks, each 32 frames deep over the four functions: a few KB compressed.
+    let write = |name: &str, seed: u64| {
+        let mut next = rng(seed);
+        let stacks: Vec<(Vec<usize>, i64)> = (0..8)
+            .map(|_| ((0..32).map(|_| next() as usize % 4).collect(), 1_000_000))
+            .collect();
+        let bytes = gzip(&profile(names.clone(), &stacks).encode_to_vec());
+        let path = d.join(name);
+        std::fs::write(&path, &bytes).unwrap();
+        path
+    };
+    let a = write("a.pb.gz", 7);
+    let b = write("b.pb.gz", 11);
+    let on_disk = std::fs::metadata(&a).unwrap().len();
+    assert!(on_disk < 64 * 1024, "{on_disk} bytes");
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let limit = Duration::from_secs(60);
+
+    let svg = d.join("out.svg");
+    let r = run(&d, &["flamegraph", a, "-o", svg.to_str().unwrap()], limit);
+    eprintln!("flamegraph: {r:?}");
+    assert!(!r.timed_out && r.code == Some(0), "flamegraph: {r:?}");
+    assert!(
+        r.peak_rss < 200_000_000,
+        "flamegraph: peak RSS {} MB for a {on_disk}-byte file",
+        r.peak_rss / 1_000_000
+    );
+    let svg_len = std::fs::metadata(&svg).unwrap().len();
+    assert!(svg_len < 16 * MIB, "SVG of {svg_len} bytes");
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        text.contains("a::xxx") && text.contains('…'),
+        "names shown, truncated"
+    );
+
+    // top and diff show the names truncated too.
+    for args in [vec!["top", a], vec!["diff", a, b]] {
+        let r = run(&d, &args, limit);
+        eprintln!("{args:?}: {r:?}");
+        assert!(!r.timed_out && r.code == Some(0), "{args:?}: {r:?}");
+        assert!(r.stdout.contains('…'), "{args:?}: {r:?}");
+        let longest = r.stdout.lines().map(str::len).max().unwrap_or(0);
+        assert!(longest < 4096, "{args:?}: a line of {longest} bytes");
+        assert!(r.peak_rss < 200_000_000, "{args:?}: {r:?}");
     }
 }
 
