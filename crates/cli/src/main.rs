@@ -136,7 +136,15 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
             let p = load(&file)?;
             let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
             let (type_name, unit) = p.sample_types().swap_remove(idx);
-            let lines = report::folded(&p, idx);
+            let Some(lines) = report::folded_with_limit(&p, idx, max_size) else {
+                return Err(CliError(format!(
+                    "{}: its folded stacks would take more than {} (the \
+                     --max-decompressed-size cap); if the file is trusted, raise the cap",
+                    file.display(),
+                    report::format_size(max_size)
+                ))
+                .into());
+            };
             if lines.is_empty() {
                 return Err(CliError(format!(
                     "{} has no samples with a positive {type_name} value; nothing to draw",

@@ -507,10 +507,19 @@ fn signed(v: i64, unit: &str) -> String {
     }
 }
 
-/// Folded stacks (`root;...;leaf value`), one line per distinct stack, for flame graphs.
-/// Samples are summed by their location ids first (borrowed, no strings), and each distinct
-/// stack is rendered once, from names shared between frames and cut for display.
-pub fn folded(p: &Profile, index: usize) -> Vec<String> {
+/// Folded stacks (`root;...;leaf value`), one line per distinct stack, for flame graphs, within
+/// the default budget (see [`folded_with_limit`]).
+// The binary passes its own budget; the fuzz harness (fuzz/src/cli_top.rs) calls this one.
+#[allow(dead_code)]
+pub fn folded(p: &Profile, index: usize) -> Option<Vec<String>> {
+    folded_with_limit(p, index, DEFAULT_MAX_DECOMPRESSED_SIZE)
+}
+
+/// Folded stacks, or `None` if their text would exceed `max_bytes`. Samples are summed by their
+/// location ids first (borrowed, no strings), and each distinct stack is rendered once, from
+/// names shared between frames and cut for display. The budget matters because a tiny file
+/// can still ask for a huge text: one sample of a million frames of a long name.
+pub fn folded_with_limit(p: &Profile, index: usize, max_bytes: u64) -> Option<Vec<String>> {
     let mut by_locations: HashMap<&[u64], i64> = HashMap::new();
     for s in &p.sample {
         let v = s.value.get(index).copied().unwrap_or(0);
@@ -530,9 +539,14 @@ pub fn folded(p: &Profile, index: usize) -> Vec<String> {
     // Different locations can carry the same names: sum again by the rendered line.
     let mut by_line: HashMap<String, i64> = HashMap::with_capacity(by_locations.len());
     let mut stack = Vec::new();
+    let mut left = usize::try_from(max_bytes).unwrap_or(usize::MAX);
     for (ids, v) in by_locations {
         frames.stack_of(ids, &mut stack);
-        let mut line = String::new();
+        // Sized before it is built, so a line past the budget is never allocated: each frame
+        // and its `;` (or the space before the value), and the value.
+        let len = stack.iter().map(|&f| shown[f].len() + 1).sum::<usize>() + 20;
+        left = left.checked_sub(len)?;
+        let mut line = String::with_capacity(len);
         for (i, &f) in stack.iter().rev().enumerate() {
             if i > 0 {
                 line.push(';');
@@ -550,7 +564,7 @@ pub fn folded(p: &Profile, index: usize) -> Vec<String> {
         })
         .collect();
     lines.sort();
-    lines
+    Some(lines)
 }
 
 #[cfg(test)]
@@ -629,7 +643,7 @@ mod tests {
 
     #[test]
     fn folded_lines() {
-        let lines = folded(&profile(), 1);
+        let lines = folded(&profile(), 1).unwrap();
         assert_eq!(lines, vec![format!("main;rec;rec {}", 64 << 20)]);
     }
 
@@ -691,7 +705,7 @@ mod tests {
             "{text}"
         );
         let cut = display_name(&b).into_owned();
-        let lines = folded(&p, 0);
+        let lines = folded(&p, 0).unwrap();
         assert_eq!(lines.len(), 3, "{lines:?}");
         assert!(lines.contains(&format!("{cut};{cut};{cut} 4")), "{lines:?}");
         assert!(lines.contains(&format!("main;{cut} 1")), "{lines:?}");
@@ -742,7 +756,7 @@ mod tests {
             });
         }
         assert_eq!(
-            folded(&p, 0),
+            folded(&p, 0).unwrap(),
             vec!["(no frames) 1", "outer, [u8, 4];inlined;0xbeef 7"]
         );
         let t = FunctionTable::build(&p, 0);
@@ -750,6 +764,23 @@ mod tests {
         assert_eq!((&*rows[0].0, rows[0].1, rows[0].2), ("0xbeef", 7, 7));
         assert!(rows.iter().any(|r| &*r.0 == "(no frames)" && r.1 == 1));
         assert!(rows.iter().any(|r| &*r.0 == "outer; [u8; 4]" && r.2 == 7));
+    }
+
+    #[test]
+    fn folded_text_stays_within_its_budget() {
+        let name = "n".repeat(3000);
+        let deep: Vec<&str> = vec![&name; 1000];
+        let p = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+            .sample(&deep, &[1], &[])
+            .sample(&["f", "main"], &[1], &[])
+            .build();
+        // 1000 frames of a name cut to about 1 KiB: about 1 MB of text.
+        let lines = folded_with_limit(&p, 0, 1_100_000).unwrap();
+        assert_eq!(lines.len(), 2);
+        let len: usize = lines.iter().map(String::len).sum();
+        assert!((1_000_000..1_100_000).contains(&len), "{len}");
+        assert!(folded_with_limit(&p, 0, 1_000_000).is_none());
+        assert!(folded_with_limit(&p, 0, 10).is_none());
     }
 
     #[test]

@@ -65,15 +65,36 @@ impl std::fmt::Debug for Run {
 
 /// Runs `ferroprof args` with stdout and stderr in files under `dir`; kills it after `limit`.
 fn run(dir: &Path, args: &[&str], limit: Duration) -> Run {
+    run_capped(dir, args, limit, None)
+}
+
+/// [`run`], with the child's address space capped at `max_vm` bytes if given: for inputs
+/// that would take the whole machine if the bug came back.
+fn run_capped(dir: &Path, args: &[&str], limit: Duration, max_vm: Option<u64>) -> Run {
     let out_path = dir.join("stdout.txt");
     let err_path = dir.join("stderr.txt");
-    let child = Command::new(env!("CARGO_BIN_EXE_ferroprof"))
-        .args(args)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferroprof"));
+    cmd.args(args)
         .stdin(Stdio::null())
         .stdout(File::create(&out_path).unwrap())
-        .stderr(File::create(&err_path).unwrap())
-        .spawn()
-        .expect("spawn ferroprof");
+        .stderr(File::create(&err_path).unwrap());
+    if let Some(max) = max_vm {
+        let lim = libc::rlimit {
+            rlim_cur: max,
+            rlim_max: max,
+        };
+        // SAFETY: runs in the forked child before exec, and only calls setrlimit, which is
+        // async-signal-safe; `lim` is a copy owned by the closure.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                if libc::setrlimit(libc::RLIMIT_AS, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let child = cmd.spawn().expect("spawn ferroprof");
     let pid = child.id() as libc::pid_t;
     let start = Instant::now();
     let mut timed_out = false;
@@ -341,6 +362,43 @@ fn megabyte_names_are_shared_and_truncated() {
         assert!(r.stdout.contains('…'), "{args:?}: {r:?}");
         let longest = r.stdout.lines().map(str::len).max().unwrap_or(0);
         assert!(longest < 4096, "{args:?}: a line of {longest} bytes");
+        assert!(r.peak_rss < 200_000_000, "{args:?}: {r:?}");
+    }
+}
+
+#[test]
+fn deep_stacks_of_long_names_are_refused_not_rendered() {
+    let d = tempdir("deep");
+    // One sample 300k frames deep over four 64 KiB names: under 1 KB on disk, and 300k frames of
+    // a name cut to 1 KiB is still over 300 MB of folded text (19 GB with the names whole).
+    let names = huge_names(4, 64 * 1024);
+    let stack: Vec<usize> = (0..300_000).map(|i| i % 4).collect();
+    let bytes = gzip(&profile(names, &[(stack, 1)]).encode_to_vec());
+    let f = d.join("deep.pb.gz");
+    std::fs::write(&f, &bytes).unwrap();
+    let f = f.to_str().unwrap();
+    let svg = d.join("out.svg");
+    let r = run_capped(
+        &d,
+        &["flamegraph", f, "-o", svg.to_str().unwrap()],
+        Duration::from_secs(60),
+        Some(4 << 30),
+    );
+    eprintln!("flamegraph: {r:?}");
+    assert!(!r.timed_out && r.code == Some(2), "{r:?}");
+    assert!(
+        r.stderr.contains("deep.pb.gz")
+            && r.stderr.contains("folded stacks")
+            && r.stderr.contains("256 MiB")
+            && r.stderr.contains("--max-decompressed-size"),
+        "{r:?}"
+    );
+    assert!(r.peak_rss < 200_000_000, "{r:?}");
+    // top and diff need no text per stack: they work.
+    for args in [vec!["top", f], vec!["diff", f, f]] {
+        let r = run_capped(&d, &args, Duration::from_secs(60), Some(4 << 30));
+        eprintln!("{args:?}: {r:?}");
+        assert!(!r.timed_out && r.code == Some(0), "{args:?}: {r:?}");
         assert!(r.peak_rss < 200_000_000, "{args:?}: {r:?}");
     }
 }
