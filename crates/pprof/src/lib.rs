@@ -8,6 +8,7 @@ use std::io::Read;
 use prost::Message;
 
 pub mod go_tool;
+mod wire;
 use thiserror::Error;
 
 /// Errors reading a pprof file.
@@ -26,7 +27,19 @@ pub enum ReadError {
     /// The input, or what it decompresses to, is larger than the caller's limit.
     #[error("profile is larger than the {limit}-byte limit once decompressed")]
     TooLarge { limit: u64 },
+    /// Decoding would take more memory than [`MAX_DECODED_PER_LIMIT`] times the caller's limit
+    /// (a small file of many empty messages), estimated before decoding.
+    #[error(
+        "profile would take about {estimate} bytes in memory once decoded, more than \
+         {MAX_DECODED_PER_LIMIT} times the {limit}-byte limit"
+    )]
+    DecodedTooLarge { estimate: u64, limit: u64 },
 }
+
+/// With a size limit, the decoded profile may take at most this many times the limit in
+/// memory. Real profiles take about 3 times their encoded size (8-byte ids from 1-byte varints,
+/// a 24-byte header per string); a file of empty messages up to 36 times.
+pub const MAX_DECODED_PER_LIMIT: u64 = 2;
 
 #[derive(Clone, PartialEq, Message)]
 pub struct Profile {
@@ -159,13 +172,32 @@ pub fn decode(bytes: &[u8]) -> Result<Profile, ReadError> {
 }
 
 /// Like [`decode`], but fails with [`ReadError::TooLarge`] once the profile's decompressed size
-/// exceeds `max_size` bytes. The check runs while inflating, so a compression bomb costs at
-/// most `max_size` bytes of memory before the error.
+/// exceeds `max_size` bytes, and with [`ReadError::DecodedTooLarge`] if decoding would take more
+/// than [`MAX_DECODED_PER_LIMIT`] times `max_size` in memory. The first check runs while
+/// inflating and the second before decoding, so a compression bomb costs at most `max_size`
+/// bytes of memory before the error.
 pub fn decode_limited(bytes: &[u8], max_size: u64) -> Result<Profile, ReadError> {
     let raw = decompress_limited(bytes, max_size)?;
+    if max_size != u64::MAX {
+        let estimate = decoded_size_estimate(&raw);
+        if estimate > max_size.saturating_mul(MAX_DECODED_PER_LIMIT) {
+            return Err(ReadError::DecodedTooLarge {
+                estimate,
+                limit: max_size,
+            });
+        }
+    }
     let p = Profile::decode(raw.as_slice())?;
     p.validate()?;
     Ok(p)
+}
+
+/// About how many bytes the [`Profile`] encoded in `raw` (uncompressed) will take in memory
+/// once decoded, found by walking its wire format without decoding (linear, no allocation).
+/// Empty repeated messages cost two bytes on the wire but a whole struct in memory, so this can
+/// be tens of times `raw.len()`; malformed input gives the estimate up to the fault.
+pub fn decoded_size_estimate(raw: &[u8]) -> u64 {
+    wire::decoded_size(raw)
 }
 
 /// Undoes gzip or zstd compression, detected by magic bytes; other input is returned as is.
@@ -450,7 +482,12 @@ mod tests {
         std::io::Write::write_all(&mut gz, &raw).unwrap();
         let gz = gz.finish().unwrap();
         for bytes in [&raw, &gz] {
-            assert_eq!(decode_limited(bytes, n).unwrap(), p, "exactly at the limit");
+            assert_eq!(
+                decompress_limited(bytes, n).unwrap(),
+                raw,
+                "exactly at the limit"
+            );
+            assert_eq!(decode_limited(bytes, 1 << 20).unwrap(), p);
             assert!(matches!(
                 decode_limited(bytes, n - 1),
                 Err(ReadError::TooLarge { limit }) if limit == n - 1
@@ -465,6 +502,23 @@ mod tests {
             Err(ReadError::TooLarge { limit: 1024 })
         ));
         assert_eq!(decompress(&bomb).unwrap().len(), 1 << 20);
+    }
+
+    #[test]
+    fn limits_the_decoded_size() {
+        // 100 empty samples: 200 bytes, 7200 decoded.
+        let raw = [0x12u8, 0x00].repeat(100);
+        let est = decoded_size_estimate(&raw);
+        assert!(est > 7200, "{est}");
+        assert!(matches!(
+            decode_limited(&raw, 1000),
+            Err(ReadError::DecodedTooLarge { estimate, limit: 1000 }) if estimate == est
+        ));
+        // Within the limit the decoder runs (and rejects it for having no string table).
+        assert!(matches!(
+            decode_limited(&raw, est),
+            Err(ReadError::Invalid(_))
+        ));
     }
 }
 
