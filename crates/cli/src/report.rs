@@ -36,8 +36,9 @@ pub fn load(path: &Path) -> anyhow::Result<Profile> {
 }
 
 /// Reads and decodes a pprof file, with errors that name the file. Neither the file nor what it
-/// decompresses to may exceed `max_size` bytes; both are checked while reading, so a hostile
-/// file costs at most about `max_size` bytes of memory before the error.
+/// decompresses to may exceed `max_size` bytes, both checked while reading, and the decoded
+/// profile may take at most [`ferroprof_pprof::MAX_DECODED_PER_LIMIT`] times that, checked
+/// before decoding: a hostile file costs at most about `max_size` bytes before the error.
 pub fn load_with_limit(path: &Path, max_size: u64) -> anyhow::Result<Profile> {
     let too_large = |what: &str| {
         err(format!(
@@ -64,6 +65,15 @@ pub fn load_with_limit(path: &Path, max_size: u64) -> anyhow::Result<Profile> {
     }
     ferroprof_pprof::decode_limited(&bytes, max_size).map_err(|e| match e {
         ReadError::TooLarge { .. } => too_large("it decompresses to"),
+        // Found before decoding: a small file of many empty messages.
+        ReadError::DecodedTooLarge { estimate, .. } => err(format!(
+            "{}: decoding it would take about {} of memory, more than {} times the \
+             --max-decompressed-size cap ({}); if the file is trusted, raise the cap",
+            path.display(),
+            format_value(i64::try_from(estimate).unwrap_or(i64::MAX), "bytes"),
+            ferroprof_pprof::MAX_DECODED_PER_LIMIT,
+            format_size(max_size),
+        )),
         // The reader's messages already start with "not a pprof profile".
         e => err(format!("{}: {e}", path.display())),
     })

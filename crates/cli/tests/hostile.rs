@@ -257,6 +257,34 @@ fn gzip_bomb_is_refused_with_bounded_memory() {
 }
 
 #[test]
+fn dense_empty_messages_are_refused_before_decoding() {
+    let d = tempdir("dense");
+    // Empty samples (field 2, length 0): 64 MiB inflated, within the cap, from a 65 KB file,
+    // but 72 bytes each once decoded: 2.3 GB. Members repeated, as for the bomb.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&[0x12u8, 0x00].repeat(8 << 20)).unwrap();
+    let member = gz.finish().unwrap();
+    let f = d.join("dense.pb.gz");
+    std::fs::write(&f, member.repeat(4)).unwrap();
+    let on_disk = std::fs::metadata(&f).unwrap().len();
+    let f = f.to_str().unwrap();
+    let r = run_capped(&d, &["top", f], Duration::from_secs(60), Some(4 << 30));
+    eprintln!("top: {r:?}");
+    assert!(!r.timed_out && r.code == Some(2), "{r:?}");
+    assert!(
+        r.stderr.contains("dense.pb.gz")
+            && r.stderr.contains("of memory")
+            && r.stderr.contains("--max-decompressed-size"),
+        "{r:?}"
+    );
+    assert!(
+        r.peak_rss < 200_000_000,
+        "peak RSS {} MB for a {on_disk}-byte file: {r:?}",
+        r.peak_rss / 1_000_000
+    );
+}
+
+#[test]
 fn top_and_diff_are_linear_in_locations() {
     let d = tempdir("wide");
     let n = env_or("FERROPROF_HOSTILE_LOCATIONS", 100_000) as usize;
