@@ -136,12 +136,13 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
             let p = load(&file)?;
             let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
             let (type_name, unit) = p.sample_types().swap_remove(idx);
-            let Some(lines) = report::folded_with_limit(&p, idx, max_size) else {
+            let budget = report::folded_budget(max_size);
+            let Some(lines) = report::folded_with_limit(&p, idx, budget) else {
                 return Err(CliError(format!(
-                    "{}: its folded stacks would take more than {} (the \
+                    "{}: its folded stacks would take more than {} (a quarter of the \
                      --max-decompressed-size cap); if the file is trusted, raise the cap",
                     file.display(),
-                    report::format_size(max_size)
+                    report::format_size(budget)
                 ))
                 .into());
             };

@@ -522,7 +522,14 @@ fn signed(v: i64, unit: &str) -> String {
 // The binary passes its own budget; the fuzz harness (fuzz/src/cli_top.rs) calls this one.
 #[allow(dead_code)]
 pub fn folded(p: &Profile, index: usize) -> Option<Vec<String>> {
-    folded_with_limit(p, index, DEFAULT_MAX_DECOMPRESSED_SIZE)
+    folded_with_limit(p, index, folded_budget(DEFAULT_MAX_DECOMPRESSED_SIZE))
+}
+
+/// The folded text allowed for a file cap: a quarter of it. The flame graph takes a few times
+/// its folded text (frames, then the SVG with every name twice), and an 800-byte file with one
+/// sample of 230k frames asks for 240 MB of it (590 MB peak, a 320 MB SVG).
+pub fn folded_budget(max_size: u64) -> u64 {
+    max_size / 4
 }
 
 /// Folded stacks, or `None` if their text would exceed `max_bytes`. Samples are summed by their
