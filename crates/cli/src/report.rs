@@ -38,7 +38,8 @@ pub fn load(path: &Path) -> anyhow::Result<Profile> {
 /// Reads and decodes a pprof file, with errors that name the file. Neither the file nor what it
 /// decompresses to may exceed `max_size` bytes, both checked while reading, and the decoded
 /// profile may take at most [`ferroprof_pprof::MAX_DECODED_PER_LIMIT`] times that, checked
-/// before decoding: a hostile file costs at most about `max_size` bytes before the error.
+/// before decoding: a hostile file costs at most about twice `max_size` (its bytes and their
+/// inflated form) before the error.
 pub fn load_with_limit(path: &Path, max_size: u64) -> anyhow::Result<Profile> {
     let too_large = |what: &str| {
         err(format!(

@@ -504,6 +504,17 @@ mod tests {
         assert_eq!(decompress(&bomb).unwrap().len(), 1 << 20);
     }
 
+    #[cfg(feature = "zstd")]
+    #[test]
+    fn limits_zstd_too() {
+        let bomb = zstd::encode_all(&vec![0u8; 1 << 20][..], 3).unwrap();
+        assert!(matches!(
+            decompress_limited(&bomb, 1024),
+            Err(ReadError::TooLarge { limit: 1024 })
+        ));
+        assert_eq!(decompress_limited(&bomb, 1 << 20).unwrap().len(), 1 << 20);
+    }
+
     #[test]
     fn limits_the_decoded_size() {
         // 100 empty samples: 200 bytes, 7200 decoded.
