@@ -67,11 +67,11 @@ pub fn load_with_limit(path: &Path, max_size: u64) -> anyhow::Result<Profile> {
     ferroprof_pprof::decode_limited(&bytes, max_size).map_err(|e| match e {
         ReadError::TooLarge { .. } => too_large("it decompresses to"),
         // Found before decoding: a small file of many empty messages.
-        ReadError::DecodedTooLarge { estimate, .. } => err(format!(
-            "{}: decoding it would take about {} of memory, more than {} times the \
+        ReadError::DecodedTooLarge { .. } => err(format!(
+            "{}: decoding it would take more than {} of memory, {} times the \
              --max-decompressed-size cap ({}); if the file is trusted, raise the cap",
             path.display(),
-            format_value(i64::try_from(estimate).unwrap_or(i64::MAX), "bytes"),
+            format_size(max_size.saturating_mul(ferroprof_pprof::MAX_DECODED_PER_LIMIT)),
             ferroprof_pprof::MAX_DECODED_PER_LIMIT,
             format_size(max_size),
         )),

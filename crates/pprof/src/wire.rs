@@ -48,18 +48,19 @@ fn field(kind: Kind, number: u64) -> Option<Field> {
 }
 
 /// Bytes the decoded [`Profile`] will hold on the heap (plus its own struct), estimated from
-/// `raw`, its encoded form.
-pub(crate) fn decoded_size(raw: &[u8]) -> u64 {
+/// `raw`, its encoded form. The walk ends as soon as the sum passes `stop`, so refusing a
+/// hostile input costs a walk over about `stop` bytes' worth of it, not all of it.
+pub(crate) fn decoded_size(raw: &[u8], stop: u64) -> u64 {
     let mut total = size_of::<Profile>() as u64;
-    walk(raw, Kind::Profile, &mut total);
+    walk(raw, Kind::Profile, &mut total, stop);
     total
 }
 
 /// Nesting allowed for groups (deprecated, skipped as unknown fields), as deep as prost allows.
 const MAX_DEPTH: u32 = 100;
 
-fn walk(mut buf: &[u8], kind: Kind, total: &mut u64) {
-    while !buf.is_empty() {
+fn walk(mut buf: &[u8], kind: Kind, total: &mut u64, stop: u64) {
+    while !buf.is_empty() && *total <= stop {
         let Some(key) = varint(&mut buf) else { return };
         let (number, wire) = (key >> 3, key & 7);
         let known = field(kind, number);
@@ -77,7 +78,7 @@ fn walk(mut buf: &[u8], kind: Kind, total: &mut u64) {
                 match known {
                     Some(Field::Message(size, inner)) => {
                         *total += size as u64;
-                        walk(body, inner, total);
+                        walk(body, inner, total, stop);
                     }
                     Some(Field::String) => *total += (size_of::<String>() + body.len()) as u64,
                     // Packed: one element per varint, i.e. per byte without its high bit.
@@ -168,19 +169,23 @@ mod tests {
             + size_of::<Label>()
             + 3 * (size_of::<Location>() + size_of::<Line>() + size_of::<Function>())
             + strings;
-        assert_eq!(decoded_size(&p.encode_to_vec()), want as u64);
+        assert_eq!(decoded_size(&p.encode_to_vec(), u64::MAX), want as u64);
     }
 
     #[test]
     fn empty_messages_count_as_whole_structs() {
         // 1000 empty samples: 2000 bytes on the wire, 72 kB decoded.
         let raw = [0x12u8, 0x00].repeat(1000);
-        let n = decoded_size(&raw);
+        let n = decoded_size(&raw, u64::MAX);
         assert_eq!(
             n,
             (size_of::<Profile>() + 1000 * size_of::<Sample>()) as u64
         );
         assert_eq!(Profile::decode(raw.as_slice()).unwrap().sample.len(), 1000);
+        // With a stop, the walk ends just past it.
+        let stop = 10 * size_of::<Sample>() as u64;
+        let n = decoded_size(&raw, stop);
+        assert!(n > stop && n <= stop + size_of::<Sample>() as u64, "{n}");
     }
 
     #[test]
@@ -192,7 +197,7 @@ mod tests {
             0x7b, 0x12, 0x00, 0x7c, // group 15 { sample {} }
             0x68, 0x05, // comment: 5
         ];
-        let n = decoded_size(&raw);
+        let n = decoded_size(&raw, u64::MAX);
         assert_eq!(
             n,
             (size_of::<Profile>() + size_of::<Sample>() + 16 + 8) as u64
@@ -200,7 +205,7 @@ mod tests {
         let p = Profile::decode(&raw[..]).unwrap();
         assert_eq!((p.sample.len(), p.comment.len()), (1, 1));
         // Malformed: the estimate stops, decoding fails.
-        assert!(decoded_size(&[0x12, 0x7f]) >= size_of::<Profile>() as u64);
+        assert!(decoded_size(&[0x12, 0x7f], u64::MAX) >= size_of::<Profile>() as u64);
         assert!(Profile::decode(&[0x12u8, 0x7f][..]).is_err());
     }
 }
