@@ -26,6 +26,16 @@ static GLOBAL: ferroprof::SamplingAllocator<std::alloc::System> =
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Refuse pprof files that are, or decompress to, more than SIZE (bytes, or with a K, M or
+    /// G suffix in binary units). Bounds what a hostile or corrupt file can cost in memory.
+    #[arg(
+        long,
+        global = true,
+        value_name = "SIZE",
+        default_value = "256M",
+        value_parser = report::parse_size
+    )]
+    max_decompressed_size: u64,
 }
 
 #[derive(Subcommand)]
@@ -75,7 +85,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli.command) {
+    match run(cli.command, cli.max_decompressed_size) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Output closed early (`ferroprof top x | head`): not an error worth a message.
@@ -94,8 +104,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cmd: Command) -> anyhow::Result<()> {
+fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
+    let load = |path: &PathBuf| report::load_with_limit(path, max_size);
     match cmd {
         Command::Demo(args) => demo::run(args),
         Command::Top {
@@ -105,7 +116,7 @@ fn run(cmd: Command) -> anyhow::Result<()> {
             cum,
             raw,
         } => {
-            let p = report::load(&file)?;
+            let p = load(&file)?;
             let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
             let table = if raw {
                 FunctionTable::build(&p, idx)
@@ -122,10 +133,19 @@ fn run(cmd: Command) -> anyhow::Result<()> {
             output,
             sample_type,
         } => {
-            let p = report::load(&file)?;
+            let p = load(&file)?;
             let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
             let (type_name, unit) = p.sample_types().swap_remove(idx);
-            let lines = report::folded(&p, idx);
+            let budget = report::folded_budget(max_size);
+            let Some(lines) = report::folded_with_limit(&p, idx, budget) else {
+                return Err(CliError(format!(
+                    "{}: its folded stacks would take more than {} (a quarter of the \
+                     --max-decompressed-size cap); if the file is trusted, raise the cap",
+                    file.display(),
+                    report::format_size(budget)
+                ))
+                .into());
+            };
             if lines.is_empty() {
                 return Err(CliError(format!(
                     "{} has no samples with a positive {type_name} value; nothing to draw",
@@ -155,8 +175,8 @@ fn run(cmd: Command) -> anyhow::Result<()> {
             sample_type,
             n,
         } => {
-            let pa = report::load(&a)?;
-            let pb = report::load(&b)?;
+            let pa = load(&a)?;
+            let pb = load(&b)?;
             let ib = report::pick_type(&pb, sample_type.as_deref(), &b)?;
             let name = pb.sample_types().swap_remove(ib).0;
             let ia = report::pick_type(&pa, Some(&name), &a)?;

@@ -1,10 +1,14 @@
 //! Reading profiles and turning them into per-function tables, diffs and folded stacks.
 
-use std::collections::{HashMap, HashSet};
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::io::Read as _;
+use std::ops::Range;
 use std::path::Path;
+use std::rc::Rc;
 
-use ferroprof_pprof::Profile;
+use ferroprof_pprof::{Profile, ReadError, Sample};
 
 /// A user-facing error; the binary prints it and exits with status 2.
 #[derive(Debug)]
@@ -22,20 +26,91 @@ fn err(msg: impl Into<String>) -> anyhow::Error {
     CliError(msg.into()).into()
 }
 
-/// Reads and decodes a pprof file, with errors that name the file.
+/// The default for `--max-decompressed-size`: far above real profiles (tens of MB at most),
+/// far below what a compression bomb would inflate to.
+pub const DEFAULT_MAX_DECOMPRESSED_SIZE: u64 = 256 << 20;
+
+/// Reads and decodes a pprof file with the default size cap.
 pub fn load(path: &Path) -> anyhow::Result<Profile> {
-    let bytes =
-        std::fs::read(path).map_err(|e| err(format!("cannot read {}: {e}", path.display())))?;
+    load_with_limit(path, DEFAULT_MAX_DECOMPRESSED_SIZE)
+}
+
+/// Reads and decodes a pprof file, with errors that name the file. Neither the file nor what it
+/// decompresses to may exceed `max_size` bytes, both checked while reading, and the decoded
+/// profile may take at most [`ferroprof_pprof::MAX_DECODED_PER_LIMIT`] times that, checked
+/// before decoding: a hostile file costs at most about twice `max_size` (its bytes and their
+/// inflated form) before the error.
+pub fn load_with_limit(path: &Path, max_size: u64) -> anyhow::Result<Profile> {
+    let too_large = |what: &str| {
+        err(format!(
+            "{}: {what} more than {} (the --max-decompressed-size cap); if the file is \
+             trusted, raise the cap, e.g. --max-decompressed-size {}",
+            path.display(),
+            format_size(max_size),
+            format_size(max_size.saturating_mul(4)),
+        ))
+    };
+    let cannot_read = |e: std::io::Error| err(format!("cannot read {}: {e}", path.display()));
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(max_size.saturating_add(1)).read_to_end(&mut bytes))
+        .map_err(cannot_read)?;
+    if bytes.len() as u64 > max_size {
+        return Err(too_large("the file is"));
+    }
     if bytes.is_empty() {
         return Err(err(format!(
             "{} is empty, not a pprof profile",
             path.display()
         )));
     }
-    ferroprof_pprof::decode(&bytes).map_err(|e| {
+    ferroprof_pprof::decode_limited(&bytes, max_size).map_err(|e| match e {
+        ReadError::TooLarge { .. } => too_large("it decompresses to"),
+        // Found before decoding: a small file of many empty messages.
+        ReadError::DecodedTooLarge { .. } => err(format!(
+            "{}: decoding it would take more than {} of memory, {} times the \
+             --max-decompressed-size cap ({}); if the file is trusted, raise the cap",
+            path.display(),
+            format_size(max_size.saturating_mul(ferroprof_pprof::MAX_DECODED_PER_LIMIT)),
+            ferroprof_pprof::MAX_DECODED_PER_LIMIT,
+            format_size(max_size),
+        )),
         // The reader's messages already start with "not a pprof profile".
-        err(format!("{}: {e}", path.display()))
+        e => err(format!("{}: {e}", path.display())),
     })
+}
+
+/// Parses a size for `--max-decompressed-size`: bytes, or a number with a binary-unit suffix
+/// (`K`/`KiB`, `M`/`MiB`, `G`/`GiB`, case-insensitive; `KB` and the like mean the same).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(digits);
+    let shift = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        _ => return Err(format!("{s:?} is not a size (e.g. 512M, 2G, 1048576)")),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 512M, 2G, 1048576)"))?;
+    match n.checked_mul(1 << shift) {
+        Some(0) => Err("the size must be more than 0".to_owned()),
+        Some(v) => Ok(v),
+        None => Err(format!("{s:?} is too large")),
+    }
+}
+
+/// A byte count in the largest binary unit that divides it exactly ("256 MiB", "1000 bytes").
+pub fn format_size(v: u64) -> String {
+    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if v >= 1 << shift && v % (1 << shift) == 0 {
+            return format!("{} {unit}", v >> shift);
+        }
+    }
+    format!("{v} bytes")
 }
 
 /// The sample type to show: `wanted`, else the profile's default, else the first.
@@ -62,6 +137,91 @@ pub fn pick_type(p: &Profile, wanted: Option<&str>, path: &Path) -> anyhow::Resu
     }
 }
 
+/// A profile's frames, resolved once: each distinct function name stored once (borrowed from
+/// the string table where it can be) and each location's frames as indices into them. A
+/// sample's stack then costs one map lookup per location and no strings, whatever its names.
+struct Frames<'p> {
+    names: Vec<Cow<'p, str>>,
+    /// Location id -> its frames in `frames`, innermost (inlined) first.
+    locations: HashMap<u64, Range<usize>>,
+    frames: Vec<usize>,
+    /// The name standing for an empty stack.
+    no_frames: usize,
+}
+
+impl<'p> Frames<'p> {
+    fn new(p: &'p Profile) -> Self {
+        let mut ids: HashMap<Cow<'p, str>, usize> = HashMap::new();
+        let mut names: Vec<Cow<'p, str>> = Vec::new();
+        let mut intern = |name: Cow<'p, str>| {
+            *ids.entry(name).or_insert_with_key(|n| {
+                names.push(n.clone());
+                names.len() - 1
+            })
+        };
+        let no_frames = intern(Cow::Borrowed(NO_FRAMES));
+        // Later duplicates of an id win, as they would in any id -> item map.
+        let mut functions: HashMap<u64, usize> = HashMap::with_capacity(p.function.len());
+        for f in &p.function {
+            functions.insert(f.id, intern(Cow::Borrowed(p.str(f.name))));
+        }
+        let unknown = intern(Cow::Borrowed(""));
+        let mut locations = HashMap::with_capacity(p.location.len());
+        let mut frames = Vec::with_capacity(p.location.len());
+        for loc in &p.location {
+            let start = frames.len();
+            if loc.line.is_empty() {
+                frames.push(intern(Cow::Owned(format!("{:#x}", loc.address))));
+            }
+            for line in &loc.line {
+                frames.push(functions.get(&line.function_id).copied().unwrap_or(unknown));
+            }
+            locations.insert(loc.id, start..frames.len());
+        }
+        Frames {
+            names,
+            locations,
+            frames,
+            no_frames,
+        }
+    }
+
+    /// Replaces `out` with the name ids of `s`'s stack, innermost first; an empty stack is
+    /// `(no frames)`.
+    fn stack(&self, s: &Sample, out: &mut Vec<usize>) {
+        self.stack_of(&s.location_id, out)
+    }
+
+    fn stack_of(&self, location_ids: &[u64], out: &mut Vec<usize>) {
+        out.clear();
+        for id in location_ids {
+            if let Some(r) = self.locations.get(id) {
+                out.extend_from_slice(&self.frames[r.clone()]);
+            }
+        }
+        if out.is_empty() {
+            out.push(self.no_frames);
+        }
+    }
+}
+
+/// Names longer than this are cut for display (they stay whole as keys).
+pub const MAX_DISPLAY_NAME: usize = 1024;
+
+/// `name` as shown in reports: names over [`MAX_DISPLAY_NAME`] bytes are cut at a character
+/// boundary and marked with an ellipsis and their full length, so a crafted megabyte name
+/// cannot blow up a report (or a flame graph, once per frame).
+pub fn display_name(name: &str) -> Cow<'_, str> {
+    if name.len() <= MAX_DISPLAY_NAME {
+        return Cow::Borrowed(name);
+    }
+    let mut end = MAX_DISPLAY_NAME;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!("{}… ({} bytes)", &name[..end], name.len()))
+}
+
 /// Flat and cumulative value per function for one sample type.
 #[derive(Debug, Clone, Default)]
 pub struct FunctionTable {
@@ -69,8 +229,8 @@ pub struct FunctionTable {
     pub unit: String,
     pub total: i64,
     pub samples: usize,
-    /// (function, flat, cum), unsorted.
-    pub rows: Vec<(String, i64, i64)>,
+    /// (function, flat, cum), unsorted; one row per distinct name.
+    pub rows: Vec<(Rc<str>, i64, i64)>,
     /// Whether `flat` counts allocation sites rather than leaf frames.
     pub sites: bool,
 }
@@ -90,51 +250,52 @@ impl FunctionTable {
         Self::build_with(p, index, is_alloc_type(&name))
     }
 
+    /// One pass over the samples, with per-name arrays instead of per-sample maps or strings:
+    /// linear in the profile's size.
     fn build_with(p: &Profile, index: usize, sites: bool) -> Self {
         let (type_name, unit) = p.sample_types().swap_remove(index);
-        let mut flat: HashMap<String, i64> = HashMap::new();
-        let mut cum: HashMap<String, i64> = HashMap::new();
+        let frames = Frames::new(p);
+        let n = frames.names.len();
+        // Once per name rather than once per frame: the test scans the whole name.
+        let machinery: Vec<bool> = if sites {
+            frames.names.iter().map(|n| is_alloc_machinery(n)).collect()
+        } else {
+            Vec::new()
+        };
+        let mut flat = vec![0i64; n];
+        let mut cum = vec![0i64; n];
+        // The last sample that added to each name's `cum` (usize::MAX: none yet), so a
+        // recursive function counts once per sample without a set per sample.
+        let mut last = vec![usize::MAX; n];
+        let mut stack = Vec::new();
         let mut total = 0i64;
         let mut samples = 0;
-        for s in &p.sample {
+        for (i, s) in p.sample.iter().enumerate() {
             let v = s.value.get(index).copied().unwrap_or(0);
             if v == 0 {
                 continue;
             }
             samples += 1;
             total = total.saturating_add(v);
-            let names = p.stack_names(s);
+            frames.stack(s, &mut stack);
             let leaf_at = if sites {
-                names
-                    .iter()
-                    .position(|n| !is_alloc_machinery(n))
-                    .unwrap_or(0)
+                stack.iter().position(|&f| !machinery[f]).unwrap_or(0)
             } else {
                 0
             };
-            let leaf = names.get(leaf_at).map(String::as_str).unwrap_or(NO_FRAMES);
             // Saturating: a crafted file's values must not overflow into a panic (or wrap).
-            let f = flat.entry(leaf.to_owned()).or_default();
+            let f = &mut flat[stack[leaf_at]];
             *f = f.saturating_add(v);
-            // A recursive function counts once per sample in `cum`.
-            let mut seen = HashSet::new();
-            if names.is_empty() {
-                let c = cum.entry(NO_FRAMES.to_owned()).or_default();
-                *c = c.saturating_add(v);
-            }
-            for n in names {
-                if seen.insert(n.clone()) {
-                    let c = cum.entry(n).or_default();
-                    *c = c.saturating_add(v);
+            for &f in &stack {
+                if last[f] != i {
+                    last[f] = i;
+                    cum[f] = cum[f].saturating_add(v);
                 }
             }
         }
-        let rows = cum
-            .into_iter()
-            .map(|(f, c)| {
-                let fl = flat.get(&f).copied().unwrap_or(0);
-                (f, fl, c)
-            })
+        let rows = (0..n)
+            .filter(|&f| last[f] != usize::MAX)
+            .map(|f| (Rc::from(&*frames.names[f]), flat[f], cum[f]))
             .collect();
         FunctionTable {
             type_name,
@@ -147,7 +308,7 @@ impl FunctionTable {
     }
 
     /// Rows sorted by flat (or cum) value, largest first; ties by name for stable output.
-    pub fn sorted(&self, by_cum: bool) -> Vec<(String, i64, i64)> {
+    pub fn sorted(&self, by_cum: bool) -> Vec<(Rc<str>, i64, i64)> {
         let mut rows = self.rows.clone();
         rows.sort_by(|a, b| {
             let (ka, kb) = if by_cum { (a.2, b.2) } else { (a.1, b.1) };
@@ -157,15 +318,6 @@ impl FunctionTable {
                 .then(a.0.cmp(&b.0))
         });
         rows
-    }
-
-    /// Flat value of `function`.
-    pub fn flat(&self, function: &str) -> i64 {
-        self.rows
-            .iter()
-            .find(|r| r.0 == function)
-            .map(|r| r.1)
-            .unwrap_or(0)
     }
 }
 
@@ -283,6 +435,7 @@ pub fn top_text(t: &FunctionTable, n: usize, by_cum: bool, label: &str) -> Strin
             percent(sum, t.total),
             format_value(*cum, &t.unit),
             percent(*cum, t.total),
+            f = display_name(f),
         );
     }
     out
@@ -306,12 +459,17 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
         format_value(b.total, unit),
         signed(delta_total, unit),
     );
-    let mut names: Vec<&str> = a.rows.iter().chain(&b.rows).map(|r| r.0.as_str()).collect();
-    names.sort_unstable();
-    names.dedup();
-    let mut rows: Vec<(&str, i64, i64)> = names
+    // Flat values of A and B per name, in one map: linear in the two tables.
+    let mut both: HashMap<&str, (i64, i64)> = HashMap::with_capacity(a.rows.len());
+    for (f, flat, _) in &a.rows {
+        both.entry(f).or_default().0 = *flat;
+    }
+    for (f, flat, _) in &b.rows {
+        both.entry(f).or_default().1 = *flat;
+    }
+    let mut rows: Vec<(&str, i64, i64)> = both
         .into_iter()
-        .map(|f| (f, a.flat(f), b.flat(f)))
+        .map(|(f, (x, y))| (f, x, y))
         .filter(|(_, x, y)| x != y)
         .collect();
     let change = |r: &(&str, i64, i64)| r.2.saturating_sub(r.1).unsigned_abs();
@@ -345,7 +503,8 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
             format_value(x, unit),
             format_value(y, unit),
             signed(y.saturating_sub(x), unit),
-            pct
+            pct,
+            f = display_name(f),
         );
     }
     out
@@ -359,31 +518,71 @@ fn signed(v: i64, unit: &str) -> String {
     }
 }
 
-/// Folded stacks (`root;...;leaf value`), one line per distinct stack, for flame graphs.
-pub fn folded(p: &Profile, index: usize) -> Vec<String> {
-    let mut acc: HashMap<String, i64> = HashMap::new();
+/// Folded stacks (`root;...;leaf value`), one line per distinct stack, for flame graphs, within
+/// the default budget (see [`folded_with_limit`]).
+// The binary passes its own budget; the fuzz harness (fuzz/src/cli_top.rs) calls this one.
+#[allow(dead_code)]
+pub fn folded(p: &Profile, index: usize) -> Option<Vec<String>> {
+    folded_with_limit(p, index, folded_budget(DEFAULT_MAX_DECOMPRESSED_SIZE))
+}
+
+/// The folded text allowed for a file cap: a quarter of it. The flame graph takes a few times
+/// its folded text (frames, then the SVG with every name twice), and an 800-byte file with one
+/// sample of 230k frames asks for 240 MB of it (590 MB peak, a 320 MB SVG).
+pub fn folded_budget(max_size: u64) -> u64 {
+    max_size / 4
+}
+
+/// Folded stacks, or `None` if their text would exceed `max_bytes`. Samples are summed by their
+/// location ids first (borrowed, no strings), and each distinct stack is rendered once, from
+/// names shared between frames and cut for display. The budget matters because a tiny file
+/// can still ask for a huge text: one sample of a million frames of a long name.
+pub fn folded_with_limit(p: &Profile, index: usize, max_bytes: u64) -> Option<Vec<String>> {
+    let mut by_locations: HashMap<&[u64], i64> = HashMap::new();
     for s in &p.sample {
         let v = s.value.get(index).copied().unwrap_or(0);
         if v <= 0 {
             continue;
         }
-        let mut names = p.stack_names(s);
-        if names.is_empty() {
-            names.push(NO_FRAMES.to_owned());
-        }
-        // `;` separates frames in the folded format; Rust names can contain it (`[u8; 4]`).
-        let line = names
-            .iter()
-            .rev()
-            .map(|n| n.replace(';', ","))
-            .collect::<Vec<_>>()
-            .join(";");
-        let a = acc.entry(line).or_default();
+        let a = by_locations.entry(&s.location_id).or_default();
         *a = a.saturating_add(v);
     }
-    let mut lines: Vec<String> = acc.into_iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let frames = Frames::new(p);
+    // `;` separates frames in the folded format; Rust names can contain it (`[u8; 4]`).
+    let shown: Vec<String> = frames
+        .names
+        .iter()
+        .map(|n| display_name(n).replace(';', ","))
+        .collect();
+    // Different locations can carry the same names: sum again by the rendered line.
+    let mut by_line: HashMap<String, i64> = HashMap::with_capacity(by_locations.len());
+    let mut stack = Vec::new();
+    let mut left = usize::try_from(max_bytes).unwrap_or(usize::MAX);
+    for (ids, v) in by_locations {
+        frames.stack_of(ids, &mut stack);
+        // Sized before it is built, so a line past the budget is never allocated: each frame
+        // and its `;` (or the space before the value), and the value.
+        let len = stack.iter().map(|&f| shown[f].len() + 1).sum::<usize>() + 20;
+        left = left.checked_sub(len)?;
+        let mut line = String::with_capacity(len);
+        for (i, &f) in stack.iter().rev().enumerate() {
+            if i > 0 {
+                line.push(';');
+            }
+            line.push_str(&shown[f]);
+        }
+        let a = by_line.entry(line).or_default();
+        *a = a.saturating_add(v);
+    }
+    let mut lines: Vec<String> = by_line
+        .into_iter()
+        .map(|(mut k, v)| {
+            let _ = write!(k, " {v}");
+            k
+        })
+        .collect();
     lines.sort();
-    lines
+    Some(lines)
 }
 
 #[cfg(test)]
@@ -406,10 +605,10 @@ mod tests {
         let t = FunctionTable::build(&profile(), 0);
         assert_eq!(t.total, 4_500_000_000);
         let rows = t.sorted(false);
-        assert_eq!(rows[0], ("hot".to_owned(), 3_000_000_000, 3_000_000_000));
-        let main = rows.iter().find(|r| r.0 == "main").unwrap();
+        assert_eq!(rows[0], ("hot".into(), 3_000_000_000, 3_000_000_000));
+        let main = rows.iter().find(|r| &*r.0 == "main").unwrap();
         assert_eq!((main.1, main.2), (0, 4_500_000_000));
-        let rec = rows.iter().find(|r| r.0 == "rec").unwrap();
+        let rec = rows.iter().find(|r| &*r.0 == "rec").unwrap();
         assert_eq!(
             (rec.1, rec.2),
             (500_000_000, 500_000_000),
@@ -436,16 +635,16 @@ mod tests {
         let sites = FunctionTable::build_sites(&p, 0);
         assert_eq!(
             sites.sorted(false)[0],
-            ("app::load_cache".to_owned(), 1 << 20, 1 << 20)
+            ("app::load_cache".into(), 1 << 20, 1 << 20)
         );
         let raw = FunctionTable::build(&p, 0);
-        assert_eq!(raw.sorted(false)[0].0, "ferroprof::alloc::on_alloc");
+        assert_eq!(&*raw.sorted(false)[0].0, "ferroprof::alloc::on_alloc");
         // CPU types keep their leaf frames.
         let q = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
             .sample(&["core::ptr::drop_in_place", "app::f"], &[5], &[])
             .build();
         assert_eq!(
-            FunctionTable::build_sites(&q, 0).sorted(false)[0].0,
+            &*FunctionTable::build_sites(&q, 0).sorted(false)[0].0,
             "core::ptr::drop_in_place"
         );
     }
@@ -462,7 +661,7 @@ mod tests {
 
     #[test]
     fn folded_lines() {
-        let lines = folded(&profile(), 1);
+        let lines = folded(&profile(), 1).unwrap();
         assert_eq!(lines, vec![format!("main;rec;rec {}", 64 << 20)]);
     }
 
@@ -484,5 +683,137 @@ mod tests {
             lines[3].ends_with("hot") && lines[3].contains("-2.00s"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn long_names_are_cut_for_display_at_a_char_boundary() {
+        assert_eq!(display_name("main"), "main");
+        let exact = "x".repeat(MAX_DISPLAY_NAME);
+        assert_eq!(display_name(&exact), exact);
+        // A 3-byte character straddles the cut: it goes whole or not at all.
+        let long = format!("{}€{}", "a".repeat(MAX_DISPLAY_NAME - 1), "b".repeat(5000));
+        let shown = display_name(&long);
+        assert_eq!(
+            shown,
+            format!(
+                "{}… ({} bytes)",
+                "a".repeat(MAX_DISPLAY_NAME - 1),
+                long.len()
+            )
+        );
+    }
+
+    #[test]
+    fn long_names_stay_whole_as_keys_and_are_cut_in_reports() {
+        let (a, b) = ("a".repeat(5000), "a".repeat(6000));
+        let p = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+            .sample(&[&a, "main"], &[2], &[])
+            .sample(&[&b, "main"], &[1], &[])
+            .sample(&[&b, &b, &b], &[4], &[])
+            .build();
+        let t = FunctionTable::build(&p, 0);
+        // Same 1 KiB prefix, still two functions.
+        assert_eq!(t.rows.len(), 3);
+        let rows = t.sorted(false);
+        assert_eq!((&*rows[0].0, rows[0].1, rows[0].2), (b.as_str(), 5, 5));
+        let text = top_text(&t, 10, false, "p");
+        assert!(text.contains("… (6000 bytes)") && text.contains("… (5000 bytes)"));
+        assert!(
+            text.lines().all(|l| l.len() < 2 * MAX_DISPLAY_NAME),
+            "{text}"
+        );
+        let cut = display_name(&b).into_owned();
+        let lines = folded(&p, 0).unwrap();
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(lines.contains(&format!("{cut};{cut};{cut} 4")), "{lines:?}");
+        assert!(lines.contains(&format!("main;{cut} 1")), "{lines:?}");
+    }
+
+    #[test]
+    fn folded_sums_equal_stacks_and_keeps_inline_and_address_frames() {
+        use ferroprof_pprof::{Function, Line, Location, Sample};
+        let mut p = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")]).build();
+        let s = |p: &mut Profile, v: &str| {
+            p.string_table.push(v.to_owned());
+            p.string_table.len() as i64 - 1
+        };
+        let (f1, f2) = (s(&mut p, "inlined"), s(&mut p, "outer; [u8; 4]"));
+        for (id, name) in [(1, f1), (2, f2)] {
+            p.function.push(Function {
+                id,
+                name,
+                ..Default::default()
+            });
+        }
+        let line = |function_id| Line {
+            function_id,
+            line: 1,
+            column: 0,
+        };
+        p.location.push(Location {
+            id: 10,
+            line: vec![line(1), line(2)],
+            ..Default::default()
+        });
+        p.location.push(Location {
+            id: 11,
+            address: 0xbeef,
+            ..Default::default()
+        });
+        // Location 12 has the same frames as 10: its stacks sum with 10's.
+        p.location.push(Location {
+            id: 12,
+            line: vec![line(1), line(2)],
+            ..Default::default()
+        });
+        for (ids, v) in [(vec![11, 10], 5), (vec![11, 12], 2), (vec![], 1)] {
+            p.sample.push(Sample {
+                location_id: ids,
+                value: vec![v],
+                label: vec![],
+            });
+        }
+        assert_eq!(
+            folded(&p, 0).unwrap(),
+            vec!["(no frames) 1", "outer, [u8, 4];inlined;0xbeef 7"]
+        );
+        let t = FunctionTable::build(&p, 0);
+        let rows = t.sorted(false);
+        assert_eq!((&*rows[0].0, rows[0].1, rows[0].2), ("0xbeef", 7, 7));
+        assert!(rows.iter().any(|r| &*r.0 == "(no frames)" && r.1 == 1));
+        assert!(rows.iter().any(|r| &*r.0 == "outer; [u8; 4]" && r.2 == 7));
+    }
+
+    #[test]
+    fn folded_text_stays_within_its_budget() {
+        let name = "n".repeat(3000);
+        let deep: Vec<&str> = vec![&name; 1000];
+        let p = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+            .sample(&deep, &[1], &[])
+            .sample(&["f", "main"], &[1], &[])
+            .build();
+        // 1000 frames of a name cut to about 1 KiB: about 1 MB of text.
+        let lines = folded_with_limit(&p, 0, 1_100_000).unwrap();
+        assert_eq!(lines.len(), 2);
+        let len: usize = lines.iter().map(String::len).sum();
+        assert!((1_000_000..1_100_000).contains(&len), "{len}");
+        assert!(folded_with_limit(&p, 0, 1_000_000).is_none());
+        assert!(folded_with_limit(&p, 0, 10).is_none());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("256M"), Ok(256 << 20));
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("-1M").is_err());
+        assert!(parse_size("99999999999999G").is_err());
+        assert_eq!(format_size(DEFAULT_MAX_DECOMPRESSED_SIZE), "256 MiB");
+        assert_eq!(format_size(1 << 30), "1 GiB");
+        assert_eq!(format_size(1536), "1536 bytes");
+        assert_eq!(format_size(1 << 10), "1 KiB");
     }
 }

@@ -8,6 +8,7 @@ use std::io::Read;
 use prost::Message;
 
 pub mod go_tool;
+mod wire;
 use thiserror::Error;
 
 /// Errors reading a pprof file.
@@ -23,7 +24,23 @@ pub enum ReadError {
     Decode(#[from] prost::DecodeError),
     #[error("not a pprof profile: {0}")]
     Invalid(String),
+    /// The input, or what it decompresses to, is larger than the caller's limit.
+    #[error("profile is larger than the {limit}-byte limit once decompressed")]
+    TooLarge { limit: u64 },
+    /// Decoding would take more memory than [`MAX_DECODED_PER_LIMIT`] times the caller's limit
+    /// (a small file of many empty messages), estimated before decoding. `estimate` is where
+    /// the estimate stopped, just past that: a lower bound.
+    #[error(
+        "profile would take over {estimate} bytes in memory once decoded, more than \
+         {MAX_DECODED_PER_LIMIT} times the {limit}-byte limit"
+    )]
+    DecodedTooLarge { estimate: u64, limit: u64 },
 }
+
+/// With a size limit, the decoded profile may take at most this many times the limit in
+/// memory. Real profiles take about 3 times their encoded size (8-byte ids from 1-byte varints,
+/// a 24-byte header per string); a file of empty messages up to 36 times.
+pub const MAX_DECODED_PER_LIMIT: u64 = 2;
 
 #[derive(Clone, PartialEq, Message)]
 pub struct Profile {
@@ -150,33 +167,83 @@ pub struct Function {
 }
 
 /// Decompresses (gzip, zstd or none, detected by magic bytes) and decodes a pprof profile.
+/// No size limit: for untrusted input use [`decode_limited`].
 pub fn decode(bytes: &[u8]) -> Result<Profile, ReadError> {
-    let raw = decompress(bytes)?;
+    decode_limited(bytes, u64::MAX)
+}
+
+/// Like [`decode`], but fails with [`ReadError::TooLarge`] once the profile's decompressed size
+/// exceeds `max_size` bytes, and with [`ReadError::DecodedTooLarge`] if decoding would take more
+/// than [`MAX_DECODED_PER_LIMIT`] times `max_size` in memory. The first check runs while
+/// inflating and the second before decoding, so a compression bomb costs at most `max_size`
+/// bytes of memory before the error.
+pub fn decode_limited(bytes: &[u8], max_size: u64) -> Result<Profile, ReadError> {
+    let raw = decompress_limited(bytes, max_size)?;
+    if max_size != u64::MAX {
+        let most = max_size.saturating_mul(MAX_DECODED_PER_LIMIT);
+        let estimate = wire::decoded_size(&raw, most);
+        if estimate > most {
+            return Err(ReadError::DecodedTooLarge {
+                estimate,
+                limit: max_size,
+            });
+        }
+    }
     let p = Profile::decode(raw.as_slice())?;
     p.validate()?;
     Ok(p)
 }
 
+/// About how many bytes the [`Profile`] encoded in `raw` (uncompressed) will take in memory
+/// once decoded, found by walking its wire format without decoding (linear, no allocation).
+/// Empty repeated messages cost two bytes on the wire but a whole struct in memory, so this can
+/// be tens of times `raw.len()`; malformed input gives the estimate up to the fault.
+pub fn decoded_size_estimate(raw: &[u8]) -> u64 {
+    wire::decoded_size(raw, u64::MAX)
+}
+
 /// Undoes gzip or zstd compression, detected by magic bytes; other input is returned as is.
+/// No size limit: for untrusted input use [`decompress_limited`].
 pub fn decompress(bytes: &[u8]) -> Result<Vec<u8>, ReadError> {
+    decompress_limited(bytes, u64::MAX)
+}
+
+/// Like [`decompress`], but never produces more than `max_size` bytes: inflation stops one byte
+/// past the limit and fails with [`ReadError::TooLarge`]. Uncompressed input larger than the
+/// limit fails the same way.
+pub fn decompress_limited(bytes: &[u8], max_size: u64) -> Result<Vec<u8>, ReadError> {
+    let too_large = ReadError::TooLarge { limit: max_size };
     if bytes.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        flate2::read::MultiGzDecoder::new(bytes)
-            .read_to_end(&mut out)
-            .map_err(ReadError::Gzip)?;
-        Ok(out)
+        let gz = flate2::read::MultiGzDecoder::new(bytes);
+        read_limited(gz, max_size)
+            .map_err(ReadError::Gzip)?
+            .ok_or(too_large)
     } else if bytes.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
         #[cfg(feature = "zstd")]
         {
-            zstd::stream::decode_all(bytes).map_err(|e| ReadError::Zstd(e.to_string()))
+            let zst = zstd::stream::read::Decoder::new(bytes)
+                .map_err(|e| ReadError::Zstd(e.to_string()))?;
+            read_limited(zst, max_size)
+                .map_err(|e| ReadError::Zstd(e.to_string()))?
+                .ok_or(too_large)
         }
         #[cfg(not(feature = "zstd"))]
         {
             Err(ReadError::ZstdUnsupported)
         }
+    } else if bytes.len() as u64 > max_size {
+        Err(too_large)
     } else {
         Ok(bytes.to_vec())
     }
+}
+
+/// Reads `r` to the end, or `None` as soon as it yields more than `max_size` bytes: reading
+/// stops at `max_size + 1`, so the output never grows past the limit.
+fn read_limited(r: impl Read, max_size: u64) -> std::io::Result<Option<Vec<u8>>> {
+    let mut out = Vec::new();
+    r.take(max_size.saturating_add(1)).read_to_end(&mut out)?;
+    Ok((out.len() as u64 <= max_size).then_some(out))
 }
 
 /// One frame of a resolved stack.
@@ -404,6 +471,68 @@ mod tests {
         assert!(decode(b"definitely not a profile").is_err());
         assert!(decode(&[0x1f, 0x8b, 0, 1, 2]).is_err());
         assert!(decode(&[]).is_err());
+    }
+
+    #[test]
+    fn limits_the_decompressed_size() {
+        let p = crate::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+            .sample(&["f", "main"], &[1], &[])
+            .build();
+        let raw = p.encode_to_vec();
+        let n = raw.len() as u64;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, &raw).unwrap();
+        let gz = gz.finish().unwrap();
+        for bytes in [&raw, &gz] {
+            assert_eq!(
+                decompress_limited(bytes, n).unwrap(),
+                raw,
+                "exactly at the limit"
+            );
+            assert_eq!(decode_limited(bytes, 1 << 20).unwrap(), p);
+            assert!(matches!(
+                decode_limited(bytes, n - 1),
+                Err(ReadError::TooLarge { limit }) if limit == n - 1
+            ));
+        }
+        // A bomb stops at the limit: a megabyte of zeros inflates no further than 1 KiB + 1.
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, &vec![0u8; 1 << 20]).unwrap();
+        let bomb = gz.finish().unwrap();
+        assert!(matches!(
+            decompress_limited(&bomb, 1024),
+            Err(ReadError::TooLarge { limit: 1024 })
+        ));
+        assert_eq!(decompress(&bomb).unwrap().len(), 1 << 20);
+    }
+
+    #[cfg(feature = "zstd")]
+    #[test]
+    fn limits_zstd_too() {
+        let bomb = zstd::encode_all(&vec![0u8; 1 << 20][..], 3).unwrap();
+        assert!(matches!(
+            decompress_limited(&bomb, 1024),
+            Err(ReadError::TooLarge { limit: 1024 })
+        ));
+        assert_eq!(decompress_limited(&bomb, 1 << 20).unwrap().len(), 1 << 20);
+    }
+
+    #[test]
+    fn limits_the_decoded_size() {
+        // 100 empty samples: 200 bytes, 7200 decoded.
+        let raw = [0x12u8, 0x00].repeat(100);
+        let est = decoded_size_estimate(&raw);
+        assert!(est > 7200, "{est}");
+        assert!(matches!(
+            decode_limited(&raw, 1000),
+            Err(ReadError::DecodedTooLarge { estimate, limit: 1000 })
+                if estimate > 2000 && estimate < est
+        ));
+        // Within the limit the decoder runs (and rejects it for having no string table).
+        assert!(matches!(
+            decode_limited(&raw, est),
+            Err(ReadError::Invalid(_))
+        ));
     }
 }
 
