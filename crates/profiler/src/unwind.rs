@@ -7,21 +7,29 @@
 //!
 //! What runs where:
 //! * The sampler thread (never a handler) builds a [`Snapshot`]: the module list read from the
-//!   dynamic loader (each module's `.eh_frame_hdr`/`.eh_frame` used in place, in memory) plus
-//!   the readable-writable mappings of `/proc/self/maps` (to bound stack reads). It publishes
-//!   the snapshot through an atomic pointer. An old snapshot is freed only once no reader is
-//!   inside any snapshot (a global reader count observed at zero after the swap).
+//!   dynamic loader plus the readable-writable mappings of `/proc/self/maps` (to bound stack
+//!   reads). Unwind sections are used in place for the main program and the vDSO, which are
+//!   never unloaded, and from private copies for every other object (made while the loader
+//!   guarantees the object is mapped, see [`crate::modules`]): a snapshot that lags behind a
+//!   `dlclose` never reads the unloaded object's memory, and an object later loaded into its
+//!   range costs wrong or lost frames until the next snapshot, never a fault. It publishes the
+//!   snapshot through an atomic pointer. An old snapshot is freed only once no reader is inside
+//!   any snapshot (a global reader count observed at zero after the swap).
 //! * [`unwind`] (signal handler or allocator) loads the snapshot, borrows a preallocated
 //!   unwinder cache from a fixed pool with a compare-and-swap (no waiting: when all are busy
 //!   the stack is cut to its leaf frame), and walks at most `out.len()` frames.
+//! * Each pool entry also owns a spare stack: the handler and the allocation sampling path run
+//!   their walk (and the allocation path its recording) on it ([`Spare::run`], x86_64), so a
+//!   thread's own stack only carries a few hundred bytes of profiler frames. Before that they
+//!   check the thread's headroom against what the path needs on the thread's stack, and skip
+//!   the sample (counted) when it is short ([`headroom`], [`skipped_low_stack`]).
 //! * Stack reads are bounded to `[sp, top of the stack mapping)`: the thread's own stack bounds
 //!   when known (learned outside the handler), else the snapshot mapping that contains `sp`.
 //!   Nothing outside that range is ever dereferenced, so a corrupt frame cannot fault.
 //!
 //! Supported: Linux x86_64 and aarch64 with glibc, code in objects listed by the dynamic loader.
 //! Not supported: JIT code without registered unwind info (the frame-pointer fallback applies),
-//! objects unloaded while a sample is being taken (`dlclose` races), stacks of threads
-//! switched by user-space coroutines beyond the current stack.
+//! stacks of threads switched by user-space coroutines beyond the current stack.
 
 use std::cell::UnsafeCell;
 use std::ops::Deref;
@@ -36,14 +44,15 @@ use framehop::{
 };
 use parking_lot::Mutex;
 
-use crate::modules::{loaded_objects, objects_generation, LoadedObject};
+use crate::modules::{loaded_objects_for_unwind, objects_generation, LoadedObject};
 #[cfg(target_arch = "x86_64")]
 use crate::unwind_rules::{self, RuleModule, RuleTable, Step};
 
 /// Most frames one stack keeps.
 pub const MAX_FRAMES: usize = 128;
 
-/// Bytes of process memory, used in place (a module's unwind sections).
+/// Bytes of a module's unwind sections: in place in the module (main program, vDSO) or in a
+/// private copy kept alive by the snapshot or rule table that uses it.
 #[derive(Clone, Copy)]
 pub(crate) struct MemSlice {
     ptr: *const u8,
@@ -59,8 +68,8 @@ impl Default for MemSlice {
     }
 }
 
-// SAFETY: MemSlice points into read-only segments of loaded objects, which are immutable and
-// shared by every thread; it is only read.
+// SAFETY: MemSlice points into read-only segments of objects never unloaded, or into an
+// immutable private copy; both are shared by every thread and only read.
 unsafe impl Send for MemSlice {}
 // SAFETY: as above.
 unsafe impl Sync for MemSlice {}
@@ -68,8 +77,8 @@ unsafe impl Sync for MemSlice {}
 impl Deref for MemSlice {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: built from a mapped, readable range of a loaded object that stays mapped while
-        // the object is loaded (see the module docs for the dlclose caveat).
+        // SAFETY: built from a mapped, readable range of an object that is never unloaded, or
+        // from a private copy that outlives every snapshot and rule table using it.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
@@ -96,7 +105,11 @@ pub(crate) struct Snapshot {
     rw_maps: Vec<(u64, u64)>,
     /// The main thread's `[stack]` mapping, which grows down past its recorded start.
     main_stack: Option<(u64, u64)>,
+    /// Lowest address the main stack may grow to (its top minus the stack size limit).
+    main_stack_floor: u64,
     objects_gen: (u64, u64),
+    /// The objects (their unwind section copies are what `unwinder` and `rules` read).
+    objects: Vec<LoadedObject>,
     /// Compact rules for the fast path, shared by the snapshots of one set of loaded objects.
     #[cfg(target_arch = "x86_64")]
     rules: Arc<RuleTable>,
@@ -111,8 +124,8 @@ impl Snapshot {
     /// `prev`: the snapshot being replaced, whose learned rules carry over when the loaded
     /// objects did not change.
     fn build(prev: Option<&Snapshot>) -> Snapshot {
-        let objects_gen = objects_generation();
-        let objects = loaded_objects();
+        let (objects, objects_gen) =
+            loaded_objects_for_unwind(prev.map(|p| (&p.objects[..], p.objects_gen)));
         let mut unwinder = NativeUnwinder::new();
         #[cfg(target_arch = "x86_64")]
         let mut rule_modules = Vec::new();
@@ -126,11 +139,18 @@ impl Snapshot {
         #[cfg(target_arch = "x86_64")]
         let rules = match prev {
             Some(p) if p.objects_gen == objects_gen => Arc::clone(&p.rules),
-            _ => Arc::new(RuleTable::new(rule_modules)),
+            _ => Arc::new(RuleTable::new(
+                rule_modules,
+                objects
+                    .iter()
+                    .filter_map(|o| o.unwind_copy.clone())
+                    .collect(),
+            )),
         };
         #[cfg(not(target_arch = "x86_64"))]
         let _ = prev;
         let (rw_maps, main_stack) = read_rw_maps();
+        let main_stack_floor = main_stack.map_or(0, |(_, hi)| hi.saturating_sub(stack_limit()));
         #[cfg(target_arch = "aarch64")]
         let ptr_auth_mask = framehop::aarch64::PtrAuthMask::from_max_known_address(
             unwinder.max_known_code_address(),
@@ -139,7 +159,9 @@ impl Snapshot {
             unwinder,
             rw_maps,
             main_stack,
+            main_stack_floor,
             objects_gen,
+            objects,
             #[cfg(target_arch = "x86_64")]
             rule_entries: rules.entries(),
             #[cfg(target_arch = "x86_64")]
@@ -164,10 +186,36 @@ impl Snapshot {
         let (start, end) = self.rw_maps[i - 1];
         (start <= sp && sp < end).then_some((sp, end))
     }
+
+    /// Lowest address usable by the stack that contains `sp`: the start of its mapping (a
+    /// thread's guard page is a mapping of its own), or how far the main stack may grow.
+    fn stack_floor_of(&self, sp: u64) -> Option<u64> {
+        if let Some((lo, hi)) = self.main_stack {
+            if sp < hi && sp >= lo.saturating_sub(MAIN_STACK_GROWTH) {
+                return Some(self.main_stack_floor.min(lo));
+            }
+        }
+        let i = self.rw_maps.partition_point(|&(start, _)| start <= sp);
+        let (start, end) = *self.rw_maps.get(i.checked_sub(1)?)?;
+        (start <= sp && sp < end).then_some(start)
+    }
 }
 
 /// How far below the recorded start the main stack may have grown (default stack rlimit).
 const MAIN_STACK_GROWTH: u64 = 8 << 20;
+
+/// The main thread's stack size limit (`RLIMIT_STACK`), or [`MAIN_STACK_GROWTH`] when unlimited.
+fn stack_limit() -> u64 {
+    // SAFETY: getrlimit only writes the out-struct.
+    let mut rl: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::getrlimit(libc::RLIMIT_STACK, &mut rl) } != 0
+        || rl.rlim_cur == libc::RLIM_INFINITY
+    {
+        return MAIN_STACK_GROWTH;
+    }
+    rl.rlim_cur
+}
 
 /// Where a loaded object's unwind sections are, in memory.
 struct Sections {
@@ -185,6 +233,34 @@ struct Sections {
 impl Sections {
     fn of(obj: &LoadedObject) -> Option<Sections> {
         let (start, end) = obj.range()?;
+        let text = obj
+            .segments
+            .iter()
+            .find(|s| s.flags & libc::PF_X != 0)
+            .map(|s| (s.start - obj.base)..(s.end - obj.base));
+        if let Some(c) = &obj.unwind_copy {
+            // An object that may be unloaded: its copies only.
+            return Some(Sections {
+                start,
+                end,
+                base: obj.base,
+                hdr: MemSlice {
+                    ptr: c.hdr.as_ptr(),
+                    len: c.hdr.len(),
+                },
+                hdr_addr: c.hdr_addr,
+                eh_frame: MemSlice {
+                    ptr: c.eh_frame.as_ptr(),
+                    len: c.eh_frame.len(),
+                },
+                eh_frame_addr: c.eh_frame_addr,
+                text,
+            });
+        }
+        if obj.unwind_copy.is_none() && !never_unloaded(obj) {
+            // Copying failed (no unwind sections): not in the unwinder at all.
+            return None;
+        }
         let (hdr_start, hdr_end) = obj.eh_frame_hdr?;
         let hdr_seg = obj.segment_of(hdr_start)?;
         if hdr_end > hdr_seg.end || hdr_end <= hdr_start {
@@ -202,11 +278,6 @@ impl Sections {
             ptr: eh_frame_start as *const u8,
             len: (eh_seg.end - eh_frame_start) as usize,
         };
-        let text = obj
-            .segments
-            .iter()
-            .find(|s| s.flags & libc::PF_X != 0)
-            .map(|s| (s.start - obj.base)..(s.end - obj.base));
         Some(Sections {
             start,
             end,
@@ -249,8 +320,14 @@ impl Sections {
     }
 }
 
+/// The objects whose unwind sections are read in place: the main program (listed first, with
+/// no name) and the vDSO. Everything else may be unloaded.
+fn never_unloaded(obj: &LoadedObject) -> bool {
+    obj.name.is_empty() || obj.path.is_none()
+}
+
 /// Decodes `eh_frame_ptr` from an `.eh_frame_hdr` mapped at `hdr_addr`.
-fn eh_frame_address(hdr: &[u8], hdr_addr: u64) -> Option<u64> {
+pub(crate) fn eh_frame_address(hdr: &[u8], hdr_addr: u64) -> Option<u64> {
     if hdr.len() < 8 || hdr[0] != 1 {
         return None;
     }
