@@ -34,7 +34,7 @@
 use std::cell::UnsafeCell;
 use std::ops::Deref;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -489,10 +489,49 @@ pub(crate) fn after_fork_in_child() {
 struct PoolEntry {
     busy: AtomicBool,
     cache: UnsafeCell<NativeCache>,
+    /// Top (16-byte aligned) of this entry's spare stack; 0 when it could not be mapped.
+    stack_top: usize,
 }
 
-// SAFETY: `cache` is only accessed by the holder of `busy`, acquired with a compare-and-swap.
+// SAFETY: `cache` and the spare stack are only used by the holder of `busy`, acquired with a
+// compare-and-swap.
 unsafe impl Sync for PoolEntry {}
+
+/// Size of each spare stack. Only the pages a walk touches are ever backed (a release walk and
+/// recording use a few KiB; debug builds several times more), so the reserve is generous.
+const SPARE_STACK_BYTES: usize = 256 << 10;
+
+/// Maps one spare stack with a guard page below it; its top, or 0 on failure.
+fn map_spare_stack() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|&p| p > 0)
+        .unwrap_or(4096);
+    let len = SPARE_STACK_BYTES + page;
+    // SAFETY: a fresh anonymous private mapping; nothing else refers to it.
+    let p = unsafe {
+        libc::mmap(
+            ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_STACK,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return 0;
+    }
+    // SAFETY: the first page of the mapping we own: an overflow faults there instead of
+    // writing into whatever lies below.
+    if unsafe { libc::mprotect(p, page, libc::PROT_NONE) } != 0 {
+        // SAFETY: our own mapping, unused.
+        unsafe { libc::munmap(p, len) };
+        return 0;
+    }
+    (p as usize + len) & !15
+}
 
 /// Allocates the unwinder cache pool once (never freed: handlers may hold an entry at any time).
 pub(crate) fn init_pool() {
@@ -509,6 +548,7 @@ pub(crate) fn init_pool() {
         .map(|_| PoolEntry {
             busy: AtomicBool::new(false),
             cache: UnsafeCell::new(NativeCache::new_in()),
+            stack_top: map_spare_stack(),
         })
         .collect();
     let raw = Box::into_raw(Box::new(entries));
@@ -518,7 +558,158 @@ pub(crate) fn init_pool() {
         .is_err()
     {
         // SAFETY: we lost the race; `raw` was never published.
+        // Its spare stacks stay mapped (a few hundred KiB of address space, never touched):
+        // this race happens at most once per process.
         drop(unsafe { Box::from_raw(raw) });
+    }
+}
+
+/// Stack a signal handler may still use on the thread's stack after its headroom check, when
+/// its walk runs on a spare stack (the rest of `handle`, `Spare::run`; measured by
+/// `tests/small_stack.rs`, with room to spare).
+pub(crate) const HANDLER_STACK_NEED: u64 = if cfg!(debug_assertions) { 2048 } else { 512 };
+/// Stack a sampled allocation may still use on the thread's stack after its headroom check,
+/// when it walks and records on a spare stack.
+pub(crate) const ALLOC_STACK_NEED: u64 = if cfg!(debug_assertions) { 2048 } else { 512 };
+/// Stack a walk (framehop's CFI evaluation) and recording use when they run on the thread's
+/// own stack: no spare stack free, or no stack switch on this architecture.
+pub(crate) const IN_PLACE_STACK_NEED: u64 = 96 << 10;
+
+/// Samples skipped because the thread's stack had less headroom than the path needs.
+static SKIPPED_LOW_STACK: AtomicU64 = AtomicU64::new(0);
+/// Signal samples skipped because the thread's stack bounds were not known yet (a thread
+/// newer than the snapshot that never made a sampled allocation).
+static SKIPPED_UNKNOWN_STACK: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a sample skipped for lack of stack. Async-signal-safe.
+pub(crate) fn count_skipped_low_stack() {
+    SKIPPED_LOW_STACK.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts a sample skipped for unknown stack bounds. Async-signal-safe.
+pub(crate) fn count_skipped_unknown_stack() {
+    SKIPPED_UNKNOWN_STACK.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Samples skipped for lack of stack in this process so far.
+pub(crate) fn skipped_low_stack() -> u64 {
+    SKIPPED_LOW_STACK.load(Ordering::Relaxed)
+}
+
+/// Samples skipped for unknown stack bounds in this process so far.
+pub(crate) fn skipped_unknown_stack() -> u64 {
+    SKIPPED_UNKNOWN_STACK.load(Ordering::Relaxed)
+}
+
+/// Bytes of stack left below `sp` (the caller's stack pointer), from `bounds` (the thread's
+/// stack, when known and containing `sp`) or else the snapshot's mapping containing `sp`;
+/// None when neither knows (a stack newer than the snapshot: a refresh is requested).
+/// Async-signal-safe.
+pub(crate) fn headroom(sp: u64, bounds: Option<(usize, usize)>) -> Option<u64> {
+    if let Some((lo, hi)) = bounds {
+        if lo as u64 <= sp && sp < hi as u64 {
+            return Some(sp - lo as u64);
+        }
+    }
+    let _reader = ReaderGuard::enter();
+    let snap = HOT.snapshot.load(Ordering::SeqCst);
+    if snap.is_null() {
+        return None;
+    }
+    // SAFETY: a published snapshot stays alive while READERS counts us.
+    let floor = unsafe { &*snap }.stack_floor_of(sp);
+    if floor.is_none() {
+        MAPS_STALE.store(true, Ordering::Relaxed);
+    }
+    floor.map(|f| sp.saturating_sub(f))
+}
+
+/// A pool entry held by the caller: an unwinder cache and a spare stack to run on.
+pub(crate) struct Spare {
+    entry: &'static PoolEntry,
+}
+
+impl Spare {
+    /// Takes a free entry that has a spare stack, without waiting. Async-signal-safe.
+    pub(crate) fn borrow() -> Option<Spare> {
+        let pool = HOT.pool.load(Ordering::SeqCst);
+        if pool.is_null() {
+            return None;
+        }
+        // SAFETY: the pool is never freed once published.
+        let pool: &'static [PoolEntry] = unsafe { &*pool };
+        pool.iter()
+            .find(|e| {
+                e.stack_top != 0
+                    && e.busy
+                        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                        .is_ok()
+            })
+            .map(|entry| Spare { entry })
+    }
+
+    fn cache(&mut self) -> &mut NativeCache {
+        // SAFETY: we hold the entry's `busy` flag until drop; `&mut self` makes the borrow
+        // exclusive within this holder.
+        unsafe { &mut *self.entry.cache.get() }
+    }
+
+    /// Runs `f` on this entry's spare stack (x86_64; in place elsewhere), so that what `f`
+    /// needs never comes out of the calling thread's stack. Async-signal-safe (a stack switch
+    /// and a call). `f` must not unwind (a panic in it aborts).
+    #[inline(never)]
+    pub(crate) fn run<R, F: FnOnce(&mut Spare) -> R>(&mut self, f: F) -> Option<R> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            struct Job<'a, F, R> {
+                f: Option<F>,
+                out: Option<R>,
+                spare: &'a mut Spare,
+            }
+            unsafe extern "C" fn trampoline<F: FnOnce(&mut Spare) -> R, R>(job: *mut u8) {
+                // SAFETY: `job` is the live `Job` that `run` passed, used by nothing else
+                // until this returns.
+                let job = unsafe { &mut *(job as *mut Job<'_, F, R>) };
+                if let Some(f) = job.f.take() {
+                    job.out = Some(f(job.spare));
+                }
+            }
+            let top = self.entry.stack_top;
+            let mut job = Job {
+                f: Some(f),
+                out: None,
+                spare: self,
+            };
+            // SAFETY: `top` is the 16-byte aligned top of a mapped stack that only the holder
+            // of this entry uses (we do, through `&mut self`). The call pushes its return
+            // address there (so the callee starts 8 below a 16-byte boundary, as the ABI
+            // wants); r12 is callee-saved, so it still holds our stack pointer on return;
+            // `clobber_abi("C")` covers everything the callee may change.
+            unsafe {
+                std::arch::asm!(
+                    "mov r12, rsp",
+                    "mov rsp, {top}",
+                    "call {f}",
+                    "mov rsp, r12",
+                    top = in(reg) top,
+                    f = in(reg) trampoline::<F, R> as unsafe extern "C" fn(*mut u8),
+                    in("rdi") &mut job as *mut Job<'_, F, R> as *mut u8,
+                    out("r12") _,
+                    clobber_abi("C"),
+                );
+            }
+            job.out
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            Some(f(self))
+        }
+    }
+}
+
+impl Drop for Spare {
+    fn drop(&mut self) {
+        self.entry.busy.store(false, Ordering::Release);
     }
 }
 
@@ -542,11 +733,34 @@ pub(crate) fn unwind(
     out: &mut [u64],
     stale: usize,
 ) -> usize {
-    unwind_counted(regs, bounds, skip_to_sp, out, true, stale).0
+    unwind_counted(regs, bounds, skip_to_sp, out, true, stale, None).0
+}
+
+/// [`unwind`] with the unwinder cache of `spare` (normally called on its stack, inside
+/// [`Spare::run`]).
+pub(crate) fn unwind_with(
+    spare: &mut Spare,
+    regs: StartRegs,
+    bounds: Option<(usize, usize)>,
+    skip_to_sp: u64,
+    out: &mut [u64],
+    stale: usize,
+) -> usize {
+    unwind_counted(
+        regs,
+        bounds,
+        skip_to_sp,
+        out,
+        true,
+        stale,
+        Some(spare.cache()),
+    )
+    .0
 }
 
 /// [`unwind`], also returning how many frames the compact rules handled; `fast` off
-/// leaves every frame to framehop (tests compare the two).
+/// leaves every frame to framehop (tests compare the two). `own_cache`: a cache the caller
+/// holds; without one, a pool entry is borrowed the first time a frame needs framehop.
 fn unwind_counted(
     regs: StartRegs,
     bounds: Option<(usize, usize)>,
@@ -554,6 +768,7 @@ fn unwind_counted(
     out: &mut [u64],
     fast: bool,
     stale: usize,
+    mut own_cache: Option<&mut NativeCache>,
 ) -> (usize, usize) {
     if out.is_empty() {
         return (0, 0);
@@ -653,23 +868,28 @@ fn unwind_counted(
                 }
             }
         }
-        let e = match entry {
-            Some(e) => e,
+        let cache: &mut NativeCache = match own_cache.as_deref_mut() {
+            Some(c) => c,
             None => {
-                let Some(e) = pool.iter().find(|e| {
-                    e.busy
-                        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-                        .is_ok()
-                }) else {
-                    // Every cache is busy: the stack ends here.
-                    break;
+                let e = match entry {
+                    Some(e) => e,
+                    None => {
+                        let Some(e) = pool.iter().find(|e| {
+                            e.busy
+                                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                                .is_ok()
+                        }) else {
+                            // Every cache is busy: the stack ends here.
+                            break;
+                        };
+                        entry = Some(e);
+                        e
+                    }
                 };
-                entry = Some(e);
-                e
+                // SAFETY: we own `e` (its `busy` flag) until it is released below.
+                unsafe { &mut *e.cache.get() }
             }
         };
-        // SAFETY: we own `e` (its `busy` flag) until it is released below.
-        let cache = unsafe { &mut *e.cache.get() };
         match snap
             .unwinder
             .unwind_frame(frame, &mut uregs, cache, &mut read_stack)
@@ -926,6 +1146,55 @@ mod tests {
     }
 
     #[test]
+    fn spare_stack_runs_the_walk_off_the_thread_stack_with_the_same_result() {
+        init_pool();
+        refresh(true);
+        let mut spare = Spare::borrow().expect("a free spare stack");
+        let top = spare.entry.stack_top as u64;
+        let bounds = crate::tls::current_stack_bounds();
+        let regs = current_regs();
+        let mut here = [0u64; MAX_FRAMES];
+        let n_here = unwind(regs, bounds, 0, &mut here, 0);
+        let mut there = [0u64; MAX_FRAMES];
+        let (n_there, sp_there) = spare
+            .run(|s| {
+                let n = unwind_with(s, regs, bounds, 0, &mut there, 0);
+                (n, current_sp())
+            })
+            .expect("the job ran");
+        #[cfg(target_arch = "x86_64")]
+        assert!(
+            sp_there < top && sp_there > top - SPARE_STACK_BYTES as u64,
+            "{sp_there:#x} not on the spare stack below {top:#x}"
+        );
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (sp_there, top);
+        assert!(n_here > 3, "only {n_here} frames");
+        assert_eq!(&here[..n_here], &there[..n_there]);
+        drop(spare);
+    }
+
+    #[test]
+    fn headroom_comes_from_the_bounds_or_the_mappings() {
+        init_pool();
+        refresh(true);
+        let sp = current_sp();
+        assert_eq!(
+            headroom(sp, Some((0x1000, sp as usize + 8))),
+            Some(sp - 0x1000)
+        );
+        // Bounds that do not contain sp: the mapping (a thread's stack) answers.
+        let bounds = crate::tls::current_stack_bounds().expect("this thread's stack");
+        let room = headroom(sp, Some((1, 2))).expect("the stack is in the snapshot's mappings");
+        assert!(
+            room <= sp - bounds.0 as u64 + 4096,
+            "{room} vs {}",
+            sp - bounds.0 as u64
+        );
+        assert!(room > 0);
+    }
+
+    #[test]
     fn decodes_pcrel_eh_frame_pointer() {
         // version 1, pcrel|sdata4, udata4, datarel|sdata4, then -0x20.
         let mut hdr = vec![1u8, 0x1b, 0x03, 0x3b];
@@ -940,7 +1209,15 @@ mod tests {
     fn recurse(depth: u32, out: &mut [u64], fast: bool) -> (usize, usize) {
         if depth == 0 {
             let regs = current_regs();
-            unwind_counted(regs, crate::tls::current_stack_bounds(), 0, out, fast, 0)
+            unwind_counted(
+                regs,
+                crate::tls::current_stack_bounds(),
+                0,
+                out,
+                fast,
+                0,
+                None,
+            )
         } else {
             let r = std::hint::black_box(recurse(depth - 1, out, fast));
             (r.0, std::hint::black_box(r.1))
