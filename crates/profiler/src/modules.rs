@@ -130,7 +130,7 @@ unsafe extern "C" fn callback(
         let first = c.out.is_empty();
         let vdso = name.starts_with("linux-vdso") || name.starts_with("linux-gate");
         let unwind_copy = if c.copy && !first && !vdso {
-            reuse_copy(c, base, &name).or_else(|| copy_unwind_sections(&segments, eh_frame_hdr))
+            copy_unwind_sections(&segments, eh_frame_hdr, reuse_candidate(c, base, &name))
         } else {
             None
         };
@@ -154,23 +154,27 @@ unsafe extern "C" fn callback(
     }
 }
 
-/// The copy the previous list made of the object at `base`, when no object was loaded or
-/// unloaded since (the loader's counters, as this very iteration reports them).
-fn reuse_copy(c: &Collect, base: u64, name: &str) -> Option<Arc<UnwindCopy>> {
+/// The copy the previous list made of the object at `base` with this name, if any, and
+/// whether nothing was loaded or unloaded since (the loader's counters, as this very iteration
+/// reports them): then it is the same object.
+fn reuse_candidate(c: &Collect, base: u64, name: &str) -> Option<(Arc<UnwindCopy>, bool)> {
     let (prev, gen) = c.reuse?;
-    if gen != (c.adds, c.subs) {
-        return None;
-    }
     let o = prev.iter().find(|o| o.base == base && o.name == name)?;
-    o.unwind_copy.clone()
+    Some((o.unwind_copy.clone()?, gen == (c.adds, c.subs)))
 }
 
-/// Copies an object's unwind sections. Runs inside the loader's iteration callback, where the
-/// object cannot be unloaded; reads only within its `PT_LOAD` segments.
+/// Copies an object's unwind sections, or returns `prev` when it holds the same bytes (an
+/// object that stayed loaded while others came and went: no new allocation). Runs inside the
+/// loader's iteration callback, where the object cannot be unloaded; reads only within its
+/// `PT_LOAD` segments.
 fn copy_unwind_sections(
     segments: &[Segment],
     eh_frame_hdr: Option<(u64, u64)>,
+    prev: Option<(Arc<UnwindCopy>, bool)>,
 ) -> Option<Arc<UnwindCopy>> {
+    if let Some((prev, true)) = prev {
+        return Some(prev);
+    }
     let (hdr_start, hdr_end) = eh_frame_hdr?;
     let seg_of = |a: u64| segments.iter().find(|s| s.start <= a && a < s.end);
     let hdr_seg = seg_of(hdr_start)?;
@@ -179,20 +183,27 @@ fn copy_unwind_sections(
     }
     // SAFETY: the range lies within a loaded segment of an object the loader cannot unload
     // while this callback runs.
-    let hdr: Box<[u8]> = unsafe {
+    let hdr = unsafe {
         std::slice::from_raw_parts(hdr_start as *const u8, (hdr_end - hdr_start) as usize)
-    }
-    .into();
-    let eh_frame_addr = crate::unwind::eh_frame_address(&hdr, hdr_start)?;
+    };
+    let eh_frame_addr = crate::unwind::eh_frame_address(hdr, hdr_start)?;
     let seg = seg_of(eh_frame_addr)?;
     let len = eh_frame_len(eh_frame_addr, seg.end);
     // SAFETY: as above: [eh_frame_addr, + len) ends within the segment.
-    let eh_frame: Box<[u8]> =
-        unsafe { std::slice::from_raw_parts(eh_frame_addr as *const u8, len) }.into();
+    let eh_frame = unsafe { std::slice::from_raw_parts(eh_frame_addr as *const u8, len) };
+    if let Some((prev, _)) = prev {
+        if prev.hdr_addr == hdr_start
+            && prev.eh_frame_addr == eh_frame_addr
+            && *prev.hdr == *hdr
+            && *prev.eh_frame == *eh_frame
+        {
+            return Some(prev);
+        }
+    }
     Some(Arc::new(UnwindCopy {
-        hdr,
+        hdr: hdr.into(),
         hdr_addr: hdr_start,
-        eh_frame,
+        eh_frame: eh_frame.into(),
         eh_frame_addr,
     }))
 }
@@ -340,9 +351,9 @@ mod tests {
         assert_eq!(copy.hdr.len() as u64, hdr_end - hdr_start);
         // The FDE table's entries point into the copied .eh_frame: it covers the section.
         assert!(copy.eh_frame.len() > 1024, "{}", copy.eh_frame.len());
-        // Nothing changed: the next list shares the copies.
-        let (again, gen2) = loaded_objects_for_unwind(Some((&objs, gen)));
-        if gen2 == gen {
+        // The next list shares the copies, whether or not other objects came and went.
+        for g in [gen, (u64::MAX, 0)] {
+            let (again, _) = loaded_objects_for_unwind(Some((&objs, g)));
             let c2 = again
                 .iter()
                 .find(|o| o.name == libc_obj.name)

@@ -564,13 +564,29 @@ pub(crate) fn init_pool() {
     }
 }
 
+/// Whether [`Spare::run`] switches stacks here (elsewhere it runs in place, and the paths need
+/// the in-place room).
+const SWITCHES_STACKS: bool = cfg!(target_arch = "x86_64");
+
 /// Stack a signal handler may still use on the thread's stack after its headroom check, when
 /// its walk runs on a spare stack (the rest of `handle`, `Spare::run`; measured by
 /// `tests/small_stack.rs`, with room to spare).
-pub(crate) const HANDLER_STACK_NEED: u64 = if cfg!(debug_assertions) { 2048 } else { 512 };
+pub(crate) const HANDLER_STACK_NEED: u64 = if !SWITCHES_STACKS {
+    IN_PLACE_STACK_NEED
+} else if cfg!(debug_assertions) {
+    2048
+} else {
+    512
+};
 /// Stack a sampled allocation may still use on the thread's stack after its headroom check,
 /// when it walks and records on a spare stack.
-pub(crate) const ALLOC_STACK_NEED: u64 = if cfg!(debug_assertions) { 2048 } else { 512 };
+pub(crate) const ALLOC_STACK_NEED: u64 = if !SWITCHES_STACKS {
+    IN_PLACE_STACK_NEED
+} else if cfg!(debug_assertions) {
+    2048
+} else {
+    512
+};
 /// Stack a walk (framehop's CFI evaluation) and recording use when they run on the thread's
 /// own stack: no spare stack free, or no stack switch on this architecture.
 pub(crate) const IN_PLACE_STACK_NEED: u64 = 96 << 10;
@@ -956,9 +972,19 @@ pub(crate) fn learn(addrs: &[u64]) {
     let _ = addrs;
 }
 
-/// Whether a reader found no stack mapping since the last refresh.
+/// Whether the snapshot wants a refresh: a reader found no stack mapping for its `sp`, or an
+/// object was loaded or unloaded since it was built. The sampler asks every tick, so a
+/// snapshot lags an unload by one refresh interval (20 ms), not the once-a-second check:
+/// until then, code loaded into an unloaded object's range is unwound with the old object's
+/// (copied) rules, which costs wrong frames, never a fault.
 pub(crate) fn maps_stale() -> bool {
-    MAPS_STALE.load(Ordering::Relaxed)
+    if MAPS_STALE.load(Ordering::Relaxed) {
+        return true;
+    }
+    let _reader = ReaderGuard::enter();
+    let snap = HOT.snapshot.load(Ordering::SeqCst);
+    // SAFETY: a published snapshot stays alive while READERS counts us.
+    !snap.is_null() && unsafe { (*snap).objects_gen } != objects_generation()
 }
 
 /// Stack bound for a thread created after the last maps snapshot: glibc places a thread's

@@ -5,8 +5,8 @@
 //!
 //! The big plugin's unwind sections lie 256 KiB above its base; the small one, loaded at the
 //! same base, ends long before that, so a stale snapshot points the unwinder at unmapped memory.
-//! The body runs in a child process, so a crash fails the test. `FERROPROF_DLCLOSE_ROUNDS`
-//! raises the number of reload rounds (default 6) for `scripts/reliability.sh`.
+//! The body runs in a child process, so a crash fails the test. `FERROPROF_DLCLOSE_RUNS`
+//! (default 1) repeats the child for `scripts/reliability.sh`.
 
 mod child_support;
 mod profiler_support;
@@ -99,26 +99,37 @@ fn reloaded_plugin_in_the_same_range_is_sampled_without_crashing() {
     if is_child(NAME) {
         return child_body();
     }
-    let out = run_child(NAME, &[], Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "the profiled process died:\n{}",
-        out.describe()
-    );
-    let same = out.value("same_base").unwrap_or(0);
-    assert!(
-        same >= 1,
-        "the small plugin never landed inside the big one's old range: the test proved nothing\n{}",
-        out.describe()
-    );
-    eprintln!("{}", out.stdout);
+    let runs: usize = std::env::var("FERROPROF_DLCLOSE_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    for run in 0..runs {
+        let out = run_child(NAME, &[], Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "run {run}: the profiled process died:\n{}",
+            out.describe()
+        );
+        let same = out.value("same_base").unwrap_or(0);
+        assert!(
+            same >= 1,
+            "run {run}: the small plugin never landed inside the big one's old range: the test \
+             proved nothing\n{}",
+            out.describe()
+        );
+        if run == 0 {
+            eprintln!("{}", out.stdout);
+        }
+    }
 }
 
 fn child_body() {
-    let rounds: usize = std::env::var("FERROPROF_DLCLOSE_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(6);
+    // Where the small plugin lands is the kernel's choice: rounds go on (up to a limit) until
+    // one landed in the big one's old range. (The first round does, in practice; later big
+    // plugins often land elsewhere, their old hole being too small for the kernel's 2 MiB
+    // alignment padding.)
+    let wanted = 1;
+    let max_rounds = 10;
     let dir = profiler_support::temp_dir("dlclose");
     let big = build_c_library("plugin_big", &dir);
     let small = build_c_library("plugin_small", &dir);
@@ -137,7 +148,9 @@ fn child_body() {
         .expect("start the profiler");
     let mut same_base = 0;
     let mut acc = 0u64;
-    for _ in 0..rounds {
+    let mut rounds = 0;
+    while same_base < wanted && rounds < max_rounds {
+        rounds += 1;
         let a = open(&big);
         acc ^= burn_for(&a, Duration::from_millis(20));
         // A new thread makes the sampler rebuild its snapshot soon: it now lists the big plugin.
@@ -146,13 +159,12 @@ fn child_body() {
         let (base_a, end_a) = (a.base, a.end);
         close(a);
         let b = open(&small);
-        // println!("a {base_a:#x}-{end_a:#x} b {:#x}-{:#x}", b.base, b.end);
         // Inside the big plugin's old range, above its unwind sections (its first 64 KiB).
         if b.base >= base_a + 0x10000 && b.end <= end_a {
             same_base += 1;
         }
         // Sampled while the snapshot may still describe the big plugin here.
-        acc ^= burn_for(&b, Duration::from_millis(200));
+        acc ^= burn_for(&b, Duration::from_millis(150));
         close(b);
     }
     let stats = guard.stats();
