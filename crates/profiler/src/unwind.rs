@@ -1201,6 +1201,23 @@ mod tests {
     }
 
     #[test]
+    fn a_pc_in_no_known_module_cuts_the_stack() {
+        init_pool();
+        refresh(true);
+        let here = current_regs();
+        let bounds = crate::tls::current_stack_bounds();
+        let mut out = [0u64; MAX_FRAMES];
+        // Unmapped code addresses (what a stale snapshot may meet): the leaf is kept, and the
+        // walk goes no further than the frame pointer chain allows, reading only the stack.
+        for pc in [0x1000, u64::MAX - 4096] {
+            let regs = StartRegs { pc, ..here };
+            let n = unwind(regs, bounds, 0, &mut out, 0);
+            assert!(n >= 1);
+            assert_eq!(out[0], pc);
+        }
+    }
+
+    #[test]
     fn headroom_comes_from_the_bounds_or_the_mappings() {
         init_pool();
         refresh(true);

@@ -10,6 +10,8 @@
 //!   (printed, and bounded).
 //!
 //! Bodies run in child processes, so a crash fails the test instead of the test binary.
+//! `FERROPROF_SMALL_STACK_RUNS` (default 1) repeats the small-stack child for
+//! `scripts/reliability.sh`.
 
 mod child_support;
 mod profiler_support;
@@ -117,25 +119,28 @@ fn sixteen_kib_thread_allocating_and_burning_survives() {
         "unprofiled control failed:\n{}",
         control.describe()
     );
-    let out = run_child(NAME, &[], Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "the profiled process died:\n{}",
-        out.describe()
-    );
-    let skipped = out.value("skipped_low_stack").unwrap_or(0);
-    let alloc = out.value("alloc_samples").unwrap_or(0);
-    assert!(
-        skipped > 0,
-        "no sample skipped for lack of stack:\n{}",
-        out.describe()
-    );
-    assert!(
-        alloc > 0,
-        "no allocation sampled at all:\n{}",
-        out.describe()
-    );
-    eprintln!("{}", out.stdout);
+    let runs: usize = std::env::var("FERROPROF_SMALL_STACK_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    for run in 0..runs {
+        let out = run_child(NAME, &[], Duration::from_secs(120));
+        let d = out.describe();
+        assert!(
+            out.status.success(),
+            "run {run}: the profiled process died:\n{d}"
+        );
+        let skipped = out.value("skipped_low_stack").unwrap_or(0);
+        let alloc = out.value("alloc_samples").unwrap_or(0);
+        assert!(
+            skipped > 0,
+            "run {run}: no sample skipped for lack of stack:\n{d}"
+        );
+        assert!(alloc > 0, "run {run}: no allocation sampled at all:\n{d}");
+        if run == 0 {
+            eprintln!("{}", out.stdout);
+        }
+    }
 }
 
 fn small_stack_child() {
