@@ -566,7 +566,8 @@ pub struct ProfilerStats {
     /// than the sampling path needs on it. Counted for the whole process.
     pub skipped_low_stack: u64,
     /// Signal samples skipped because the thread's stack bounds were not known yet (a thread
-    /// newer than the unwinder's last look at the mappings). Counted for the whole process.
+    /// newer than the unwinder's last look at the mappings) and the kernel would not tell
+    /// whether the room below its stack pointer is readable. Counted for the whole process.
     pub skipped_unknown_stack: u64,
     pub cpu_signal_failures: u64,
     /// Average time a signal handler spent capturing its stack, in nanoseconds.

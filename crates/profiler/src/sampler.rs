@@ -254,9 +254,10 @@ extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
 ///
 /// The walk runs on a spare stack of the unwinder's pool ([`unwind::Spare`]): the thread's own
 /// stack holds the kernel's signal frame, this function's frame and the switch, a few hundred
-/// bytes. A thread with less room than that left (or whose stack is not known yet) loses the
-/// sample, counted, and so does one whose walk would run in place (every spare stack taken)
-/// without room for it; the empty stack it publishes records nothing.
+/// bytes. A thread with less room than that left loses the sample, counted, and so does one
+/// whose walk would run in place (every spare stack taken) without room for it; the empty
+/// stack it publishes records nothing. A thread newer than the unwinder's snapshot has no
+/// known bounds: the kernel is asked whether the room below `sp` is readable.
 ///
 /// # Safety
 /// Called from `on_signal` with the kernel's arguments.
@@ -301,7 +302,10 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
     // SAFETY: ctx is this handler's ucontext.
     let regs = unsafe { unwind::regs_from_ucontext(ctx) };
     let bounds = tls::known_stack_bounds();
-    let n = match unwind::headroom(unwind::current_sp(), bounds) {
+    let sp = unwind::current_sp();
+    let room =
+        unwind::headroom(sp, bounds).or_else(|| unwind::probe_room(sp, unwind::HANDLER_STACK_NEED));
+    let n = match room {
         None => {
             unwind::count_skipped_unknown_stack();
             0

@@ -640,6 +640,40 @@ pub(crate) fn headroom(sp: u64, bounds: Option<(usize, usize)>) -> Option<u64> {
     floor.map(|f| sp.saturating_sub(f))
 }
 
+/// For a stack whose bounds nobody knows yet (a thread newer than the snapshot): `need` when
+/// the `need` bytes below `sp` are readable, 0 when they are not, None when the kernel would
+/// not say. Asks the kernel to read the lowest word of the range (`process_vm_readv` on our
+/// own process fails with EFAULT instead of faulting); a guard page, at least a page below any
+/// stack, cannot hide between it and `sp` when `need` is under a page. Async-signal-safe.
+pub(crate) fn probe_room(sp: u64, need: u64) -> Option<u64> {
+    if need >= 4096 {
+        return None;
+    }
+    let Some(addr) = sp.checked_sub(need) else {
+        return Some(0);
+    };
+    let mut word = 0u64;
+    let local = libc::iovec {
+        iov_base: (&mut word as *mut u64).cast(),
+        iov_len: 8,
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: 8,
+    };
+    // SAFETY: the kernel writes at most 8 bytes into `word`; `remote` is only read by the
+    // kernel, which reports an unreadable address instead of faulting.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    if n == 8 {
+        return Some(need);
+    }
+    // SAFETY: errno is thread-local (the handler restores it).
+    match unsafe { *libc::__errno_location() } {
+        libc::EFAULT => Some(0),
+        _ => None,
+    }
+}
+
 /// A pool entry held by the caller: an unwinder cache and a spare stack to run on.
 pub(crate) struct Spare {
     entry: &'static PoolEntry,
@@ -1215,6 +1249,15 @@ mod tests {
             assert!(n >= 1);
             assert_eq!(out[0], pc);
         }
+    }
+
+    #[test]
+    fn probing_tells_readable_stack_from_unmapped_memory() {
+        assert_eq!(probe_room(current_sp(), 512), Some(512));
+        // The first pages of the address space are never mapped.
+        assert_eq!(probe_room(0x2000, 512), Some(0));
+        assert_eq!(probe_room(100, 512), Some(0));
+        assert_eq!(probe_room(current_sp(), 1 << 20), None, "past a guard page");
     }
 
     #[test]
