@@ -289,15 +289,69 @@ fn draw_countdown(s: &ThreadState, interval: u64) -> i64 {
 }
 
 /// Records one sampled allocation. Runs with the guard set.
+///
+/// The walk, the rule learning and the recording run on a spare stack of the unwinder's pool:
+/// together they need several KiB (framehop's CFI evaluation, the frame buffer, the recorder),
+/// which a thread with a small stack may not have. This thread's stack only holds the frames
+/// down to here and the switch; a thread short of that skips the sample (counted).
 #[inline(never)]
 fn sample(p: *mut u8, size: usize, weight: i64, entry_sp: u64) {
-    let mut addrs = [0u64; MAX_FRAMES];
     let regs = unwind::current_regs();
-    let n = unwind::unwind(regs, tls::current_stack_bounds(), entry_sp, &mut addrs, 0);
-    let addrs = &addrs[..n];
-    // Teaches the unwinder's fast path these frames (a few probes once they are known).
-    unwind::learn(addrs);
-    state::with_active(|sh| record(sh, p, size, weight, addrs));
+    // Known once the thread's first sample learned them (on the spare stack, below).
+    let room =
+        tls::known_stack_bounds().and_then(|b| unwind::headroom(unwind::current_sp(), Some(b)));
+    let job = Job {
+        p,
+        size,
+        weight,
+        entry_sp,
+        regs,
+    };
+    match (room, unwind::Spare::borrow()) {
+        (Some(r), _) if r < unwind::ALLOC_STACK_NEED => unwind::count_skipped_low_stack(),
+        (_, Some(mut spare)) => {
+            spare.run(|s| job.run(Some(s)));
+        }
+        // Every spare stack is taken: in place, for threads with room for it.
+        (Some(r), None) if r >= unwind::IN_PLACE_STACK_NEED => job.run(None),
+        (None, None) if in_place_room(entry_sp) => job.run(None),
+        _ => unwind::count_skipped_low_stack(),
+    }
+}
+
+/// What [`sample`] hands to the spare stack.
+struct Job {
+    p: *mut u8,
+    size: usize,
+    weight: i64,
+    entry_sp: u64,
+    regs: unwind::StartRegs,
+}
+
+impl Job {
+    /// Walks, learns and records. Never inlined: its frame (the frame buffer, the recorder's
+    /// locals) belongs on the spare stack, not in `sample`'s frame on the thread's stack.
+    #[inline(never)]
+    fn run(self, spare: Option<&mut unwind::Spare>) {
+        let bounds = tls::current_stack_bounds();
+        let mut addrs = [0u64; MAX_FRAMES];
+        let n = match spare {
+            Some(s) => unwind::unwind_with(s, self.regs, bounds, self.entry_sp, &mut addrs, 0),
+            None => unwind::unwind(self.regs, bounds, self.entry_sp, &mut addrs, 0),
+        };
+        let addrs = &addrs[..n];
+        // Teaches the unwinder's fast path these frames (a few probes once they are known).
+        unwind::learn(addrs);
+        state::with_active(|sh| record(sh, self.p, self.size, self.weight, addrs));
+    }
+}
+
+/// Whether the walk and recording fit on this thread's stack below `sp` (learns the bounds).
+#[cold]
+fn in_place_room(sp: u64) -> bool {
+    tls::current_stack_bounds()
+        .and_then(|b| unwind::headroom(sp, Some(b)))
+        .is_some_and(|r| r >= unwind::IN_PLACE_STACK_NEED)
 }
 
 fn record(sh: &Shared, p: *mut u8, size: usize, weight: i64, addrs: &[u64]) {

@@ -1,9 +1,16 @@
 //! The ELF objects loaded in this process (executable, shared libraries, vDSO), as the dynamic
 //! loader reports them through `dl_iterate_phdr`. Used to build the unwinder's module list and
 //! to find the file to symbolize an address with. Never called from a signal handler.
+//!
+//! An object loaded with `dlopen` can be unmapped by `dlclose` at any moment, and another
+//! object can be mapped where it was. Its memory is therefore only read inside the loader's
+//! iteration callback (the loader holds its lock there, so nothing is unloaded meanwhile), and
+//! the unwinder gets private copies of its unwind sections ([`UnwindCopy`]): a module snapshot
+//! that lags behind an unload then describes the old object from memory that stays valid.
 
 use std::ffi::CStr;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// One loaded ELF object.
 #[derive(Debug, Clone)]
@@ -18,6 +25,18 @@ pub(crate) struct LoadedObject {
     pub segments: Vec<Segment>,
     /// `PT_GNU_EH_FRAME` (the `.eh_frame_hdr` section) as an actual address range.
     pub eh_frame_hdr: Option<(u64, u64)>,
+    /// Private copies of the unwind sections, for objects that may be unloaded (all but the
+    /// main program and the vDSO), when asked for ([`loaded_objects_for_unwind`]).
+    pub unwind_copy: Option<Arc<UnwindCopy>>,
+}
+
+/// An object's `.eh_frame_hdr` and `.eh_frame`, copied while the object was surely mapped, with
+/// the addresses they had in memory (the sections' encoded pointers are relative to those).
+pub(crate) struct UnwindCopy {
+    pub hdr: Box<[u8]>,
+    pub hdr_addr: u64,
+    pub eh_frame: Box<[u8]>,
+    pub eh_frame_addr: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -51,10 +70,15 @@ impl LoadedObject {
     }
 }
 
-struct Collect {
+struct Collect<'a> {
     out: Vec<LoadedObject>,
     adds: u64,
     subs: u64,
+    /// Copy the unwind sections of objects that may be unloaded.
+    copy: bool,
+    /// The previous list with its generation: copies reused when nothing was loaded or
+    /// unloaded since.
+    reuse: Option<(&'a [LoadedObject], (u64, u64))>,
 }
 
 unsafe extern "C" fn callback(
@@ -104,13 +128,16 @@ unsafe extern "C" fn callback(
             return 0;
         }
         let first = c.out.is_empty();
+        let vdso = name.starts_with("linux-vdso") || name.starts_with("linux-gate");
+        let unwind_copy = if c.copy && !first && !vdso {
+            copy_unwind_sections(&segments, eh_frame_hdr, reuse_candidate(c, base, &name))
+        } else {
+            None
+        };
         let path = if first && name.is_empty() {
             // The first object is the main program; the loader gives it no name.
             std::fs::read_link("/proc/self/exe").ok()
-        } else if name.is_empty()
-            || name.starts_with("linux-vdso")
-            || name.starts_with("linux-gate")
-        {
+        } else if name.is_empty() || vdso {
             None
         } else {
             Some(PathBuf::from(&name))
@@ -121,23 +148,143 @@ unsafe extern "C" fn callback(
             base,
             segments,
             eh_frame_hdr,
+            unwind_copy,
         });
         0
     }
 }
 
+/// The copy the previous list made of the object at `base` with this name, if any, and
+/// whether nothing was loaded or unloaded since (the loader's counters, as this very iteration
+/// reports them): then it is the same object.
+fn reuse_candidate(c: &Collect, base: u64, name: &str) -> Option<(Arc<UnwindCopy>, bool)> {
+    let (prev, gen) = c.reuse?;
+    let o = prev.iter().find(|o| o.base == base && o.name == name)?;
+    Some((o.unwind_copy.clone()?, gen == (c.adds, c.subs)))
+}
+
+/// Copies an object's unwind sections, or returns `prev` when it holds the same bytes (an
+/// object that stayed loaded while others came and went: no new allocation). Runs inside the
+/// loader's iteration callback, where the object cannot be unloaded; reads only within its
+/// `PT_LOAD` segments.
+fn copy_unwind_sections(
+    segments: &[Segment],
+    eh_frame_hdr: Option<(u64, u64)>,
+    prev: Option<(Arc<UnwindCopy>, bool)>,
+) -> Option<Arc<UnwindCopy>> {
+    if let Some((prev, true)) = prev {
+        return Some(prev);
+    }
+    let (hdr_start, hdr_end) = eh_frame_hdr?;
+    let seg_of = |a: u64| segments.iter().find(|s| s.start <= a && a < s.end);
+    let hdr_seg = seg_of(hdr_start)?;
+    if hdr_end > hdr_seg.end || hdr_end <= hdr_start {
+        return None;
+    }
+    // SAFETY: the range lies within a loaded segment of an object the loader cannot unload
+    // while this callback runs.
+    let hdr = unsafe {
+        std::slice::from_raw_parts(hdr_start as *const u8, (hdr_end - hdr_start) as usize)
+    };
+    let eh_frame_addr = crate::unwind::eh_frame_address(hdr, hdr_start)?;
+    let seg = seg_of(eh_frame_addr)?;
+    let len = eh_frame_len(eh_frame_addr, seg.end);
+    // SAFETY: as above: [eh_frame_addr, + len) ends within the segment.
+    let eh_frame = unsafe { std::slice::from_raw_parts(eh_frame_addr as *const u8, len) };
+    if let Some((prev, _)) = prev {
+        if prev.hdr_addr == hdr_start
+            && prev.eh_frame_addr == eh_frame_addr
+            && *prev.hdr == *hdr
+            && *prev.eh_frame == *eh_frame
+        {
+            return Some(prev);
+        }
+    }
+    Some(Arc::new(UnwindCopy {
+        hdr: hdr.into(),
+        hdr_addr: hdr_start,
+        eh_frame: eh_frame.into(),
+        eh_frame_addr,
+    }))
+}
+
+impl std::fmt::Debug for UnwindCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "UnwindCopy {{ hdr: {:#x}+{}, eh_frame: {:#x}+{} }}",
+            self.hdr_addr,
+            self.hdr.len(),
+            self.eh_frame_addr,
+            self.eh_frame.len()
+        )
+    }
+}
+
+/// Length of the `.eh_frame` section at `start`: its entries (CIEs and FDEs, each led by its
+/// length) up to the zero terminator, or to `seg_end` when there is none.
+fn eh_frame_len(start: u64, seg_end: u64) -> usize {
+    let mut p = start;
+    while p.saturating_add(4) <= seg_end {
+        // SAFETY: [p, p+4) lies within the mapped segment (see the caller).
+        let len = unsafe { std::ptr::read_unaligned(p as *const u32) };
+        if len == 0 {
+            p += 4;
+            break;
+        }
+        let (head, body) = if len == u32::MAX {
+            if p.saturating_add(12) > seg_end {
+                break;
+            }
+            // SAFETY: [p+4, p+12) lies within the segment, checked above.
+            (12, unsafe {
+                std::ptr::read_unaligned((p + 4) as *const u64)
+            })
+        } else {
+            (4, u64::from(len))
+        };
+        match p.checked_add(head).and_then(|q| q.checked_add(body)) {
+            Some(next) if next <= seg_end => p = next,
+            _ => {
+                p = seg_end;
+                break;
+            }
+        }
+    }
+    (p.min(seg_end) - start) as usize
+}
+
 /// Lists the loaded objects, main program first.
 pub(crate) fn loaded_objects() -> Vec<LoadedObject> {
+    iterate(false, None).0
+}
+
+/// Lists the loaded objects with private copies of the unwind sections of those that may be
+/// unloaded, and the loader's (loads, unloads) counters that go with the list. Copies of
+/// `reuse` (a previous list and its counters) are shared when nothing changed since.
+pub(crate) fn loaded_objects_for_unwind(
+    reuse: Option<(&[LoadedObject], (u64, u64))>,
+) -> (Vec<LoadedObject>, (u64, u64)) {
+    iterate(true, reuse)
+}
+
+fn iterate(
+    copy: bool,
+    reuse: Option<(&[LoadedObject], (u64, u64))>,
+) -> (Vec<LoadedObject>, (u64, u64)) {
     let mut c = Collect {
         out: Vec::new(),
         adds: 0,
         subs: 0,
+        copy,
+        reuse,
     };
     // SAFETY: the callback only touches `c` through the pointer we pass and the loader's info.
     unsafe {
         libc::dl_iterate_phdr(Some(callback), &mut c as *mut Collect as *mut libc::c_void);
     }
-    c.out
+    let gen = (c.adds, c.subs);
+    (c.out, gen)
 }
 
 /// The loader's (loads, unloads) counters: cheap to read, change whenever an object is added or
@@ -183,5 +330,36 @@ mod tests {
         assert!(exe.contains(f), "test function {f:#x} not in {exe:?}");
         let (adds, _) = objects_generation();
         assert!(adds >= 1);
+    }
+
+    #[test]
+    fn copies_the_unwind_sections_of_shared_libraries() {
+        let (objs, gen) = loaded_objects_for_unwind(None);
+        assert!(
+            objs[0].unwind_copy.is_none(),
+            "the executable is used in place"
+        );
+        let libc_obj = objs
+            .iter()
+            .find(|o| o.name.contains("libc.so"))
+            .expect("libc is loaded");
+        let copy = libc_obj
+            .unwind_copy
+            .as_ref()
+            .expect("libc's sections copied");
+        let (hdr_start, hdr_end) = libc_obj.eh_frame_hdr.unwrap();
+        assert_eq!(copy.hdr.len() as u64, hdr_end - hdr_start);
+        // The FDE table's entries point into the copied .eh_frame: it covers the section.
+        assert!(copy.eh_frame.len() > 1024, "{}", copy.eh_frame.len());
+        // The next list shares the copies, whether or not other objects came and went.
+        for g in [gen, (u64::MAX, 0)] {
+            let (again, _) = loaded_objects_for_unwind(Some((&objs, g)));
+            let c2 = again
+                .iter()
+                .find(|o| o.name == libc_obj.name)
+                .and_then(|o| o.unwind_copy.clone())
+                .unwrap();
+            assert!(Arc::ptr_eq(copy, &c2));
+        }
     }
 }

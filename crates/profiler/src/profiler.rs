@@ -562,6 +562,13 @@ pub struct ProfilerStats {
     /// Timer captures dropped because the thread's ring was full (the sampler was late; their
     /// CPU time goes to the thread's other captures). Counted for the whole process.
     pub cpu_timer_ring_full: u64,
+    /// Samples (signal or allocation) skipped because the thread's stack had less room left
+    /// than the sampling path needs on it. Counted for the whole process.
+    pub skipped_low_stack: u64,
+    /// Signal samples skipped because the thread's stack bounds were not known yet (a thread
+    /// newer than the unwinder's last look at the mappings) and the kernel would not tell
+    /// whether the room below its stack pointer is readable. Counted for the whole process.
+    pub skipped_unknown_stack: u64,
     pub cpu_signal_failures: u64,
     /// Average time a signal handler spent capturing its stack, in nanoseconds.
     pub handler_avg_ns: u64,
@@ -672,6 +679,8 @@ impl ProfilerGuard {
             cpu_timer_samples: l(&s.cpu_timer_samples),
             cpu_timer_ticks: l(&s.cpu_timer_ticks),
             cpu_timer_ring_full: sampler::ring_full_count(),
+            skipped_low_stack: unwind::skipped_low_stack(),
+            skipped_unknown_stack: unwind::skipped_unknown_stack(),
             cpu_signal_failures: l(&s.cpu_signal_failures),
             handler_avg_ns: l(&s.handler_ns_total) / done,
             handler_median_ns: s.handler_median_ns(),

@@ -252,6 +252,13 @@ extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
 /// Captures the stack into the slot named by the signal's payload. Returns false when the
 /// signal is not one of ours.
 ///
+/// The walk runs on a spare stack of the unwinder's pool ([`unwind::Spare`]): the thread's own
+/// stack holds the kernel's signal frame, this function's frame and the switch, a few hundred
+/// bytes. A thread with less room than that left loses the sample, counted, and so does one
+/// whose walk would run in place (every spare stack taken) without room for it; the empty
+/// stack it publishes records nothing. A thread newer than the unwinder's snapshot has no
+/// known bounds: the kernel is asked whether the room below `sp` is readable.
+///
 /// # Safety
 /// Called from `on_signal` with the kernel's arguments.
 unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
@@ -294,12 +301,36 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
     };
     // SAFETY: ctx is this handler's ucontext.
     let regs = unsafe { unwind::regs_from_ucontext(ctx) };
-    // SAFETY: the slot is REQUESTED for this very request, or this handler claimed it from
-    // ARMED: only this handler writes its frames until it publishes DONE.
-    let frames = unsafe { &mut *slot.frames.get() };
-    // The slot still holds the stack it captured last time (a ring's slots are reused).
-    let stale = slot.len.load(Ordering::Relaxed) as usize;
-    let n = unwind::unwind(regs, tls::known_stack_bounds(), 0, frames, stale);
+    let bounds = tls::known_stack_bounds();
+    let sp = unwind::current_sp();
+    let room =
+        unwind::headroom(sp, bounds).or_else(|| unwind::probe_room(sp, unwind::HANDLER_STACK_NEED));
+    let n = match room {
+        None => {
+            unwind::count_skipped_unknown_stack();
+            0
+        }
+        Some(room) => {
+            let spare = if room >= unwind::HANDLER_STACK_NEED {
+                unwind::Spare::borrow()
+            } else {
+                None
+            };
+            match spare {
+                // SAFETY (both): the slot is ours (see `capture`).
+                Some(mut spare) => spare
+                    .run(|s| unsafe { capture(slot, regs, bounds, Some(s)) })
+                    .unwrap_or(0),
+                None if room >= unwind::IN_PLACE_STACK_NEED => unsafe {
+                    capture(slot, regs, bounds, None)
+                },
+                None => {
+                    unwind::count_skipped_low_stack();
+                    0
+                }
+            }
+        }
+    };
     slot.len.store(n as u32, Ordering::Relaxed);
     let end = stamp();
     slot.handler_stamps
@@ -308,6 +339,28 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
     slot.wall_at.store(wall, Ordering::Relaxed);
     slot.state.store(DONE, Ordering::Release);
     true
+}
+
+/// Unwinds the interrupted context into the slot's frames; the number written.
+///
+/// # Safety
+/// The slot must be REQUESTED for the request being handled, or claimed from ARMED by this
+/// handler: only this handler writes its frames until it publishes DONE.
+#[inline(never)]
+unsafe fn capture(
+    slot: &Slot,
+    regs: unwind::StartRegs,
+    bounds: Option<(usize, usize)>,
+    spare: Option<&mut unwind::Spare>,
+) -> usize {
+    // SAFETY: see the contract above.
+    let frames = unsafe { &mut *slot.frames.get() };
+    // The slot still holds the stack it captured last time (a ring's slots are reused).
+    let stale = slot.len.load(Ordering::Relaxed) as usize;
+    match spare {
+        Some(s) => unwind::unwind_with(s, regs, bounds, 0, frames, stale),
+        None => unwind::unwind(regs, bounds, 0, frames, stale),
+    }
 }
 
 /// Claims the first ARMED slot of ring `idx` for a timer signal with payload sequence `seq`;

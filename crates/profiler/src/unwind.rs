@@ -7,26 +7,34 @@
 //!
 //! What runs where:
 //! * The sampler thread (never a handler) builds a [`Snapshot`]: the module list read from the
-//!   dynamic loader (each module's `.eh_frame_hdr`/`.eh_frame` used in place, in memory) plus
-//!   the readable-writable mappings of `/proc/self/maps` (to bound stack reads). It publishes
-//!   the snapshot through an atomic pointer. An old snapshot is freed only once no reader is
-//!   inside any snapshot (a global reader count observed at zero after the swap).
+//!   dynamic loader plus the readable-writable mappings of `/proc/self/maps` (to bound stack
+//!   reads). Unwind sections are used in place for the main program and the vDSO, which are
+//!   never unloaded, and from private copies for every other object (made while the loader
+//!   guarantees the object is mapped, see [`crate::modules`]): a snapshot that lags behind a
+//!   `dlclose` never reads the unloaded object's memory, and an object later loaded into its
+//!   range costs wrong or lost frames until the next snapshot, never a fault. It publishes the
+//!   snapshot through an atomic pointer. An old snapshot is freed only once no reader is inside
+//!   any snapshot (a global reader count observed at zero after the swap).
 //! * [`unwind`] (signal handler or allocator) loads the snapshot, borrows a preallocated
 //!   unwinder cache from a fixed pool with a compare-and-swap (no waiting: when all are busy
 //!   the stack is cut to its leaf frame), and walks at most `out.len()` frames.
+//! * Each pool entry also owns a spare stack: the handler and the allocation sampling path run
+//!   their walk (and the allocation path its recording) on it ([`Spare::run`], x86_64), so a
+//!   thread's own stack only carries a few hundred bytes of profiler frames. Before that they
+//!   check the thread's headroom against what the path needs on the thread's stack, and skip
+//!   the sample (counted) when it is short ([`headroom`], [`skipped_low_stack`]).
 //! * Stack reads are bounded to `[sp, top of the stack mapping)`: the thread's own stack bounds
 //!   when known (learned outside the handler), else the snapshot mapping that contains `sp`.
 //!   Nothing outside that range is ever dereferenced, so a corrupt frame cannot fault.
 //!
 //! Supported: Linux x86_64 and aarch64 with glibc, code in objects listed by the dynamic loader.
 //! Not supported: JIT code without registered unwind info (the frame-pointer fallback applies),
-//! objects unloaded while a sample is being taken (`dlclose` races), stacks of threads
-//! switched by user-space coroutines beyond the current stack.
+//! stacks of threads switched by user-space coroutines beyond the current stack.
 
 use std::cell::UnsafeCell;
 use std::ops::Deref;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,14 +44,15 @@ use framehop::{
 };
 use parking_lot::Mutex;
 
-use crate::modules::{loaded_objects, objects_generation, LoadedObject};
+use crate::modules::{loaded_objects_for_unwind, objects_generation, LoadedObject};
 #[cfg(target_arch = "x86_64")]
 use crate::unwind_rules::{self, RuleModule, RuleTable, Step};
 
 /// Most frames one stack keeps.
 pub const MAX_FRAMES: usize = 128;
 
-/// Bytes of process memory, used in place (a module's unwind sections).
+/// Bytes of a module's unwind sections: in place in the module (main program, vDSO) or in a
+/// private copy kept alive by the snapshot or rule table that uses it.
 #[derive(Clone, Copy)]
 pub(crate) struct MemSlice {
     ptr: *const u8,
@@ -59,8 +68,8 @@ impl Default for MemSlice {
     }
 }
 
-// SAFETY: MemSlice points into read-only segments of loaded objects, which are immutable and
-// shared by every thread; it is only read.
+// SAFETY: MemSlice points into read-only segments of objects never unloaded, or into an
+// immutable private copy; both are shared by every thread and only read.
 unsafe impl Send for MemSlice {}
 // SAFETY: as above.
 unsafe impl Sync for MemSlice {}
@@ -68,8 +77,8 @@ unsafe impl Sync for MemSlice {}
 impl Deref for MemSlice {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: built from a mapped, readable range of a loaded object that stays mapped while
-        // the object is loaded (see the module docs for the dlclose caveat).
+        // SAFETY: built from a mapped, readable range of an object that is never unloaded, or
+        // from a private copy that outlives every snapshot and rule table using it.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
@@ -96,7 +105,11 @@ pub(crate) struct Snapshot {
     rw_maps: Vec<(u64, u64)>,
     /// The main thread's `[stack]` mapping, which grows down past its recorded start.
     main_stack: Option<(u64, u64)>,
+    /// Lowest address the main stack may grow to (its top minus the stack size limit).
+    main_stack_floor: u64,
     objects_gen: (u64, u64),
+    /// The objects (their unwind section copies are what `unwinder` and `rules` read).
+    objects: Vec<LoadedObject>,
     /// Compact rules for the fast path, shared by the snapshots of one set of loaded objects.
     #[cfg(target_arch = "x86_64")]
     rules: Arc<RuleTable>,
@@ -111,8 +124,8 @@ impl Snapshot {
     /// `prev`: the snapshot being replaced, whose learned rules carry over when the loaded
     /// objects did not change.
     fn build(prev: Option<&Snapshot>) -> Snapshot {
-        let objects_gen = objects_generation();
-        let objects = loaded_objects();
+        let (objects, objects_gen) =
+            loaded_objects_for_unwind(prev.map(|p| (&p.objects[..], p.objects_gen)));
         let mut unwinder = NativeUnwinder::new();
         #[cfg(target_arch = "x86_64")]
         let mut rule_modules = Vec::new();
@@ -126,11 +139,18 @@ impl Snapshot {
         #[cfg(target_arch = "x86_64")]
         let rules = match prev {
             Some(p) if p.objects_gen == objects_gen => Arc::clone(&p.rules),
-            _ => Arc::new(RuleTable::new(rule_modules)),
+            _ => Arc::new(RuleTable::new(
+                rule_modules,
+                objects
+                    .iter()
+                    .filter_map(|o| o.unwind_copy.clone())
+                    .collect(),
+            )),
         };
         #[cfg(not(target_arch = "x86_64"))]
         let _ = prev;
         let (rw_maps, main_stack) = read_rw_maps();
+        let main_stack_floor = main_stack.map_or(0, |(_, hi)| hi.saturating_sub(stack_limit()));
         #[cfg(target_arch = "aarch64")]
         let ptr_auth_mask = framehop::aarch64::PtrAuthMask::from_max_known_address(
             unwinder.max_known_code_address(),
@@ -139,7 +159,9 @@ impl Snapshot {
             unwinder,
             rw_maps,
             main_stack,
+            main_stack_floor,
             objects_gen,
+            objects,
             #[cfg(target_arch = "x86_64")]
             rule_entries: rules.entries(),
             #[cfg(target_arch = "x86_64")]
@@ -164,10 +186,36 @@ impl Snapshot {
         let (start, end) = self.rw_maps[i - 1];
         (start <= sp && sp < end).then_some((sp, end))
     }
+
+    /// Lowest address usable by the stack that contains `sp`: the start of its mapping (a
+    /// thread's guard page is a mapping of its own), or how far the main stack may grow.
+    fn stack_floor_of(&self, sp: u64) -> Option<u64> {
+        if let Some((lo, hi)) = self.main_stack {
+            if sp < hi && sp >= lo.saturating_sub(MAIN_STACK_GROWTH) {
+                return Some(self.main_stack_floor.min(lo));
+            }
+        }
+        let i = self.rw_maps.partition_point(|&(start, _)| start <= sp);
+        let (start, end) = *self.rw_maps.get(i.checked_sub(1)?)?;
+        (start <= sp && sp < end).then_some(start)
+    }
 }
 
 /// How far below the recorded start the main stack may have grown (default stack rlimit).
 const MAIN_STACK_GROWTH: u64 = 8 << 20;
+
+/// The main thread's stack size limit (`RLIMIT_STACK`), or [`MAIN_STACK_GROWTH`] when unlimited.
+fn stack_limit() -> u64 {
+    // SAFETY: getrlimit only writes the out-struct.
+    let mut rl: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::getrlimit(libc::RLIMIT_STACK, &mut rl) } != 0
+        || rl.rlim_cur == libc::RLIM_INFINITY
+    {
+        return MAIN_STACK_GROWTH;
+    }
+    rl.rlim_cur
+}
 
 /// Where a loaded object's unwind sections are, in memory.
 struct Sections {
@@ -185,6 +233,34 @@ struct Sections {
 impl Sections {
     fn of(obj: &LoadedObject) -> Option<Sections> {
         let (start, end) = obj.range()?;
+        let text = obj
+            .segments
+            .iter()
+            .find(|s| s.flags & libc::PF_X != 0)
+            .map(|s| (s.start - obj.base)..(s.end - obj.base));
+        if let Some(c) = &obj.unwind_copy {
+            // An object that may be unloaded: its copies only.
+            return Some(Sections {
+                start,
+                end,
+                base: obj.base,
+                hdr: MemSlice {
+                    ptr: c.hdr.as_ptr(),
+                    len: c.hdr.len(),
+                },
+                hdr_addr: c.hdr_addr,
+                eh_frame: MemSlice {
+                    ptr: c.eh_frame.as_ptr(),
+                    len: c.eh_frame.len(),
+                },
+                eh_frame_addr: c.eh_frame_addr,
+                text,
+            });
+        }
+        if obj.unwind_copy.is_none() && !never_unloaded(obj) {
+            // Copying failed (no unwind sections): not in the unwinder at all.
+            return None;
+        }
         let (hdr_start, hdr_end) = obj.eh_frame_hdr?;
         let hdr_seg = obj.segment_of(hdr_start)?;
         if hdr_end > hdr_seg.end || hdr_end <= hdr_start {
@@ -202,11 +278,6 @@ impl Sections {
             ptr: eh_frame_start as *const u8,
             len: (eh_seg.end - eh_frame_start) as usize,
         };
-        let text = obj
-            .segments
-            .iter()
-            .find(|s| s.flags & libc::PF_X != 0)
-            .map(|s| (s.start - obj.base)..(s.end - obj.base));
         Some(Sections {
             start,
             end,
@@ -249,8 +320,14 @@ impl Sections {
     }
 }
 
+/// The objects whose unwind sections are read in place: the main program (listed first, with
+/// no name) and the vDSO. Everything else may be unloaded.
+fn never_unloaded(obj: &LoadedObject) -> bool {
+    obj.name.is_empty() || obj.path.is_none()
+}
+
 /// Decodes `eh_frame_ptr` from an `.eh_frame_hdr` mapped at `hdr_addr`.
-fn eh_frame_address(hdr: &[u8], hdr_addr: u64) -> Option<u64> {
+pub(crate) fn eh_frame_address(hdr: &[u8], hdr_addr: u64) -> Option<u64> {
     if hdr.len() < 8 || hdr[0] != 1 {
         return None;
     }
@@ -412,10 +489,49 @@ pub(crate) fn after_fork_in_child() {
 struct PoolEntry {
     busy: AtomicBool,
     cache: UnsafeCell<NativeCache>,
+    /// Top (16-byte aligned) of this entry's spare stack; 0 when it could not be mapped.
+    stack_top: usize,
 }
 
-// SAFETY: `cache` is only accessed by the holder of `busy`, acquired with a compare-and-swap.
+// SAFETY: `cache` and the spare stack are only used by the holder of `busy`, acquired with a
+// compare-and-swap.
 unsafe impl Sync for PoolEntry {}
+
+/// Size of each spare stack. Only the pages a walk touches are ever backed (a release walk and
+/// recording use a few KiB; debug builds several times more), so the reserve is generous.
+const SPARE_STACK_BYTES: usize = 256 << 10;
+
+/// Maps one spare stack with a guard page below it; its top, or 0 on failure.
+fn map_spare_stack() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|&p| p > 0)
+        .unwrap_or(4096);
+    let len = SPARE_STACK_BYTES + page;
+    // SAFETY: a fresh anonymous private mapping; nothing else refers to it.
+    let p = unsafe {
+        libc::mmap(
+            ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_STACK,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return 0;
+    }
+    // SAFETY: the first page of the mapping we own: an overflow faults there instead of
+    // writing into whatever lies below.
+    if unsafe { libc::mprotect(p, page, libc::PROT_NONE) } != 0 {
+        // SAFETY: our own mapping, unused.
+        unsafe { libc::munmap(p, len) };
+        return 0;
+    }
+    (p as usize + len) & !15
+}
 
 /// Allocates the unwinder cache pool once (never freed: handlers may hold an entry at any time).
 pub(crate) fn init_pool() {
@@ -432,6 +548,7 @@ pub(crate) fn init_pool() {
         .map(|_| PoolEntry {
             busy: AtomicBool::new(false),
             cache: UnsafeCell::new(NativeCache::new_in()),
+            stack_top: map_spare_stack(),
         })
         .collect();
     let raw = Box::into_raw(Box::new(entries));
@@ -441,7 +558,208 @@ pub(crate) fn init_pool() {
         .is_err()
     {
         // SAFETY: we lost the race; `raw` was never published.
+        // Its spare stacks stay mapped (a few hundred KiB of address space, never touched):
+        // this race happens at most once per process.
         drop(unsafe { Box::from_raw(raw) });
+    }
+}
+
+/// Whether [`Spare::run`] switches stacks here (elsewhere it runs in place, and the paths need
+/// the in-place room).
+const SWITCHES_STACKS: bool = cfg!(target_arch = "x86_64");
+
+/// Stack a signal handler may still use on the thread's stack after its headroom check, when
+/// its walk runs on a spare stack (the rest of `handle`, `Spare::run`; measured by
+/// `tests/small_stack.rs`, with room to spare).
+pub(crate) const HANDLER_STACK_NEED: u64 = if !SWITCHES_STACKS {
+    IN_PLACE_STACK_NEED
+} else if cfg!(debug_assertions) {
+    2048
+} else {
+    512
+};
+/// Stack a sampled allocation may still use on the thread's stack after its headroom check,
+/// when it walks and records on a spare stack.
+pub(crate) const ALLOC_STACK_NEED: u64 = if !SWITCHES_STACKS {
+    IN_PLACE_STACK_NEED
+} else if cfg!(debug_assertions) {
+    2048
+} else {
+    512
+};
+/// Stack a walk (framehop's CFI evaluation) and recording use when they run on the thread's
+/// own stack: no spare stack free, or no stack switch on this architecture.
+pub(crate) const IN_PLACE_STACK_NEED: u64 = 96 << 10;
+
+/// Samples skipped because the thread's stack had less headroom than the path needs.
+static SKIPPED_LOW_STACK: AtomicU64 = AtomicU64::new(0);
+/// Signal samples skipped because the thread's stack bounds were not known yet (a thread
+/// newer than the snapshot that never made a sampled allocation).
+static SKIPPED_UNKNOWN_STACK: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a sample skipped for lack of stack. Async-signal-safe.
+pub(crate) fn count_skipped_low_stack() {
+    SKIPPED_LOW_STACK.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts a sample skipped for unknown stack bounds. Async-signal-safe.
+pub(crate) fn count_skipped_unknown_stack() {
+    SKIPPED_UNKNOWN_STACK.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Samples skipped for lack of stack in this process so far.
+pub(crate) fn skipped_low_stack() -> u64 {
+    SKIPPED_LOW_STACK.load(Ordering::Relaxed)
+}
+
+/// Samples skipped for unknown stack bounds in this process so far.
+pub(crate) fn skipped_unknown_stack() -> u64 {
+    SKIPPED_UNKNOWN_STACK.load(Ordering::Relaxed)
+}
+
+/// Bytes of stack left below `sp` (the caller's stack pointer), from `bounds` (the thread's
+/// stack, when known and containing `sp`) or else the snapshot's mapping containing `sp`;
+/// None when neither knows (a stack newer than the snapshot: a refresh is requested).
+/// Async-signal-safe.
+pub(crate) fn headroom(sp: u64, bounds: Option<(usize, usize)>) -> Option<u64> {
+    if let Some((lo, hi)) = bounds {
+        if lo as u64 <= sp && sp < hi as u64 {
+            return Some(sp - lo as u64);
+        }
+    }
+    let _reader = ReaderGuard::enter();
+    let snap = HOT.snapshot.load(Ordering::SeqCst);
+    if snap.is_null() {
+        return None;
+    }
+    // SAFETY: a published snapshot stays alive while READERS counts us.
+    let floor = unsafe { &*snap }.stack_floor_of(sp);
+    if floor.is_none() {
+        MAPS_STALE.store(true, Ordering::Relaxed);
+    }
+    floor.map(|f| sp.saturating_sub(f))
+}
+
+/// For a stack whose bounds nobody knows yet (a thread newer than the snapshot): `need` when
+/// the `need` bytes below `sp` are readable, 0 when they are not, None when the kernel would
+/// not say. Asks the kernel to read the lowest word of the range (`process_vm_readv` on our
+/// own process fails with EFAULT instead of faulting); a guard page, at least a page below any
+/// stack, cannot hide between it and `sp` when `need` is under a page. Async-signal-safe.
+pub(crate) fn probe_room(sp: u64, need: u64) -> Option<u64> {
+    if need >= 4096 {
+        return None;
+    }
+    let Some(addr) = sp.checked_sub(need) else {
+        return Some(0);
+    };
+    let mut word = 0u64;
+    let local = libc::iovec {
+        iov_base: (&mut word as *mut u64).cast(),
+        iov_len: 8,
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: 8,
+    };
+    // SAFETY: the kernel writes at most 8 bytes into `word`; `remote` is only read by the
+    // kernel, which reports an unreadable address instead of faulting.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    if n == 8 {
+        return Some(need);
+    }
+    // SAFETY: errno is thread-local (the handler restores it).
+    match unsafe { *libc::__errno_location() } {
+        libc::EFAULT => Some(0),
+        _ => None,
+    }
+}
+
+/// A pool entry held by the caller: an unwinder cache and a spare stack to run on.
+pub(crate) struct Spare {
+    entry: &'static PoolEntry,
+}
+
+impl Spare {
+    /// Takes a free entry that has a spare stack, without waiting. Async-signal-safe.
+    pub(crate) fn borrow() -> Option<Spare> {
+        let pool = HOT.pool.load(Ordering::SeqCst);
+        if pool.is_null() {
+            return None;
+        }
+        // SAFETY: the pool is never freed once published.
+        let pool: &'static [PoolEntry] = unsafe { &*pool };
+        pool.iter()
+            .find(|e| {
+                e.stack_top != 0
+                    && e.busy
+                        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                        .is_ok()
+            })
+            .map(|entry| Spare { entry })
+    }
+
+    fn cache(&mut self) -> &mut NativeCache {
+        // SAFETY: we hold the entry's `busy` flag until drop; `&mut self` makes the borrow
+        // exclusive within this holder.
+        unsafe { &mut *self.entry.cache.get() }
+    }
+
+    /// Runs `f` on this entry's spare stack (x86_64; in place elsewhere), so that what `f`
+    /// needs never comes out of the calling thread's stack. Async-signal-safe (a stack switch
+    /// and a call). `f` must not unwind (a panic in it aborts).
+    #[inline(never)]
+    pub(crate) fn run<R, F: FnOnce(&mut Spare) -> R>(&mut self, f: F) -> Option<R> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            struct Job<'a, F, R> {
+                f: Option<F>,
+                out: Option<R>,
+                spare: &'a mut Spare,
+            }
+            unsafe extern "C" fn trampoline<F: FnOnce(&mut Spare) -> R, R>(job: *mut u8) {
+                // SAFETY: `job` is the live `Job` that `run` passed, used by nothing else
+                // until this returns.
+                let job = unsafe { &mut *(job as *mut Job<'_, F, R>) };
+                if let Some(f) = job.f.take() {
+                    job.out = Some(f(job.spare));
+                }
+            }
+            let top = self.entry.stack_top;
+            let mut job = Job {
+                f: Some(f),
+                out: None,
+                spare: self,
+            };
+            // SAFETY: `top` is the 16-byte aligned top of a mapped stack that only the holder
+            // of this entry uses (we do, through `&mut self`). The call pushes its return
+            // address there (so the callee starts 8 below a 16-byte boundary, as the ABI
+            // wants); r12 is callee-saved, so it still holds our stack pointer on return;
+            // `clobber_abi("C")` covers everything the callee may change.
+            unsafe {
+                std::arch::asm!(
+                    "mov r12, rsp",
+                    "mov rsp, {top}",
+                    "call {f}",
+                    "mov rsp, r12",
+                    top = in(reg) top,
+                    f = in(reg) trampoline::<F, R> as unsafe extern "C" fn(*mut u8),
+                    in("rdi") &mut job as *mut Job<'_, F, R> as *mut u8,
+                    out("r12") _,
+                    clobber_abi("C"),
+                );
+            }
+            job.out
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            Some(f(self))
+        }
+    }
+}
+
+impl Drop for Spare {
+    fn drop(&mut self) {
+        self.entry.busy.store(false, Ordering::Release);
     }
 }
 
@@ -465,11 +783,34 @@ pub(crate) fn unwind(
     out: &mut [u64],
     stale: usize,
 ) -> usize {
-    unwind_counted(regs, bounds, skip_to_sp, out, true, stale).0
+    unwind_counted(regs, bounds, skip_to_sp, out, true, stale, None).0
+}
+
+/// [`unwind`] with the unwinder cache of `spare` (normally called on its stack, inside
+/// [`Spare::run`]).
+pub(crate) fn unwind_with(
+    spare: &mut Spare,
+    regs: StartRegs,
+    bounds: Option<(usize, usize)>,
+    skip_to_sp: u64,
+    out: &mut [u64],
+    stale: usize,
+) -> usize {
+    unwind_counted(
+        regs,
+        bounds,
+        skip_to_sp,
+        out,
+        true,
+        stale,
+        Some(spare.cache()),
+    )
+    .0
 }
 
 /// [`unwind`], also returning how many frames the compact rules handled; `fast` off
-/// leaves every frame to framehop (tests compare the two).
+/// leaves every frame to framehop (tests compare the two). `own_cache`: a cache the caller
+/// holds; without one, a pool entry is borrowed the first time a frame needs framehop.
 fn unwind_counted(
     regs: StartRegs,
     bounds: Option<(usize, usize)>,
@@ -477,6 +818,7 @@ fn unwind_counted(
     out: &mut [u64],
     fast: bool,
     stale: usize,
+    mut own_cache: Option<&mut NativeCache>,
 ) -> (usize, usize) {
     if out.is_empty() {
         return (0, 0);
@@ -576,23 +918,28 @@ fn unwind_counted(
                 }
             }
         }
-        let e = match entry {
-            Some(e) => e,
+        let cache: &mut NativeCache = match own_cache.as_deref_mut() {
+            Some(c) => c,
             None => {
-                let Some(e) = pool.iter().find(|e| {
-                    e.busy
-                        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-                        .is_ok()
-                }) else {
-                    // Every cache is busy: the stack ends here.
-                    break;
+                let e = match entry {
+                    Some(e) => e,
+                    None => {
+                        let Some(e) = pool.iter().find(|e| {
+                            e.busy
+                                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                                .is_ok()
+                        }) else {
+                            // Every cache is busy: the stack ends here.
+                            break;
+                        };
+                        entry = Some(e);
+                        e
+                    }
                 };
-                entry = Some(e);
-                e
+                // SAFETY: we own `e` (its `busy` flag) until it is released below.
+                unsafe { &mut *e.cache.get() }
             }
         };
-        // SAFETY: we own `e` (its `busy` flag) until it is released below.
-        let cache = unsafe { &mut *e.cache.get() };
         match snap
             .unwinder
             .unwind_frame(frame, &mut uregs, cache, &mut read_stack)
@@ -659,9 +1006,19 @@ pub(crate) fn learn(addrs: &[u64]) {
     let _ = addrs;
 }
 
-/// Whether a reader found no stack mapping since the last refresh.
+/// Whether the snapshot wants a refresh: a reader found no stack mapping for its `sp`, or an
+/// object was loaded or unloaded since it was built. The sampler asks every tick, so a
+/// snapshot lags an unload by one refresh interval (20 ms), not the once-a-second check:
+/// until then, code loaded into an unloaded object's range is unwound with the old object's
+/// (copied) rules, which costs wrong frames, never a fault.
 pub(crate) fn maps_stale() -> bool {
-    MAPS_STALE.load(Ordering::Relaxed)
+    if MAPS_STALE.load(Ordering::Relaxed) {
+        return true;
+    }
+    let _reader = ReaderGuard::enter();
+    let snap = HOT.snapshot.load(Ordering::SeqCst);
+    // SAFETY: a published snapshot stays alive while READERS counts us.
+    !snap.is_null() && unsafe { (*snap).objects_gen } != objects_generation()
 }
 
 /// Stack bound for a thread created after the last maps snapshot: glibc places a thread's
@@ -849,6 +1206,81 @@ mod tests {
     }
 
     #[test]
+    fn spare_stack_runs_the_walk_off_the_thread_stack_with_the_same_result() {
+        init_pool();
+        refresh(true);
+        let mut spare = Spare::borrow().expect("a free spare stack");
+        let top = spare.entry.stack_top as u64;
+        let bounds = crate::tls::current_stack_bounds();
+        let regs = current_regs();
+        let mut here = [0u64; MAX_FRAMES];
+        let n_here = unwind(regs, bounds, 0, &mut here, 0);
+        let mut there = [0u64; MAX_FRAMES];
+        let (n_there, sp_there) = spare
+            .run(|s| {
+                let n = unwind_with(s, regs, bounds, 0, &mut there, 0);
+                (n, current_sp())
+            })
+            .expect("the job ran");
+        #[cfg(target_arch = "x86_64")]
+        assert!(
+            sp_there < top && sp_there > top - SPARE_STACK_BYTES as u64,
+            "{sp_there:#x} not on the spare stack below {top:#x}"
+        );
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (sp_there, top);
+        assert!(n_here > 3, "only {n_here} frames");
+        assert_eq!(&here[..n_here], &there[..n_there]);
+        drop(spare);
+    }
+
+    #[test]
+    fn a_pc_in_no_known_module_cuts_the_stack() {
+        init_pool();
+        refresh(true);
+        let here = current_regs();
+        let bounds = crate::tls::current_stack_bounds();
+        let mut out = [0u64; MAX_FRAMES];
+        // Unmapped code addresses (what a stale snapshot may meet): the leaf is kept, and the
+        // walk goes no further than the frame pointer chain allows, reading only the stack.
+        for pc in [0x1000, u64::MAX - 4096] {
+            let regs = StartRegs { pc, ..here };
+            let n = unwind(regs, bounds, 0, &mut out, 0);
+            assert!(n >= 1);
+            assert_eq!(out[0], pc);
+        }
+    }
+
+    #[test]
+    fn probing_tells_readable_stack_from_unmapped_memory() {
+        assert_eq!(probe_room(current_sp(), 512), Some(512));
+        // The first pages of the address space are never mapped.
+        assert_eq!(probe_room(0x2000, 512), Some(0));
+        assert_eq!(probe_room(100, 512), Some(0));
+        assert_eq!(probe_room(current_sp(), 1 << 20), None, "past a guard page");
+    }
+
+    #[test]
+    fn headroom_comes_from_the_bounds_or_the_mappings() {
+        init_pool();
+        refresh(true);
+        let sp = current_sp();
+        assert_eq!(
+            headroom(sp, Some((0x1000, sp as usize + 8))),
+            Some(sp - 0x1000)
+        );
+        // Bounds that do not contain sp: the mapping (a thread's stack) answers.
+        let bounds = crate::tls::current_stack_bounds().expect("this thread's stack");
+        let room = headroom(sp, Some((1, 2))).expect("the stack is in the snapshot's mappings");
+        assert!(
+            room <= sp - bounds.0 as u64 + 4096,
+            "{room} vs {}",
+            sp - bounds.0 as u64
+        );
+        assert!(room > 0);
+    }
+
+    #[test]
     fn decodes_pcrel_eh_frame_pointer() {
         // version 1, pcrel|sdata4, udata4, datarel|sdata4, then -0x20.
         let mut hdr = vec![1u8, 0x1b, 0x03, 0x3b];
@@ -863,7 +1295,15 @@ mod tests {
     fn recurse(depth: u32, out: &mut [u64], fast: bool) -> (usize, usize) {
         if depth == 0 {
             let regs = current_regs();
-            unwind_counted(regs, crate::tls::current_stack_bounds(), 0, out, fast, 0)
+            unwind_counted(
+                regs,
+                crate::tls::current_stack_bounds(),
+                0,
+                out,
+                fast,
+                0,
+                None,
+            )
         } else {
             let r = std::hint::black_box(recurse(depth - 1, out, fast));
             (r.0, std::hint::black_box(r.1))

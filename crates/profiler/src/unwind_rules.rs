@@ -26,6 +26,7 @@ use addr2line::gimli::{
     UnwindSection, X86_64,
 };
 
+use crate::modules::UnwindCopy;
 use crate::unwind::MemSlice;
 
 /// log2 of the number of entries: 2048 entries of 16 bytes, 32 KiB per table.
@@ -43,7 +44,7 @@ const BP_SAVED: u64 = 1 << 33;
 /// would borrow a framehop cache for that last frame alone, the coldest work of a walk.
 const OUTERMOST: u64 = VALID | 1 << 34;
 
-/// One module's unwind sections, in place in memory.
+/// One module's unwind sections, in place in memory or in a private copy (see `unwind`).
 pub(crate) struct RuleModule {
     pub start: u64,
     pub end: u64,
@@ -73,11 +74,14 @@ pub(crate) struct RuleTable {
     writing: AtomicBool,
     /// gimli's evaluation state, used by the holder of `writing`.
     ctx: UnsafeCell<Box<UnwindContext<usize>>>,
+    /// The private section copies `modules` point into: alive as long as the table, which may
+    /// outlive the snapshot that built it.
+    _copies: Vec<Arc<UnwindCopy>>,
 }
 
 // SAFETY: `ctx` is only touched by the holder of `writing` (taken with a compare-and-swap);
 // everything else is atomics or immutable after construction (`modules` points at read-only
-// sections of loaded objects).
+// sections of objects never unloaded, or at copies the table keeps alive).
 unsafe impl Sync for RuleTable {}
 // SAFETY: as above; nothing in the table is tied to the thread that built it.
 unsafe impl Send for RuleTable {}
@@ -94,7 +98,7 @@ pub(crate) enum Step {
 }
 
 impl RuleTable {
-    pub(crate) fn new(mut modules: Vec<RuleModule>) -> RuleTable {
+    pub(crate) fn new(mut modules: Vec<RuleModule>, copies: Vec<Arc<UnwindCopy>>) -> RuleTable {
         modules.sort_unstable_by_key(|m| m.start);
         RuleTable {
             entries: (0..1usize << TABLE_BITS)
@@ -106,6 +110,7 @@ impl RuleTable {
             modules,
             writing: AtomicBool::new(false),
             ctx: UnsafeCell::new(Box::new(UnwindContext::new())),
+            _copies: copies,
         }
     }
 
