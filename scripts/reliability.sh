@@ -9,6 +9,9 @@
 #   scripts/reliability.sh soak [cycles]        serialize cycles with churning content (10000)
 #   scripts/reliability.sh signals [secs] [forks]  1 kHz CPU + allocation on 8 threads (60 s),
 #                                               stray SIGPROF, forks under load (50)
+#   scripts/reliability.sh host                 "never harm the host": heavy versions of the
+#                                               fork+exec, pre-fork, dlclose, small-stack, thread
+#                                               churn, slowloris, stalled-exporter and CLI-bomb tests
 #   scripts/reliability.sh all                  all of the above, long
 #   scripts/reliability.sh ci                   loom (bounded) + a short fuzz run when available
 #
@@ -49,6 +52,20 @@ run_signals() {
         -- --include-ignored --nocapture --test-threads=1
     log "fork under load: $forks forks"
     FERROPROF_FORKS="$forks" cargo test --release -p ferroprof --test fork_stress -- --nocapture
+}
+
+# Heavy versions of the "never harm the host" tests (issue 15); each prints its figures.
+run_host() {
+    log "host: slowloris flood on /debug/pprof"
+    cargo test --release -p ferroprof --test http_hostile -- --ignored --nocapture slowloris_flood_heavy
+    log "host: CLI bombs (8 GiB gzip bomb, 1M locations)"
+    FERROPROF_BOMB_MIB=8192 FERROPROF_HOSTILE_LOCATIONS=1000000 FERROPROF_HOSTILE_SAMPLES=200000 \
+        cargo test --release -p ferroprof-cli --test hostile -- --test-threads=1 --nocapture
+    log "host: dlclose/dlopen into the same range, 50 runs"
+    FERROPROF_DLCLOSE_RUNS=50 cargo test --release -p ferroprof --test dlclose -- --nocapture
+    log "host: 16 KiB stacks, 20 runs"
+    FERROPROF_SMALL_STACK_RUNS=20 cargo test --release -p ferroprof --test small_stack -- --nocapture
+#HOST_MORE
 }
 
 have_cargo_fuzz() { cargo fuzz --version >/dev/null 2>&1; }
@@ -106,11 +123,13 @@ case "$cmd" in
     fuzz) run_fuzz "${1:-300}" yes ;;
     soak) run_soak "$@" ;;
     signals) run_signals "$@" ;;
+    host) run_host ;;
     all)
         run_loom
         run_conservation
         run_soak
         run_signals
+        run_host
         run_fuzz 300 yes
         ;;
     ci)
@@ -120,7 +139,7 @@ case "$cmd" in
         run_fuzz 15 yes
         ;;
     *)
-        sed -n '2,16p' "$0" >&2
+        sed -n '2,19p' "$0" >&2
         exit 2
         ;;
 esac
