@@ -323,10 +323,13 @@ impl ProfilerBuilder {
     /// Validates the settings and starts profiling.
     pub fn start(mut self) -> Result<ProfilerGuard, ProfilerError> {
         tls::with_guard(|| {
-            let settings = self.validate()?;
+            // Before validating: a start while a profiler runs says so, whatever validating the
+            // settings (which probes the output directory) would find. Two starts racing both
+            // get past this; `state::activate` below picks one.
             if state::with_active(|_| ()).is_some() {
                 return Err(ProfilerError::AlreadyRunning);
             }
+            let settings = self.validate()?;
             let p = settings.profiles;
             let recorder = StackRecorder::new(RecorderConfig {
                 sample_types: SampleTypeConfig {
