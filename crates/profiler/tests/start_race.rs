@@ -49,10 +49,8 @@ fn simultaneous_starts_give_one_profiler_and_one_already_running() {
             }
         }
         assert_eq!(started, 1, "round {round}: {started} profilers started");
-        for r in results {
-            if let Ok(g) = r {
-                g.stop().unwrap();
-            }
+        for g in results.into_iter().flatten() {
+            g.stop().unwrap();
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

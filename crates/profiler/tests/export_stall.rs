@@ -1,0 +1,164 @@
+//! An exporter whose `export()` never returns (a hung NFS mount under the directory exporter)
+//! must not stop the profiler: serialization goes on on schedule (a healthy exporter keeps
+//! receiving profiles), memory stays bounded (profiles for the stuck exporter are dropped and
+//! counted) and `stop()` returns within its deadline.
+//!
+//! One test in its own binary: the profiler is process-wide.
+
+mod profiler_support;
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferroprof::export::{ExportError, ExportedProfile, Exporter};
+use ferroprof::{Profiler, Profiles, SamplingAllocator};
+use profiler_support::Collect;
+
+#[global_allocator]
+static GLOBAL: SamplingAllocator<std::alloc::System> = SamplingAllocator::new(std::alloc::System);
+
+/// Blocks forever in its first `export()`, like a write to a hung mount.
+struct Stuck {
+    entered: Arc<AtomicBool>,
+}
+
+impl Exporter for Stuck {
+    fn name(&self) -> &str {
+        "stuck"
+    }
+
+    fn export(&mut self, _: &ExportedProfile) -> Result<(), ExportError> {
+        self.entered.store(true, Ordering::SeqCst);
+        loop {
+            std::thread::park();
+        }
+    }
+}
+
+/// Allocates from one of 2^depth distinct stacks, chosen by `bits`.
+#[inline(never)]
+fn left(depth: u32, bits: u64) -> usize {
+    if depth == 0 {
+        return black_box(vec![0u8; 512]).len();
+    }
+    black_box(if bits & 1 == 0 {
+        left(depth - 1, bits >> 1)
+    } else {
+        right(depth - 1, bits >> 1)
+    }) + 1
+}
+
+#[inline(never)]
+fn right(depth: u32, bits: u64) -> usize {
+    if depth == 0 {
+        return black_box(vec![0u8; 768]).len();
+    }
+    black_box(if bits & 1 == 0 {
+        right(depth - 1, bits >> 1)
+    } else {
+        left(depth - 1, bits >> 1)
+    }) + 2
+}
+
+fn rss_kib() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    pages * 4
+}
+
+#[test]
+fn a_stuck_exporter_stops_neither_serialization_nor_stop() {
+    let churn_secs: u64 = std::env::var("FERROPROF_STALL_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let entered = Arc::new(AtomicBool::new(false));
+    let healthy = Collect::default();
+    let stop_timeout = Duration::from_secs(1);
+    let guard = Profiler::builder()
+        .service("export-stall")
+        .profiles(Profiles {
+            cpu: false,
+            wall: false,
+            alloc: true,
+            heap: false,
+        })
+        .alloc_interval_bytes(4096)
+        .period(Duration::from_millis(100))
+        .stop_timeout(stop_timeout)
+        .exporter(Box::new(Stuck {
+            entered: entered.clone(),
+        }))
+        .exporter(Box::new(healthy.clone()))
+        .start()
+        .unwrap();
+    assert!(guard.allocator_installed());
+
+    let rss_before = rss_kib();
+    let mut rss_peak = rss_before;
+    let started = Instant::now();
+    let mut bits = 0u64;
+    let counted = AtomicU64::new(0);
+    while started.elapsed() < Duration::from_secs(churn_secs) {
+        for _ in 0..1000 {
+            counted.fetch_add(left(14, bits) as u64, Ordering::Relaxed);
+            bits = bits.wrapping_add(0x9E37_79B9);
+        }
+        rss_peak = rss_peak.max(rss_kib());
+    }
+    let delivered = healthy.0.lock().unwrap().len();
+    let stats = guard.stats();
+    eprintln!(
+        "export stall: {delivered} profiles delivered to the healthy exporter in {churn_secs} s \
+         (period 100 ms), {} dropped for the stuck one, RSS {} -> peak {} KiB, {} alloc samples",
+        stats.export_dropped, rss_before, rss_peak, stats.alloc_samples,
+    );
+    assert!(
+        entered.load(Ordering::SeqCst),
+        "the stuck exporter was called"
+    );
+    let expected = (churn_secs * 10 / 3) as usize;
+    if delivered < expected {
+        // Dropping the guard would wait for the stuck export forever: leave it running.
+        std::mem::forget(guard);
+        panic!(
+            "serialization stopped behind the stuck exporter: {delivered} profiles in \
+             {churn_secs} s, expected at least {expected}"
+        );
+    }
+    assert!(
+        stats.export_dropped > 0,
+        "drops for the stuck exporter are counted"
+    );
+    assert!(
+        rss_peak.saturating_sub(rss_before) < 200 * 1024,
+        "RSS grew by {} KiB",
+        rss_peak - rss_before
+    );
+
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stopping = Instant::now();
+    std::thread::spawn(move || {
+        let r = guard.stop();
+        let _ = tx.send(r.map_err(|e| e.to_string()));
+    });
+    let result = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("stop() returned (hang detection)");
+    let took = stopping.elapsed();
+    eprintln!("export stall: stop() returned after {took:?}: {result:?}");
+    assert!(
+        took < stop_timeout + Duration::from_secs(4),
+        "stop() took {took:?}, deadline {stop_timeout:?}"
+    );
+    let err = result.expect_err("stop() says what it abandoned");
+    assert!(err.contains("stuck"), "{err}");
+    // The last profile still reached the healthy exporter.
+    assert!(healthy.0.lock().unwrap().len() > delivered);
+}
