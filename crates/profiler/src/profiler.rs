@@ -533,10 +533,12 @@ fn export_once(sh: &Shared) -> Option<u64> {
     let exported = {
         let _s = sh.serialize_lock.lock();
         let mut sym = sh.symbolizer.lock();
-        // Through the fork gate: a fork never catches a serialization half-way (see `fork`).
-        let serialized = tls::in_recorder(|| {
-            fork::outside_fork(|| sym.pass(|sym| sh.recorder.serialize(Some(sym))))
-        });
+        // Through the fork gate, step by step: a fork never catches a step that touches state
+        // shared with application threads half-way, and waits for one such step at most, never
+        // for symbolizing and encoding (see `fork::SerializeSteps`).
+        let steps = fork::SerializeSteps::new();
+        let serialized =
+            tls::in_recorder(|| sym.pass(|sym| sh.recorder.serialize_gated(Some(sym), &steps)));
         match serialized {
             Ok(p) => ExportedProfile {
                 encoded: p.encoded,
@@ -862,6 +864,9 @@ impl ProfileSource for Source {
             let types = [SampleType::HeapLiveSamples, SampleType::HeapLiveSize];
             let mut profile = Profile::new(&types, Some(sh.recorder.strings().clone()), start);
             tls::in_recorder(|| {
+                // Building the profile reads the heap recorder and the string storage (shared
+                // with application threads): through the fork gate. Encoding it works on the
+                // profile's own tables only, so a fork need not wait for it.
                 fork::outside_fork(|| {
                     heap.prepare_iteration().map_err(|e| e.to_string())?;
                     let mut add_err = None;
@@ -882,17 +887,18 @@ impl ProfileSource for Source {
                     let finished = heap.finish_iteration();
                     iterated.map_err(|e| e.to_string())?;
                     finished.map_err(|e| e.to_string())?;
-                    if let Some(e) = add_err {
-                        return Err(e.to_string());
+                    match add_err {
+                        Some(e) => Err(e.to_string()),
+                        None => Ok(()),
                     }
-                    let opts = ferroprof_recorder::pprof::EncodeOptions {
-                        compression: Compression::Gzip,
-                    };
-                    let encoded = sym
-                        .pass(|sym| profile.encode(SystemTime::now(), &opts, Some(sym)))
-                        .map_err(|e| e.to_string())?;
-                    Ok(encoded.bytes)
-                })
+                })?;
+                let opts = ferroprof_recorder::pprof::EncodeOptions {
+                    compression: Compression::Gzip,
+                };
+                let encoded = sym
+                    .pass(|sym| profile.encode(SystemTime::now(), &opts, Some(sym)))
+                    .map_err(|e| e.to_string())?;
+                Ok(encoded.bytes)
             })
         })
     }

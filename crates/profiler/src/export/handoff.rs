@@ -12,10 +12,13 @@
 //! exporter's `shutdown`; a thread still busy then is left behind (detached) and its exporter
 //! named in `stop()`'s error.
 //!
-//! The queue and the exporter sit behind plain `std` mutexes shared only by the export thread and
-//! the delivery thread. In a forked child neither thread exists any more: the child's first
-//! hand-off drops the parent's queue (those profiles are the parent's), takes the exporter back
-//! when no delivery was under way at the fork, and starts a fresh delivery thread for it.
+//! The queue (a `std` mutex and condvar: futex-based, nothing left in a global wait table by a
+//! thread waiting at the fork) is shared only by the export thread and the delivery thread. In a
+//! forked child neither thread exists any more: the child's first hand-off leaves the parent's
+//! queue behind (those profiles are the parent's), takes the exporter back and starts a fresh
+//! delivery thread for it. An exporter caught inside `export` by the fork is taken back too (its
+//! lock forced open), as the export thread did when it called exporters itself: what an exporter
+//! keeps across calls is its own to keep sane.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -93,7 +96,8 @@ struct Queue {
 struct Chan {
     queue: Mutex<Queue>,
     wake: Condvar,
-    exporter: Mutex<Option<Box<dyn Exporter>>>,
+    /// Locked only by the delivery thread, and by a forked child taking the exporter back.
+    exporter: parking_lot::Mutex<Option<Box<dyn Exporter>>>,
 }
 
 impl Chan {
@@ -107,7 +111,7 @@ impl Chan {
                 finished: exporter.is_none(),
             }),
             wake: Condvar::new(),
-            exporter: Mutex::new(exporter),
+            exporter: parking_lot::Mutex::new(exporter),
         })
     }
 
@@ -166,22 +170,18 @@ impl HandOff {
     /// In a forked child, before the first hand-off: see the module docs.
     fn restart_in_child(&mut self) {
         self.pid = std::process::id();
-        let exporter = match self.chan.exporter.try_lock() {
-            Ok(mut g) => g.take(),
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().take(),
-            // Held by the parent's delivery thread, which is inside `export`: the exporter may
-            // be half-way through; it stays with the parent's (leaked) channel.
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        };
-        // The parent's channel is left as it is: its locks may be held by the vanished thread.
-        std::mem::forget(std::mem::replace(&mut self.chan, Chan::new(exporter)));
-        let running = !self.chan.queue().finished;
-        if running && self.spawn().is_err() {
-            self.chan.queue().finished = true;
+        if self.chan.exporter.is_locked() {
+            // SAFETY: the holder is the parent's delivery thread, which does not exist in this
+            // child; no guard of the lock will ever be used here, and nobody else takes it.
+            unsafe { self.chan.exporter.force_unlock() };
         }
-        if !running || self.chan.queue().finished {
+        let exporter = self.chan.exporter.lock().take();
+        // The parent's queue is left as it is: its lock may be held by the vanished thread.
+        std::mem::forget(std::mem::replace(&mut self.chan, Chan::new(exporter)));
+        if !self.chan.queue().finished && self.spawn().is_err() {
+            self.chan.queue().finished = true;
             log::warn!(
-                "ferroprof: {} exporter: cannot deliver in this forked child (it was busy at the fork)",
+                "ferroprof: {} exporter: cannot start its delivery thread in this forked child",
                 self.name
             );
         }
@@ -281,7 +281,7 @@ fn deliver_loop(name: &str, chan: &Chan, progress: &Progress, deliveries: &Deliv
         };
         let Some((round, profile)) = next else { break };
         let result = {
-            let mut ex = chan.exporter.lock().unwrap_or_else(|e| e.into_inner());
+            let mut ex = chan.exporter.lock();
             match ex.as_mut() {
                 Some(e) => e.export(&profile),
                 None => Err(ExportError::Config("exporter lost".into())),
@@ -309,7 +309,7 @@ fn deliver_loop(name: &str, chan: &Chan, progress: &Progress, deliveries: &Deliv
         let left = closing.map_or(Duration::ZERO, |c| {
             c.saturating_duration_since(Instant::now())
         });
-        let mut ex = chan.exporter.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ex = chan.exporter.lock();
         if let Some(e) = ex.as_mut() {
             e.shutdown(left);
         }
@@ -375,10 +375,7 @@ impl Outbox {
 
     /// Hands `profile` to every exporter, never waiting for one. Returns the export round (for
     /// [`Deliveries::wait_round`]) and what exporters called directly said.
-    pub(crate) fn send(
-        &mut self,
-        profile: ExportedProfile,
-    ) -> (u64, Vec<DirectResult>) {
+    pub(crate) fn send(&mut self, profile: ExportedProfile) -> (u64, Vec<DirectResult>) {
         self.round += 1;
         let round = self.round;
         let profile = Arc::new(profile);
