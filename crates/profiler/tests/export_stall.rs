@@ -177,6 +177,20 @@ fn a_stuck_exporter_stops_neither_serialization_nor_stop() {
         rss_peak - rss_before
     );
 
+    // A flush cannot be delivered to the stuck exporter: it says so within the deadline.
+    let flushing = Instant::now();
+    let flushed = guard.flush();
+    let took = flushing.elapsed();
+    eprintln!("export stall: flush() returned after {took:?}: {flushed:?}");
+    assert!(
+        flushed.is_err(),
+        "the flushed profile did not reach every exporter"
+    );
+    assert!(
+        took < stop_timeout + Duration::from_secs(10),
+        "flush() took {took:?}"
+    );
+
     let (tx, rx) = std::sync::mpsc::channel();
     let stopping = Instant::now();
     std::thread::spawn(move || {

@@ -167,8 +167,11 @@ impl HandOff {
             .map(drop)
     }
 
-    /// In a forked child, before the first hand-off: see the module docs.
-    fn restart_in_child(&mut self) {
+    /// In a forked child, before anything touches the channel: see the module docs.
+    fn restart_if_forked(&mut self) {
+        if self.pid == std::process::id() {
+            return;
+        }
         self.pid = std::process::id();
         if self.chan.exporter.is_locked() {
             // SAFETY: the holder is the parent's delivery thread, which does not exist in this
@@ -188,9 +191,7 @@ impl HandOff {
     }
 
     fn hand(&mut self, round: u64, profile: &Arc<ExportedProfile>) {
-        if self.pid != std::process::id() {
-            self.restart_in_child();
-        }
+        self.restart_if_forked();
         let dropped = {
             let mut q = self.chan.queue();
             if q.finished || q.closing.is_some() {
@@ -220,7 +221,8 @@ impl HandOff {
         }
     }
 
-    fn begin_shutdown(&self, until: Instant) {
+    fn begin_shutdown(&mut self, until: Instant) {
+        self.restart_if_forked();
         let mut q = self.chan.queue();
         q.closing.get_or_insert(until);
         self.chan.wake.notify_all();
@@ -228,7 +230,8 @@ impl HandOff {
 
     /// Waits for the delivery thread to finish, until `until`. Returns the profiles left
     /// undelivered (0 when it finished).
-    fn wait(&self, until: Instant) -> u64 {
+    fn wait(&mut self, until: Instant) -> u64 {
+        self.restart_if_forked();
         let mut q = self.chan.queue();
         while !q.finished {
             let left = until.saturating_duration_since(Instant::now());
@@ -251,6 +254,12 @@ impl HandOff {
 
 impl Drop for HandOff {
     fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            // A forked child's copy never used: the channel's locks may be held by the
+            // parent's delivery thread, which does not exist here. Leave it.
+            std::mem::forget(self.chan.clone());
+            return;
+        }
         // Not shut down (the profiler failed to start): let the thread go without waiting.
         let mut q = self.chan.queue();
         if q.closing.is_none() {
@@ -393,7 +402,7 @@ impl Outbox {
     /// Returns the names of those still busy at the deadline (left behind).
     pub(crate) fn shutdown(&mut self, timeout: Duration) -> Vec<String> {
         let until = Instant::now() + timeout;
-        for s in &self.sinks {
+        for s in &mut self.sinks {
             if let Sink::HandOff(h) = s {
                 h.begin_shutdown(until);
             }
@@ -404,7 +413,7 @@ impl Outbox {
             }
         }
         let mut stuck = Vec::new();
-        for s in &self.sinks {
+        for s in &mut self.sinks {
             if let Sink::HandOff(h) = s {
                 let left = h.wait(until);
                 if left > 0 {
