@@ -228,9 +228,10 @@ impl HandOff {
         self.chan.wake.notify_all();
     }
 
-    /// Waits for the delivery thread to finish, until `until`. Returns the profiles left
-    /// undelivered (0 when it finished).
-    fn wait(&mut self, until: Instant) -> u64 {
+    /// Waits for the delivery thread to finish, until `until`. Returns `None` when it finished,
+    /// else the profiles it still held (queued or being delivered; 0 when it is stuck in its
+    /// exporter's `shutdown`).
+    fn wait(&mut self, until: Instant) -> Option<u64> {
         self.restart_if_forked();
         let mut q = self.chan.queue();
         while !q.finished {
@@ -239,7 +240,7 @@ impl HandOff {
                 let n = q.items.len() as u64 + u64::from(q.busy);
                 // Free what it holds; the thread, if it ever comes back, finds nothing to do.
                 q.items.clear();
-                return n.max(1);
+                return Some(n);
             }
             q = self
                 .chan
@@ -248,7 +249,7 @@ impl HandOff {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        0
+        None
     }
 }
 
@@ -415,8 +416,7 @@ impl Outbox {
         let mut stuck = Vec::new();
         for s in &mut self.sinks {
             if let Sink::HandOff(h) = s {
-                let left = h.wait(until);
-                if left > 0 {
+                if let Some(left) = h.wait(until) {
                     self.deliveries.abandoned.fetch_add(left, Ordering::Relaxed);
                     log::warn!(
                         "ferroprof: {} exporter: still busy after the {timeout:?} stop deadline; \
