@@ -178,3 +178,53 @@ pub fn after_fork() {
         }
     });
 }
+
+/// The fork gate for a serialization of the running profiler's recorder, step by step (see
+/// [`ferroprof_recorder::SharedStateGate`]): the recorder enters the gate only around its steps
+/// that touch state shared with application threads, so a fork waits for one short step at most,
+/// never for symbolizing and encoding a whole profile. Same protocol as [`outside_fork`]; one
+/// per serialization, on the serializing thread.
+pub(crate) struct SerializeSteps {
+    /// The shard counted in while inside a step; `None` outside (or on the forking thread).
+    shard: Cell<Option<usize>>,
+}
+
+impl SerializeSteps {
+    pub(crate) fn new() -> Self {
+        SerializeSteps {
+            shard: Cell::new(None),
+        }
+    }
+}
+
+impl ferroprof_recorder::SharedStateGate for SerializeSteps {
+    fn enter(&self) {
+        let mut round = 0u32;
+        loop {
+            // As in `outside_fork`: count in, then look.
+            let shard = GATE.enter();
+            if !FORKING.load(Ordering::SeqCst) {
+                self.shard.set(Some(shard));
+                return;
+            }
+            GATE.leave(shard);
+            if FORKING_THREAD.with(Cell::get) {
+                return;
+            }
+            while FORKING.load(Ordering::SeqCst) {
+                if round < 64 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                round = round.saturating_add(1);
+            }
+        }
+    }
+
+    fn leave(&self) {
+        if let Some(shard) = self.shard.take() {
+            GATE.leave(shard);
+        }
+    }
+}

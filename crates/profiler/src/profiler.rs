@@ -14,7 +14,8 @@ use ferroprof_recorder::{
 use crate::alloc;
 use crate::error::ProfilerError;
 use crate::export::dir::{check_writable, DirExporter};
-use crate::export::{ExportedProfile, Exporter, ProfileSource};
+use crate::export::handoff::{Deliveries, Outbox};
+use crate::export::{ExportError, ExportedProfile, Exporter, ProfileSource};
 use crate::filter::FILTER;
 use crate::fork;
 use crate::sampler::{self, Sampler};
@@ -31,6 +32,9 @@ pub const MAX_CPU_HZ: u32 = 1000;
 pub const DEFAULT_PERIOD: Duration = Duration::from_secs(60);
 /// Shortest accepted export period.
 pub const MIN_PERIOD: Duration = Duration::from_millis(50);
+/// Default time `stop()` gives the exporters to deliver what they hold (see
+/// [`ProfilerBuilder::stop_timeout`]).
+pub const DEFAULT_STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default output directory of the directory exporter.
 pub const DEFAULT_OUTPUT_DIR: &str = "./profiles";
 
@@ -50,6 +54,7 @@ pub struct ProfilerBuilder {
     cpu_hz: i64,
     alloc_interval: i64,
     period: Duration,
+    stop_timeout: Duration,
     profiles: Profiles,
     output_dir: Option<PathBuf>,
     exporters: Vec<Box<dyn Exporter>>,
@@ -67,6 +72,7 @@ impl Default for ProfilerBuilder {
             cpu_hz: DEFAULT_CPU_HZ as i64,
             alloc_interval: alloc::DEFAULT_SAMPLING_INTERVAL as i64,
             period: DEFAULT_PERIOD,
+            stop_timeout: DEFAULT_STOP_TIMEOUT,
             profiles: Profiles::all(),
             output_dir: None,
             exporters: Vec::new(),
@@ -117,6 +123,14 @@ impl ProfilerBuilder {
     /// Time between two exported profiles (default 60 s).
     pub fn period(mut self, period: Duration) -> Self {
         self.period = period;
+        self
+    }
+
+    /// How long `stop()` waits for the exporters to deliver the profiles they hold, the last one
+    /// included, and [`ProfilerGuard::flush`] for its profile's delivery (default 5 s). An
+    /// exporter still busy then is left behind on its own thread and named in `stop()`'s error.
+    pub fn stop_timeout(mut self, timeout: Duration) -> Self {
+        self.stop_timeout = timeout;
         self
     }
 
@@ -312,6 +326,7 @@ impl ProfilerBuilder {
             cpu_hz: self.cpu_hz.clamp(1, MAX_CPU_HZ as i64) as u32,
             alloc_interval: self.alloc_interval.max(0) as u64,
             period: self.period,
+            stop_timeout: self.stop_timeout,
             profiles,
             output_dir,
             compression: self.compression,
@@ -323,10 +338,13 @@ impl ProfilerBuilder {
     /// Validates the settings and starts profiling.
     pub fn start(mut self) -> Result<ProfilerGuard, ProfilerError> {
         tls::with_guard(|| {
-            let settings = self.validate()?;
+            // Before validating: a start while a profiler runs says so, whatever validating the
+            // settings (which probes the output directory) would find. Two starts racing both
+            // get past this; `state::activate` below picks one.
             if state::with_active(|_| ()).is_some() {
                 return Err(ProfilerError::AlreadyRunning);
             }
+            let settings = self.validate()?;
             let p = settings.profiles;
             let recorder = StackRecorder::new(RecorderConfig {
                 sample_types: SampleTypeConfig {
@@ -343,7 +361,12 @@ impl ProfilerBuilder {
             if let Some(d) = &settings.output_dir {
                 exporters.insert(0, Box::new(DirExporter::new(d.clone())?));
             }
-            let shared = Arc::new(Shared::new(Arc::new(recorder), settings, exporters));
+            let (outbox, deliveries) =
+                Outbox::new(exporters).map_err(|source| ProfilerError::Spawn {
+                    what: "export delivery",
+                    source,
+                })?;
+            let shared = Arc::new(Shared::new(Arc::new(recorder), settings, outbox));
             unwind::init_pool();
             unwind::refresh(true);
             if p.needs_sampler() {
@@ -371,6 +394,7 @@ impl ProfilerBuilder {
             }
             Ok(ProfilerGuard {
                 shared,
+                deliveries,
                 stopped: false,
             })
         })
@@ -471,8 +495,14 @@ fn export_loop(sh: &Arc<Shared>) {
         let requested = sh.flush_requested.load(Ordering::SeqCst);
         let flush = requested > sh.flush_done.load(Ordering::SeqCst);
         if flush || std::time::Instant::now() >= next {
-            let _ = export_once(sh);
+            let round = export_once(sh);
             if flush {
+                // The round to wait for (0: nothing was handed over), before the flush is done.
+                sh.exporters
+                    .lock()
+                    .deliveries()
+                    .flush_round
+                    .store(round.unwrap_or(0), Ordering::SeqCst);
                 sh.flush_done.store(requested, Ordering::SeqCst);
             }
             if std::time::Instant::now() >= next {
@@ -480,25 +510,35 @@ fn export_loop(sh: &Arc<Shared>) {
             }
         }
     }
-    // The last profile, then give the exporters a chance to deliver what they hold.
+    // The last profile, then give the exporters until the deadline to deliver what they hold.
     let _ = export_once(sh);
     sh.flush_done
         .store(sh.flush_requested.load(Ordering::SeqCst), Ordering::SeqCst);
-    let mut exporters = sh.exporters.lock();
-    for e in exporters.iter_mut() {
-        e.shutdown(Duration::from_secs(5));
+    let mut outbox = sh.exporters.lock();
+    let stuck = outbox.shutdown(sh.settings.stop_timeout);
+    if !stuck.is_empty() {
+        let mut names = outbox
+            .deliveries()
+            .abandoned_names
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        names.extend(stuck);
     }
 }
 
-/// Serializes the main recorder and hands the profile to every exporter.
-fn export_once(sh: &Shared) -> Result<(), ProfilerError> {
+/// Serializes the main recorder and hands the profile to every exporter, never waiting for one
+/// (see `export::handoff`). Returns the export round of the profile, `None` when serializing
+/// failed (counted and logged).
+fn export_once(sh: &Shared) -> Option<u64> {
     let exported = {
         let _s = sh.serialize_lock.lock();
         let mut sym = sh.symbolizer.lock();
-        // Through the fork gate: a fork never catches a serialization half-way (see `fork`).
-        let serialized = tls::in_recorder(|| {
-            fork::outside_fork(|| sym.pass(|sym| sh.recorder.serialize(Some(sym))))
-        });
+        // Through the fork gate, step by step: a fork never catches a step that touches state
+        // shared with application threads half-way, and waits for one such step at most, never
+        // for symbolizing and encoding (see `fork::SerializeSteps`).
+        let steps = fork::SerializeSteps::new();
+        let serialized =
+            tls::in_recorder(|| sym.pass(|sym| sh.recorder.serialize_gated(Some(sym), &steps)));
         match serialized {
             Ok(p) => ExportedProfile {
                 encoded: p.encoded,
@@ -518,25 +558,20 @@ fn export_once(sh: &Shared) -> Result<(), ProfilerError> {
                 sh.stats.serialize_errors.fetch_add(1, Ordering::Relaxed);
                 // Counted and logged; the export loop carries on with the next period.
                 log::warn!("ferroprof: serializing the profile failed: {e}");
-                return Err(e.into());
+                return None;
             }
         }
     };
-    let mut first_err = None;
-    let mut exporters = sh.exporters.lock();
-    for e in exporters.iter_mut() {
-        if let Err(err) = e.export(&exported) {
+    let (round, direct) = sh.exporters.lock().send(exported);
+    for (name, result) in direct {
+        if let Err(err) = result {
             sh.stats.export_errors.fetch_add(1, Ordering::Relaxed);
-            log::warn!("ferroprof: {} exporter: {err}", e.name());
-            first_err.get_or_insert(err);
+            log::warn!("ferroprof: {name} exporter: {err}");
         } else {
             sh.stats.exports.fetch_add(1, Ordering::Relaxed);
         }
     }
-    match first_err {
-        Some(e) => Err(e.into()),
-        None => Ok(()),
-    }
+    Some(round)
 }
 
 /// What the running profiler did so far.
@@ -584,20 +619,30 @@ pub struct ProfilerStats {
     pub sampler_cpu_ns: u64,
     pub alloc_samples: u64,
     pub record_errors: u64,
+    /// Profiles delivered (to exporters with a delivery thread) or queued (network exporters,
+    /// which count their own uploads in their `ExportStats`).
     pub exports: u64,
     pub export_errors: u64,
     pub serialize_errors: u64,
+    /// Profiles dropped because an exporter still held [`crate::export::HANDOFF_CAPACITY`]
+    /// others (it is slower than the export period, or stuck).
+    pub export_dropped: u64,
+    /// Profiles left undelivered when `stop()`'s deadline passed.
+    pub export_abandoned: u64,
 }
 
 /// The running profiler. Dropping it (or [`Self::stop`]) stops profiling and exports a last
 /// profile.
 pub struct ProfilerGuard {
     shared: Arc<Shared>,
+    deliveries: Arc<Deliveries>,
     stopped: bool,
 }
 
 impl ProfilerGuard {
-    /// Stops profiling, exports the last profile and shuts the exporters down.
+    /// Stops profiling, exports the last profile and shuts the exporters down, waiting at most
+    /// the stop timeout (see [`ProfilerBuilder::stop_timeout`]) for them. An exporter still busy
+    /// then is left behind on its own thread: the error names it.
     pub fn stop(mut self) -> Result<(), ProfilerError> {
         self.stop_inner()
     }
@@ -627,11 +672,26 @@ impl ProfilerGuard {
                 // No recorder holds tracked addresses any more.
                 FILTER.clear();
             }
-            Ok(())
+            let stuck = std::mem::take(
+                &mut *self
+                    .deliveries
+                    .abandoned_names
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()),
+            );
+            if stuck.is_empty() {
+                Ok(())
+            } else {
+                Err(ProfilerError::Export(ExportError::Timeout {
+                    backend: stuck.join(", "),
+                    after: sh.settings.stop_timeout,
+                }))
+            }
         })
     }
 
-    /// Serializes and exports a profile now (on the export thread), waiting for it.
+    /// Serializes and exports a profile now (on the export thread), waiting for the
+    /// serialization and, up to the stop timeout, for the exporters' delivery.
     pub fn flush(&self) -> Result<(), ProfilerError> {
         if self.stopped || self.shared.stopping.load(Ordering::SeqCst) {
             return Err(ProfilerError::Stopped);
@@ -645,6 +705,28 @@ impl ProfilerGuard {
                 return Err(ProfilerError::Stopped);
             }
             std::thread::sleep(Duration::from_millis(2));
+        }
+        let round = self.deliveries.flush_round.load(Ordering::SeqCst);
+        let timeout = self.shared.settings.stop_timeout;
+        match self
+            .deliveries
+            .wait_round(round, std::time::Instant::now() + timeout)
+        {
+            // Round 0: serializing failed, nothing was handed over (counted below).
+            _ if round == 0 => {}
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(ProfilerError::Export(ExportError::Config(
+                    "the flushed profile was dropped or refused by an exporter; see ProfilerStats"
+                        .into(),
+                )))
+            }
+            Err(()) => {
+                return Err(ProfilerError::Export(ExportError::Timeout {
+                    backend: "flush".into(),
+                    after: timeout,
+                }))
+            }
         }
         let errors_after = self.shared.stats.export_errors.load(Ordering::SeqCst)
             + self.shared.stats.serialize_errors.load(Ordering::SeqCst);
@@ -692,9 +774,11 @@ impl ProfilerGuard {
             },
             alloc_samples: s.alloc_samples.total() as u64,
             record_errors: l(&s.record_errors),
-            exports: l(&s.exports),
-            export_errors: l(&s.export_errors),
+            exports: l(&s.exports) + l(&self.deliveries.delivered),
+            export_errors: l(&s.export_errors) + l(&self.deliveries.failed),
             serialize_errors: l(&s.serialize_errors),
+            export_dropped: l(&self.deliveries.dropped),
+            export_abandoned: l(&self.deliveries.abandoned),
         }
     }
 
@@ -789,6 +873,9 @@ impl ProfileSource for Source {
             let types = [SampleType::HeapLiveSamples, SampleType::HeapLiveSize];
             let mut profile = Profile::new(&types, Some(sh.recorder.strings().clone()), start);
             tls::in_recorder(|| {
+                // Building the profile reads the heap recorder and the string storage (shared
+                // with application threads): through the fork gate. Encoding it works on the
+                // profile's own tables only, so a fork need not wait for it.
                 fork::outside_fork(|| {
                     heap.prepare_iteration().map_err(|e| e.to_string())?;
                     let mut add_err = None;
@@ -809,17 +896,18 @@ impl ProfileSource for Source {
                     let finished = heap.finish_iteration();
                     iterated.map_err(|e| e.to_string())?;
                     finished.map_err(|e| e.to_string())?;
-                    if let Some(e) = add_err {
-                        return Err(e.to_string());
+                    match add_err {
+                        Some(e) => Err(e.to_string()),
+                        None => Ok(()),
                     }
-                    let opts = ferroprof_recorder::pprof::EncodeOptions {
-                        compression: Compression::Gzip,
-                    };
-                    let encoded = sym
-                        .pass(|sym| profile.encode(SystemTime::now(), &opts, Some(sym)))
-                        .map_err(|e| e.to_string())?;
-                    Ok(encoded.bytes)
-                })
+                })?;
+                let opts = ferroprof_recorder::pprof::EncodeOptions {
+                    compression: Compression::Gzip,
+                };
+                let encoded = sym
+                    .pass(|sym| profile.encode(SystemTime::now(), &opts, Some(sym)))
+                    .map_err(|e| e.to_string())?;
+                Ok(encoded.bytes)
             })
         })
     }

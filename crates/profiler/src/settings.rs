@@ -95,6 +95,8 @@ pub(crate) struct Settings {
     pub cpu_hz: u32,
     pub alloc_interval: u64,
     pub period: Duration,
+    /// How long `stop()` (and a flush) waits for exporters to deliver.
+    pub stop_timeout: Duration,
     pub profiles: Profiles,
     pub output_dir: Option<PathBuf>,
     pub compression: Compression,

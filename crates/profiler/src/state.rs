@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use ferroprof_recorder::StackRecorder;
 use parking_lot::{Mutex, RwLock};
 
-use crate::export::Exporter;
+use crate::export::handoff::Outbox;
 use crate::settings::Settings;
 use crate::sharded::ShardedCount;
 use crate::symbolize::ProcessSymbolizer;
@@ -117,7 +117,7 @@ pub(crate) struct Shared {
     taps: RwLock<Vec<Arc<Tap>>>,
     tap_count: AtomicUsize,
     pub symbolizer: Mutex<ProcessSymbolizer>,
-    pub exporters: Mutex<Vec<Box<dyn Exporter>>>,
+    pub exporters: Mutex<Outbox>,
     /// Held while serializing the main recorder or iterating its heap.
     pub serialize_lock: Mutex<()>,
     pub threads: Mutex<Threads>,
@@ -131,11 +131,7 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn new(
-        recorder: Arc<StackRecorder>,
-        settings: Settings,
-        exporters: Vec<Box<dyn Exporter>>,
-    ) -> Shared {
+    pub fn new(recorder: Arc<StackRecorder>, settings: Settings, exporters: Outbox) -> Shared {
         Shared {
             recorder,
             settings,

@@ -24,6 +24,7 @@ pub use pprof::{Compression, EncodedProfile, ResolvedFrame, Symbolizer};
 pub use profile::{Frame, Label, LabelValue, Profile, Sample, Str};
 pub use sample_types::{SampleLayout, SampleType, SampleTypeConfig, SampleValues};
 pub use stack_recorder::{
-    LifetimeStats, ProfileStats, RecorderConfig, RecorderStats, SerializedProfile, StackRecorder,
+    LifetimeStats, ProfileStats, RecorderConfig, RecorderStats, SerializedProfile, SharedStateGate,
+    StackRecorder,
 };
 pub use strings::{StringId, StringStorage};

@@ -51,6 +51,58 @@ pub const ALLOCATION_CLASS_LABEL: &str = "allocation class";
 /// Numeric label: generations (managed) or serializations (native) a live object survived.
 pub const GC_GEN_AGE_LABEL: &str = "gc gen age";
 
+/// Brackets the steps of a serialization that touch state shared with recording threads: the
+/// slot flip, the heap recorder's locks and snapshot, the string storage. Between steps the
+/// serializer works only on data it took out of the shared structures (the old slot's profile,
+/// the heap snapshot): symbolizing and encoding run outside any step.
+///
+/// A process that forks closes its own gate in a `pthread_atfork` prepare handler and waits for
+/// the threads inside: through this trait, it waits for one short step at most, never for a
+/// whole serialization. A fork between two steps is safe for the child: what the serializer
+/// held then is forced open and leaked by [`StackRecorder::reset_after_fork`] and
+/// [`HeapRecorder::after_fork`], and no step leaves a structure shared with other threads
+/// half-updated.
+pub trait SharedStateGate {
+    /// Before a step; may wait (for a fork under way, say).
+    fn enter(&self);
+    /// After the step.
+    fn leave(&self);
+}
+
+/// No gate: [`StackRecorder::serialize`].
+struct NoGate;
+
+impl SharedStateGate for NoGate {
+    fn enter(&self) {}
+    fn leave(&self) {}
+}
+
+/// One step (see [`SharedStateGate`]): left when dropped, on every path.
+struct Step<'g>(&'g dyn SharedStateGate);
+
+impl<'g> Step<'g> {
+    fn enter(gate: &'g dyn SharedStateGate) -> Self {
+        gate.enter();
+        Step(gate)
+    }
+
+    /// Leaves and enters again: lets a waiting fork through between two parts of a long step.
+    fn pause(&self) {
+        self.0.leave();
+        self.0.enter();
+    }
+}
+
+impl Drop for Step<'_> {
+    fn drop(&mut self) {
+        self.0.leave();
+    }
+}
+
+/// Heap objects added to a profile between two pauses of their step (a fork waits for that many
+/// at most: tens of microseconds).
+const HEAP_OBJECTS_PER_STEP: u64 = 512;
+
 /// Stack recorder configuration.
 #[derive(Debug, Clone, Default)]
 pub struct RecorderConfig {
@@ -325,6 +377,17 @@ impl StackRecorder {
         &self,
         symbolizer: Option<&mut dyn Symbolizer>,
     ) -> Result<SerializedProfile, RecorderError> {
+        self.serialize_gated(symbolizer, &NoGate)
+    }
+
+    /// [`Self::serialize`], calling `gate` around each step that touches state shared with
+    /// recording threads (see [`SharedStateGate`]).
+    pub fn serialize_gated(
+        &self,
+        symbolizer: Option<&mut dyn Symbolizer>,
+        gate: &dyn SharedStateGate,
+    ) -> Result<SerializedProfile, RecorderError> {
+        // Taken by serializers only (and forced open in a forked child): held across steps.
         let mut ser = self.serializer.lock_long();
         let finish = SystemTime::now();
         let active = ser.active_slot;
@@ -334,6 +397,7 @@ impl StackRecorder {
             (&self.slots[1], &self.slots[0])
         };
 
+        let step = Step::enter(gate);
         // The next profile starts where this one finishes, so consecutive profiles tile time.
         // Its gate is closed, so the data mutex is free of samplers.
         next.data.lock().reset(finish);
@@ -350,15 +414,21 @@ impl StackRecorder {
         old.gate.wait_empty();
         ser.active_slot = if active == 1 { 2 } else { 1 };
         self.active_slot.store(ser.active_slot, Ordering::Relaxed);
+        drop(step);
 
+        // The old slot is the serializer's alone from here (its gate is closed and empty).
         let mut data = old.data.lock();
         let build_start = Instant::now();
         let heap_result = match (&self.heap, prepared) {
             (Some(heap), Some(prepared)) => {
+                // The snapshot's strings and the heap's locks are shared: in a step, paused
+                // every few hundred objects.
+                let step = Step::enter(gate);
                 let built =
-                    prepared.and_then(|()| self.add_heap_samples(heap, &mut data, &mut ser));
+                    prepared.and_then(|()| self.add_heap_samples(heap, &mut data, &mut ser, &step));
                 // Always finish, so a failed iteration never blocks the next one.
                 let finished = heap.finish_iteration();
+                drop(step);
                 match built {
                     Ok(r) => finished.map_err(RecorderError::from).and(r),
                     Err(e) => Err(e.into()),
@@ -392,7 +462,10 @@ impl StackRecorder {
         drop(data);
         // Profiles copy what they need at add time, so the strings nobody references any more
         // can go now.
-        self.strings.advance_generation();
+        {
+            let _step = Step::enter(gate);
+            self.strings.advance_generation();
+        }
         let serialization_time_ns = elapsed_ns(started);
 
         let mut lifetime = self.lifetime.lock();
@@ -435,6 +508,7 @@ impl StackRecorder {
         heap: &HeapRecorder,
         data: &mut SlotData,
         ser: &mut SerializerState,
+        step: &Step<'_>,
     ) -> Result<Result<(), RecorderError>, HeapError> {
         /// An object's stack, worked out one object ahead of its sample: bare addresses (looked
         /// up in the address cache) when it has address frames only, decoded frames otherwise.
@@ -530,6 +604,10 @@ impl StackRecorder {
         let (mut next, mut pending_ahead) = (Ahead::default(), Ahead::default());
         let completed = heap.for_each_live_object_by_stack(&mut |obj, stack| {
             visited += 1;
+            if visited % HEAP_OBJECTS_PER_STEP == 0 {
+                // Between two objects nothing shared is half-updated (no storage lock held).
+                step.pause();
+            }
             let index = stack.index().min(sizes.stacks);
             crate::profile::prefetch(&stacks[index]);
             next.addresses = match stack.addresses() {
@@ -902,6 +980,68 @@ mod tests {
         let d = ferroprof_pprof::decode(&p.encoded.bytes).unwrap();
         assert_eq!(d.total("cpu-samples"), Some(2));
         assert_eq!(r.stats().lifetime.serialization_successes, 1);
+    }
+
+    /// Counts steps and says whether one is open.
+    #[derive(Default)]
+    struct Steps {
+        inside: std::cell::Cell<bool>,
+        entered: std::cell::Cell<u32>,
+    }
+
+    impl SharedStateGate for Steps {
+        fn enter(&self) {
+            assert!(!self.inside.replace(true), "steps do not nest");
+            self.entered.set(self.entered.get() + 1);
+        }
+        fn leave(&self) {
+            assert!(self.inside.replace(false), "left a step never entered");
+        }
+    }
+
+    /// Checks that symbolization runs outside every step.
+    struct OutsideSteps<'a>(&'a Steps, u32);
+
+    impl Symbolizer for OutsideSteps<'_> {
+        fn symbolize(&mut self, address: u64, out: &mut Vec<crate::pprof::ResolvedFrame>) {
+            assert!(!self.0.inside.get(), "symbolized inside a step");
+            self.1 += 1;
+            out.push(crate::pprof::ResolvedFrame {
+                name: format!("f{address}"),
+                filename: "f.rs".into(),
+                line: 1,
+            });
+        }
+    }
+
+    #[test]
+    fn gated_serialization_symbolizes_and_encodes_between_steps() {
+        let r = StackRecorder::new(RecorderConfig {
+            sample_types: SampleTypeConfig::all(),
+            heap: HeapConfig::native(),
+            ..RecorderConfig::default()
+        })
+        .unwrap();
+        let objects = 3 * HEAP_OBJECTS_PER_STEP;
+        for i in 0..objects {
+            r.track_allocation(i + 1, 1, 16, None, &[Frame::Address(0x1000 + i)])
+                .unwrap();
+        }
+        one(&r, 2);
+        let steps = Steps::default();
+        let mut sym = OutsideSteps(&steps, 0);
+        let p = r.serialize_gated(Some(&mut sym), &steps).unwrap();
+        assert!(!steps.inside.get(), "every step was left");
+        assert!(sym.1 as u64 >= objects, "the heap stacks were symbolized");
+        // Flip, heap samples (paused every HEAP_OBJECTS_PER_STEP objects), string generation.
+        assert!(
+            u64::from(steps.entered.get()) >= 2 + objects / HEAP_OBJECTS_PER_STEP,
+            "{} steps",
+            steps.entered.get()
+        );
+        let d = ferroprof_pprof::decode(&p.encoded.bytes).unwrap();
+        assert_eq!(d.total("heap-live-samples"), Some(objects as i64));
+        assert_eq!(d.total("cpu-samples"), Some(2));
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::{ExportError, ExportedProfile, Exporter};
@@ -38,10 +39,24 @@ impl DirExporter {
 }
 
 /// Creates `dir` and probes it with a temporary file.
+///
+/// The probe's name is unique to this call (process, thread, call counter) and it is created
+/// with `create_new`: two callers probing the same directory at once (two `start()` racing)
+/// never remove each other's probe.
 pub(crate) fn check_writable(dir: &Path) -> std::io::Result<()> {
+    static PROBES: AtomicU64 = AtomicU64::new(0);
     std::fs::create_dir_all(dir)?;
-    let probe = dir.join(format!(".ferroprof-probe-{}", std::process::id()));
-    std::fs::File::create(&probe)?;
+    let probe = dir.join(format!(
+        ".ferroprof-probe-{}-{}-{}",
+        std::process::id(),
+        // SAFETY: gettid has no preconditions.
+        unsafe { libc::gettid() },
+        PROBES.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)?;
     std::fs::remove_file(&probe)
 }
 

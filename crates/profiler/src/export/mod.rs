@@ -1,11 +1,18 @@
 //! Where finished profiles go.
 //!
-//! The export loop hands every serialized profile to each configured [`Exporter`]. Exporters that
-//! talk to a network wrap themselves in a bounded background queue so `export` returns at once:
-//! a backend being down never blocks the application nor grows memory without bound.
+//! The export loop hands every serialized profile to each configured [`Exporter`], never waiting
+//! for one: exporters that talk to a network wrap themselves in a bounded background queue so
+//! `export` returns at once, and every other exporter gets a delivery thread and a bounded queue
+//! of its own from the profiler (see `handoff`). A backend being down or a write that never
+//! returns blocks neither the application nor the next serialization, and costs a bounded
+//! number of profiles of memory.
 
 pub mod datadog;
 pub mod dir;
+pub(crate) mod handoff;
+
+/// Profiles that may wait for one exporter at most; see [`Exporter::queues_profiles`].
+pub use handoff::CAPACITY as HANDOFF_CAPACITY;
 pub mod pyroscope;
 pub mod queue;
 pub mod transport;
@@ -66,15 +73,23 @@ pub enum ExportError {
     Config(String),
 }
 
-/// A destination for profiles. Called from the export thread, never from application threads.
+/// A destination for profiles. Called from a profiler thread, never from application threads.
 pub trait Exporter: Send + 'static {
     /// Short name for logs ("dir", "datadog", "pyroscope").
     fn name(&self) -> &str;
-    /// Hands one profile over. Network exporters enqueue and return at once.
+    /// Hands one profile over. Network exporters enqueue and return at once; others run on a
+    /// delivery thread of their own, so a slow or stuck `export` delays only this exporter.
     fn export(&mut self, profile: &ExportedProfile) -> Result<(), ExportError>;
     /// Called once when profiling stops, after the last profile: flush what can be flushed
     /// within `deadline`.
     fn shutdown(&mut self, _deadline: Duration) {}
+    /// Whether `export` always returns at once because the exporter queues profiles on its own
+    /// thread, in a bounded queue (the network exporters). Such an exporter is called from the
+    /// export thread directly; any other gets a delivery thread and a bounded queue from the
+    /// profiler. Default false.
+    fn queues_profiles(&self) -> bool {
+        false
+    }
 }
 
 /// On-demand profiles, as served by `/debug/pprof/*`. Implemented by the running profiler.

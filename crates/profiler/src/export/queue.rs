@@ -312,6 +312,10 @@ impl<B: Backend> Exporter for QueuedExporter<B> {
     fn shutdown(&mut self, deadline: Duration) {
         self.stop(deadline);
     }
+
+    fn queues_profiles(&self) -> bool {
+        true
+    }
 }
 
 impl<B: Backend> Drop for QueuedExporter<B> {
