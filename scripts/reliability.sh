@@ -65,6 +65,13 @@ run_host() {
     FERROPROF_DLCLOSE_RUNS=50 cargo test --release -p ferroprof --test dlclose -- --nocapture
     log "host: 16 KiB stacks, 20 runs"
     FERROPROF_SMALL_STACK_RUNS=20 cargo test --release -p ferroprof --test small_stack -- --nocapture
+    log "host: stalled exporter for 30 s"
+    FERROPROF_STALL_SECS=30 cargo test --release -p ferroprof --test export_stall -- --nocapture
+    log "host: fork latency during big serializations (100k stacks, 20k addresses)"
+    FERROPROF_FORK_LATENCY_STACKS=100000 FERROPROF_FORK_LATENCY_ADDRESSES=20000 \
+        FERROPROF_FORK_LATENCY_ROUNDS=10 cargo test --release -p ferroprof --test fork_latency -- --nocapture
+    log "host: 5000 rounds of racing start() calls"
+    FERROPROF_START_RACE_ROUNDS=5000 cargo test --release -p ferroprof --test start_race
 #HOST_MORE
 }
 
