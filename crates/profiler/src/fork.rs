@@ -257,3 +257,53 @@ pub fn after_fork() {
     });
     RESTART.store(IDLE, Ordering::Release);
 }
+
+/// The locks of the running profiler that [`__hold_lock`] can hold (tests).
+#[doc(hidden)]
+pub const __LOCKS: &[&str] = &[
+    "threads",
+    "taps",
+    "symbolizer",
+    "exporters",
+    "serialize",
+    "retired",
+];
+
+/// Test support, not API: holds lock `name` (one of [`__LOCKS`]) of the running profiler
+/// while `while_held` runs, so a test can fork with it held. False when no profiler runs or the
+/// name is unknown.
+#[doc(hidden)]
+pub fn __hold_lock(name: &str, while_held: impl FnOnce()) -> bool {
+    let Some(sh) = state::active_arc() else {
+        return false;
+    };
+    let mut once = Some(while_held);
+    let mut f = || {
+        if let Some(f) = once.take() {
+            f();
+        }
+    };
+    // Guarded: an allocation sampled meanwhile would take some of these locks again.
+    crate::tls::with_guard(|| match name {
+        "threads" => {
+            let _held = sh.threads.lock();
+            f();
+        }
+        "taps" => sh.hold_taps_lock(&mut f),
+        "symbolizer" => {
+            let _held = sh.symbolizer.lock();
+            f();
+        }
+        "exporters" => {
+            let _held = sh.exporters.lock();
+            f();
+        }
+        "serialize" => {
+            let _held = sh.serialize_lock.lock();
+            f();
+        }
+        "retired" => crate::unwind::hold_retired_lock(&mut f),
+        _ => {}
+    });
+    once.is_none()
+}

@@ -392,14 +392,24 @@ fn stamp() -> u64 {
 /// found it constant-rate and synchronized across CPUs), or stamps are the monotonic clock.
 /// Read once, outside handlers.
 fn stamps_are_wall_clock() -> bool {
-    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ANSWER.get_or_init(|| {
-        if cfg!(not(target_arch = "x86_64")) {
-            return true;
-        }
-        std::fs::read_to_string("/sys/devices/system/clocksource/clocksource0/current_clocksource")
-            .is_ok_and(|s| s.trim() == "tsc")
-    })
+    // An atomic, not a `OnceLock`: a fork while the sampler is inside `get_or_init` would leave
+    // the child's copy "being initialized" forever, and its sampler waiting for it. Two threads
+    // reading the file at once get the same answer.
+    static ANSWER: AtomicU32 = AtomicU32::new(0);
+    const NO: u32 = 1;
+    const YES: u32 = 2;
+    match ANSWER.load(Ordering::Relaxed) {
+        NO => return false,
+        YES => return true,
+        _ => {}
+    }
+    let yes = cfg!(not(target_arch = "x86_64"))
+        || std::fs::read_to_string(
+            "/sys/devices/system/clocksource/clocksource0/current_clocksource",
+        )
+        .is_ok_and(|s| s.trim() == "tsc");
+    ANSWER.store(if yes { YES } else { NO }, Ordering::Relaxed);
+    yes
 }
 
 /// Converts [`stamp`]s to nanoseconds: the scale is measured between a reading at the
