@@ -21,8 +21,11 @@
 //! [`after_fork`] in the children that should profile. A child that only computes (never
 //! allocates through the sampling allocator nor calls the profiler) calls [`after_fork`] to be
 //! profiled.
-//! Limit: a fork while another thread is blocked on a *contended* lock of the profiler leaves that
-//! lock's `parking_lot` wait entry behind in the child.
+//! Limits: a fork while another thread is blocked on a *contended* lock of the profiler leaves
+//! that lock's `parking_lot` wait entry behind in the child. A child whose profiler runs again
+//! (or any profiled thread) that calls `execve` can still receive a request queued just before:
+//! with `SIGPROF` or a real-time signal (default action: terminate) about 1 in 100 such execs
+//! at 1 kHz dies of it; a signal whose default action is to ignore would not.
 //!
 //! The recorder's own locks (its slots, the heap recorder's shards, the string table) are taken
 //! by application threads too, on the allocation and free paths, where the child cannot replace

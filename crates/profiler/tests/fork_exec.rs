@@ -114,3 +114,54 @@ fn fork_exec_children_never_die_of_a_profiler_signal() {
         &signalled[..signalled.len().min(10)]
     );
 }
+
+/// The race that remains, measured (not a pass/fail bound of the issue): a child whose profiler
+/// already runs again (it called `after_fork`, or made a sampled allocation) and then execs can
+/// still be killed by a request queued just before the exec, as can any profiled process whose
+/// thread calls `execve` itself. Prints how many of `FERROPROF_FORK_EXEC_CHILDREN` died.
+#[test]
+#[ignore = "measures the remaining race; run by scripts/reliability.sh"]
+fn children_that_resume_profiling_then_exec() {
+    let dir = std::env::temp_dir().join(format!("ferroprof-resume-exec-{}", std::process::id()));
+    let guard = Profiler::builder()
+        .cpu_hz(1000)
+        .profiles(Profiles {
+            cpu: true,
+            wall: true,
+            alloc: false,
+            heap: false,
+        })
+        .period(Duration::from_secs(600))
+        .output_dir(&dir)
+        .start()
+        .expect("profiler starts");
+    let n = children();
+    let mut died = 0;
+    for i in 0..n {
+        // SAFETY: the child runs the profiler's restart, spins, then execs or _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            ferroprof::after_fork();
+            let end = Instant::now() + Duration::from_micros(1000 * (i % 4) as u64);
+            while Instant::now() < end {
+                std::hint::spin_loop();
+            }
+            let argv = [c"/bin/true".as_ptr(), std::ptr::null()];
+            // SAFETY: a NUL-terminated argv of C strings that outlive the call.
+            unsafe {
+                libc::execv(c"/bin/true".as_ptr(), argv.as_ptr());
+                libc::_exit(127);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        if libc::WIFSIGNALED(status) {
+            died += 1;
+        }
+    }
+    guard.stop().expect("parent stops");
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("resumed then exec: {died} of {n} children killed by a signal");
+}
