@@ -227,6 +227,8 @@ fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp:
     if s.guard.get() > 0 {
         return;
     }
+    // A forked child that allocates lives on: its profiler threads start now (see `fork`).
+    crate::fork::resume_if_pending();
     let weight = stochastic_round(s, sample_weight(size as u64, interval));
     tls::with_guard(|| sample(p, size, weight, entry_sp));
 }

@@ -9,13 +9,23 @@
 //!   exist in the child (reader counts, borrowed unwinder caches, pending signal requests, the
 //!   parent's thread handles, locks they held, with the data those locks guarded replaced),
 //!   resets the recorder (`reset_after_fork`: both profiles emptied, so the parent's samples are
-//!   not reported twice) and, unless disabled with `restart_after_fork(false)`, starts fresh
-//!   sampler and export threads.
+//!   not reported twice) and, unless disabled with `restart_after_fork(false)`, marks a restart
+//!   as pending. It starts no thread: most children exec at once, and a sampler started there
+//!   would queue signals to a thread about to exec; a signal pending across `execve` kills the
+//!   new program (its disposition is back to the default action). The sampler and export
+//!   threads start once the child shows it lives on: at its first sampled allocation or its
+//!   first call into the profiler ([`resume_if_pending`]).
 //!
-//! A child that should not profile can stop its copy of the guard, or the program builds with
-//! `restart_after_fork(false)` and calls [`after_fork`] in the children that should profile.
-//! Limit: a fork while another thread is blocked on a *contended* lock of the profiler leaves that
-//! lock's `parking_lot` wait entry behind in the child.
+//! A child that should not profile can stop its copy of the guard (cheap when nothing
+//! restarted yet), or the program builds with `restart_after_fork(false)` and calls
+//! [`after_fork`] in the children that should profile. A child that only computes (never
+//! allocates through the sampling allocator nor calls the profiler) calls [`after_fork`] to be
+//! profiled.
+//! Limits: a fork while another thread is blocked on a *contended* lock of the profiler leaves
+//! that lock's `parking_lot` wait entry behind in the child. A child whose profiler runs again
+//! (or any profiled thread) that calls `execve` can still receive a request queued just before:
+//! with `SIGPROF` or a real-time signal (default action: terminate) about 1 in 100 such execs
+//! at 1 kHz dies of it; a signal whose default action is to ignore would not.
 //!
 //! The recorder's own locks (its slots, the heap recorder's shards, the string table) are taken
 //! by application threads too, on the allocation and free paths, where the child cannot replace
@@ -27,7 +37,7 @@
 //! holds one of those while waiting at the gate, so draining it always finishes.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
@@ -140,6 +150,9 @@ extern "C" fn parent() {
 
 extern "C" fn child() {
     let p = IN_FORK.swap(std::ptr::null_mut(), Ordering::SeqCst);
+    // A restart under way in the parent (another thread inside `resume_slow`) is not this
+    // child's: its thread did not survive the fork.
+    RESTART.store(IDLE, Ordering::SeqCst);
     if p.is_null() {
         open_gate(true);
         return;
@@ -157,26 +170,145 @@ extern "C" fn child() {
         sh.recorder.reset_after_fork();
         open_gate(true);
         if sh.settings.restart_after_fork && !sh.stopping.load(Ordering::SeqCst) {
-            let _ = crate::profiler::spawn_threads(&sh);
+            // Not now: a child that execs right away must neither pay for a start nor have a
+            // sampler queue a signal that would outlive the exec and kill the new program.
+            RESTART.store(PENDING, Ordering::SeqCst);
         }
     });
 }
 
-/// Restarts profiling in a forked child when the profiler was built with
-/// `restart_after_fork(false)`. Does nothing when no profiler runs or its threads are alive.
-pub fn after_fork() {
+/// Whether the profiler's threads are to be started again in this forked child (see
+/// [`resume_if_pending`]): IDLE, PENDING, or STARTING while one thread does it.
+static RESTART: AtomicU8 = AtomicU8::new(IDLE);
+const IDLE: u8 = 0;
+const PENDING: u8 = 1;
+const STARTING: u8 = 2;
+
+/// Starts the profiler's threads in a forked child that has shown it lives on as a process of
+/// its own: at its first sampled allocation or its first call into the profiler's API. One
+/// atomic load when nothing is pending.
+#[inline]
+pub(crate) fn resume_if_pending() {
+    if RESTART.load(Ordering::Acquire) == PENDING {
+        resume_slow();
+    }
+}
+
+#[cold]
+fn resume_slow() {
+    if RESTART
+        .compare_exchange(PENDING, STARTING, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return;
+    }
     crate::tls::with_guard(|| {
-        let Some(sh) = state::active_arc() else {
-            return;
-        };
-        let running = {
-            let t = sh.threads.lock();
-            t.sampler.is_some() || t.export.is_some()
-        };
-        if !running && !sh.stopping.load(Ordering::SeqCst) {
-            let _ = crate::profiler::spawn_threads(&sh);
+        if let Some(sh) = state::active_arc() {
+            start_threads_if_stopped(&sh);
         }
     });
+    RESTART.store(IDLE, Ordering::Release);
+}
+
+fn start_threads_if_stopped(sh: &Arc<Shared>) {
+    let running = {
+        let t = sh.threads.lock();
+        t.sampler.is_some() || t.export.is_some()
+    };
+    if !running && !sh.stopping.load(Ordering::SeqCst) {
+        let _ = crate::profiler::spawn_threads(sh);
+    }
+}
+
+/// For `stop()`: waits until no thread is starting the profiler's threads (it would hand
+/// their handles over after `stop()` looked for them), and cancels a pending restart. Cheap in a
+/// child that never restarted.
+pub(crate) fn settle_restart() {
+    loop {
+        match RESTART.compare_exchange(PENDING, IDLE, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) | Err(IDLE) => return,
+            // STARTING: a thread spawn, bounded.
+            Err(_) => std::thread::sleep(Duration::from_micros(100)),
+        }
+    }
+}
+
+/// Restarts profiling in a forked child now: when the profiler was built with
+/// `restart_after_fork(false)`, or to have a child that neither allocates nor calls the
+/// profiler profiled from this point on (by default a child resumes at its first sampled
+/// allocation or profiler call). Does nothing when no profiler runs or its threads are alive.
+pub fn after_fork() {
+    // Takes over a pending restart, or waits for the thread doing one.
+    loop {
+        match RESTART.compare_exchange(IDLE, STARTING, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => break,
+            Err(PENDING) => {
+                if RESTART
+                    .compare_exchange(PENDING, STARTING, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    break;
+                }
+            }
+            Err(_) => std::thread::sleep(Duration::from_micros(100)),
+        }
+    }
+    crate::tls::with_guard(|| {
+        if let Some(sh) = state::active_arc() {
+            start_threads_if_stopped(&sh);
+        }
+    });
+    RESTART.store(IDLE, Ordering::Release);
+}
+
+/// The locks of the running profiler that [`__hold_lock`] can hold (tests).
+#[doc(hidden)]
+pub const __LOCKS: &[&str] = &[
+    "threads",
+    "taps",
+    "symbolizer",
+    "exporters",
+    "serialize",
+    "retired",
+];
+
+/// Test support, not API: holds lock `name` (one of [`__LOCKS`]) of the running profiler
+/// while `while_held` runs, so a test can fork with it held. False when no profiler runs or the
+/// name is unknown.
+#[doc(hidden)]
+pub fn __hold_lock(name: &str, while_held: impl FnOnce()) -> bool {
+    let Some(sh) = state::active_arc() else {
+        return false;
+    };
+    let mut once = Some(while_held);
+    let mut f = || {
+        if let Some(f) = once.take() {
+            f();
+        }
+    };
+    // Guarded: an allocation sampled meanwhile would take some of these locks again.
+    crate::tls::with_guard(|| match name {
+        "threads" => {
+            let _held = sh.threads.lock();
+            f();
+        }
+        "taps" => sh.hold_taps_lock(&mut f),
+        "symbolizer" => {
+            let _held = sh.symbolizer.lock();
+            f();
+        }
+        "exporters" => {
+            let _held = sh.exporters.lock();
+            f();
+        }
+        "serialize" => {
+            let _held = sh.serialize_lock.lock();
+            f();
+        }
+        "retired" => crate::unwind::hold_retired_lock(&mut f),
+        _ => {}
+    });
+    once.is_none()
 }
 
 /// The fork gate for a serialization of the running profiler's recorder, step by step (see

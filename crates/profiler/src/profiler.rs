@@ -166,7 +166,9 @@ impl ProfilerBuilder {
         self
     }
 
-    /// Whether a forked child restarts the sampler and export threads (default true).
+    /// Whether a forked child restarts the sampler and export threads (default true). They
+    /// start at the child's first sampled allocation or profiler call, never in the fork
+    /// itself: a child that execs right away runs no profiler thread (see [`crate::after_fork`]).
     pub fn restart_after_fork(mut self, yes: bool) -> Self {
         self.restart_after_fork = yes;
         self
@@ -655,6 +657,8 @@ impl ProfilerGuard {
         tls::with_guard(|| {
             let sh = &self.shared;
             sh.stopping.store(true, Ordering::SeqCst);
+            // A forked child's pending restart is dropped (or one under way finishes first).
+            fork::settle_restart();
             sh.wake_all();
             // Sampler first (it records its pending samples), then no new allocation samples,
             // then the export thread writes the last profile.
@@ -693,6 +697,7 @@ impl ProfilerGuard {
     /// Serializes and exports a profile now (on the export thread), waiting for the
     /// serialization and, up to the stop timeout, for the exporters' delivery.
     pub fn flush(&self) -> Result<(), ProfilerError> {
+        fork::resume_if_pending();
         if self.stopped || self.shared.stopping.load(Ordering::SeqCst) {
             return Err(ProfilerError::Stopped);
         }
@@ -740,6 +745,7 @@ impl ProfilerGuard {
 
     /// On-demand profiles for `/debug/pprof` (see [`ProfileSource`]).
     pub fn profile_source(&self) -> Arc<dyn ProfileSource> {
+        fork::resume_if_pending();
         Arc::new(Source {
             shared: Arc::downgrade(&self.shared),
         })
@@ -747,6 +753,7 @@ impl ProfilerGuard {
 
     /// Counters of the running profiler.
     pub fn stats(&self) -> ProfilerStats {
+        fork::resume_if_pending();
         let s = &self.shared.stats;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let signals = l(&s.cpu_requests);
@@ -790,6 +797,7 @@ impl ProfilerGuard {
 
     /// The shared recorder (for advanced use and tests).
     pub fn recorder(&self) -> &Arc<StackRecorder> {
+        fork::resume_if_pending();
         &self.shared.recorder
     }
 }
@@ -807,6 +815,7 @@ struct Source {
 
 impl Source {
     fn shared(&self) -> Result<Arc<Shared>, String> {
+        fork::resume_if_pending();
         self.shared
             .upgrade()
             .filter(|s| !s.stopping.load(Ordering::SeqCst))

@@ -445,14 +445,24 @@ fn stamp() -> u64 {
 /// found it constant-rate and synchronized across CPUs), or stamps are the monotonic clock.
 /// Read once, outside handlers.
 fn stamps_are_wall_clock() -> bool {
-    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ANSWER.get_or_init(|| {
-        if cfg!(not(target_arch = "x86_64")) {
-            return true;
-        }
-        std::fs::read_to_string("/sys/devices/system/clocksource/clocksource0/current_clocksource")
-            .is_ok_and(|s| s.trim() == "tsc")
-    })
+    // An atomic, not a `OnceLock`: a fork while the sampler is inside `get_or_init` would leave
+    // the child's copy "being initialized" forever, and its sampler waiting for it. Two threads
+    // reading the file at once get the same answer.
+    static ANSWER: AtomicU32 = AtomicU32::new(0);
+    const NO: u32 = 1;
+    const YES: u32 = 2;
+    match ANSWER.load(Ordering::Relaxed) {
+        NO => return false,
+        YES => return true,
+        _ => {}
+    }
+    let yes = cfg!(not(target_arch = "x86_64"))
+        || std::fs::read_to_string(
+            "/sys/devices/system/clocksource/clocksource0/current_clocksource",
+        )
+        .is_ok_and(|s| s.trim() == "tsc");
+    ANSWER.store(if yes { YES } else { NO }, Ordering::Relaxed);
+    yes
 }
 
 /// Converts [`stamp`]s to nanoseconds: the scale is measured between a reading at the
@@ -778,6 +788,10 @@ pub(crate) struct Sampler {
     /// rather than SLOW_TICKS later.
     fast: bool,
     stamps: StampClock,
+    /// Threads seen exiting since the last [`Sampler::give_back_memory`], and the exports done
+    /// by then.
+    exited: u64,
+    exports_at_trim: u64,
 }
 
 impl Sampler {
@@ -804,6 +818,8 @@ impl Sampler {
             next_ring: 0,
             fast: true,
             stamps: StampClock::new(),
+            exited: 0,
+            exports_at_trim: 0,
         }
     }
 
@@ -923,16 +939,19 @@ impl Sampler {
             self.settle_timer(tid, true);
         }
         let mut vanished = Vec::new();
+        let mut exited = 0;
         self.threads.retain(|_, t| {
             if t.seen == tick {
                 return true;
             }
+            exited += 1;
             // The thread exited: it can no longer run a handler, so its slot is reusable.
             if let Some(p) = t.pending.take().or(t.abandoned.take()) {
                 vanished.push(p.idx);
             }
             false
         });
+        self.exited += exited;
         for idx in vanished {
             let s = Self::slot(idx);
             s.seq.fetch_add(1, Ordering::AcqRel);
@@ -957,6 +976,32 @@ impl Sampler {
             for (tid, t) in self.threads.iter_mut() {
                 refresh_name(dirfd, *tid, &mut t.name);
             }
+        }
+        self.give_back_memory();
+    }
+
+    /// Under thread churn, gives the memory the C allocator keeps free back to the system, once
+    /// per export. An export allocates and frees tens of megabytes (symbolization, encoding);
+    /// with steady threads the next export reuses that memory, but short threads, each with
+    /// its own allocations, arena and rows in the profile (its id and name are labels), scatter
+    /// what stays in use among it, so it stays resident and grows (measured with 20,000
+    /// threads: +8 to +20 MB of RSS over the unprofiled run, the memory in use flat; with
+    /// `malloc_trim` after each export, +0.1 to +2 MB whatever the count). A process whose
+    /// threads live on is never trimmed; a churning one at most once per export.
+    fn give_back_memory(&mut self) {
+        let s = &self.shared.stats;
+        let exports = s.exports.load(Ordering::Relaxed)
+            + s.export_errors.load(Ordering::Relaxed)
+            + s.serialize_errors.load(Ordering::Relaxed);
+        if self.exited == 0 || exports == self.exports_at_trim {
+            return;
+        }
+        self.exited = 0;
+        self.exports_at_trim = exports;
+        #[cfg(target_env = "gnu")]
+        // SAFETY: malloc_trim has no preconditions; it takes the allocator's own locks.
+        unsafe {
+            libc::malloc_trim(0);
         }
     }
 

@@ -203,6 +203,12 @@ impl Shared {
         self.stopping.load(Ordering::SeqCst)
     }
 
+    /// Test support: holds the taps' lock (for writing) while `f` runs.
+    pub fn hold_taps_lock(&self, f: &mut dyn FnMut()) {
+        let _held = self.taps.write();
+        f();
+    }
+
     /// Wakes the export thread.
     pub fn wake_all(&self) {
         let t = self

@@ -442,6 +442,12 @@ pub(crate) fn refresh(maps_changed: bool) -> bool {
     true
 }
 
+/// Test support: holds the retired snapshots' lock while `f` runs (see `fork::__hold_lock`).
+pub(crate) fn hold_retired_lock(f: &mut dyn FnMut()) {
+    let _held = RETIRED.lock();
+    f();
+}
+
 /// Frees retired snapshots once no reader is inside any snapshot, waiting at most `wait`.
 fn reclaim(retired: &mut Vec<usize>, wait: Duration) {
     if retired.is_empty() {
@@ -468,6 +474,17 @@ fn reclaim(retired: &mut Vec<usize>, wait: Duration) {
 /// are gone, and so are cache borrowers.
 pub(crate) fn after_fork_in_child() {
     HOT.readers.store(0, Ordering::SeqCst);
+    if RETIRED.is_locked() {
+        // Held by a refresh of the parent's sampler, which did not survive the fork: the child's
+        // sampler would wait for it forever. The list may be half-updated: it is forgotten (the
+        // snapshots in it leak, once).
+        // SAFETY: this is the child's only thread, so the holder is gone; nothing else touches
+        // the list until the unlock below.
+        unsafe {
+            std::ptr::write(RETIRED.data_ptr(), Vec::new());
+            RETIRED.force_unlock();
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     {
         let snap = HOT.snapshot.load(Ordering::SeqCst);

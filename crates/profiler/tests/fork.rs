@@ -48,6 +48,9 @@ fn a_forked_child_profiles_itself_from_empty_profiles() {
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
     if pid == 0 {
+        // This child neither allocates through a sampling allocator nor calls the profiler
+        // before its work: it restarts profiling itself.
+        ferroprof::after_fork();
         child_work(Duration::from_millis(500));
         let ok = guard.stop().is_ok() && {
             let ps = c.decoded();

@@ -164,6 +164,9 @@ struct State {
 }
 
 struct Shared {
+    /// The process the worker runs in: a forked child's copy has no worker, and its `state`
+    /// lock may have been held by a thread that did not survive the fork.
+    pid: u32,
     state: Mutex<State>,
     wake: Condvar,
     sent: AtomicU64,
@@ -173,13 +176,22 @@ struct Shared {
 }
 
 impl Shared {
+    /// Whether this is a forked child's copy of the queue (see `pid`).
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
     fn stats(&self) -> ExportStats {
         ExportStats {
             sent: self.sent.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
             dropped: self.dropped.load(Ordering::Relaxed),
             retries: self.retries.load(Ordering::Relaxed),
-            queued: self.state.lock().queue.len() as u64,
+            queued: if self.forked() {
+                0
+            } else {
+                self.state.lock().queue.len() as u64
+            },
         }
     }
 }
@@ -199,6 +211,7 @@ impl<B: Backend> QueuedExporter<B> {
         config.validate()?;
         let name = backend.name().to_owned();
         let shared = Arc::new(Shared {
+            pid: std::process::id(),
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(config.capacity),
                 shutdown_deadline: None,
@@ -246,6 +259,11 @@ impl<B: Backend> QueuedExporter<B> {
     }
 
     fn enqueue(&self, profile: ExportedProfile) {
+        if self.shared.forked() {
+            // No worker here to send it.
+            self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let dropped_now = {
             let mut st = self.shared.state.lock();
             if st.shutdown_deadline.is_some() {
@@ -281,6 +299,9 @@ impl<B: Backend> QueuedExporter<B> {
 
     fn stop(&mut self, deadline: Duration) {
         let Some(done) = self.done.take() else { return };
+        if self.shared.forked() {
+            return;
+        }
         let until = Instant::now() + deadline;
         self.shared.state.lock().shutdown_deadline = Some(until);
         self.shared.wake.notify_all();
@@ -321,7 +342,7 @@ impl<B: Backend> Exporter for QueuedExporter<B> {
 impl<B: Backend> Drop for QueuedExporter<B> {
     fn drop(&mut self) {
         // Not shut down explicitly: stop without flushing and without waiting.
-        if self.done.take().is_some() {
+        if self.done.take().is_some() && !self.shared.forked() {
             self.shared.state.lock().shutdown_deadline = Some(Instant::now());
             self.shared.wake.notify_all();
         }
