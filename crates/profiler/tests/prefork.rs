@@ -18,6 +18,12 @@ use std::time::{Duration, Instant};
 
 use ferroprof::{Profiler, ProfilerGuard, Profiles, SamplingAllocator};
 
+/// Only one profiler runs per process: the tests of this file take turns.
+fn one_profiler_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[global_allocator]
 static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
 
@@ -119,6 +125,7 @@ fn use_every_lock(guard: ProfilerGuard) -> i32 {
 
 #[test]
 fn a_child_forked_while_each_profiler_lock_is_held_never_hangs() {
+    let _one = one_profiler_at_a_time();
     let dir = std::env::temp_dir().join(format!("ferroprof-prefork-locks-{}", std::process::id()));
     let guard = start(&dir);
     std::thread::sleep(Duration::from_millis(100));
@@ -187,6 +194,7 @@ fn many_mappings(n: usize) -> Vec<(usize, usize)> {
 
 #[test]
 fn prefork_workers_stop_while_the_parent_creates_threads_and_loads_libraries() {
+    let _one = one_profiler_at_a_time();
     let dir = std::env::temp_dir().join(format!("ferroprof-prefork-{}", std::process::id()));
     let maps = many_mappings(4000);
     let guard = start(&dir);
