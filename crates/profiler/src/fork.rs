@@ -32,9 +32,13 @@
 //! what they guard. So every call into the running profiler's recorder goes through a *fork
 //! gate* ([`outside_fork`]): *prepare* closes it and waits until no thread is inside; threads
 //! arriving meanwhile wait for the fork to finish (as they would for malloc's own locks); *parent*
-//! and *child* open it again. No thread is ever inside the recorder at the moment of the fork.
-//! Code inside the gate takes only recorder locks (taps are recorded outside it), and no thread
-//! holds one of those while waiting at the gate, so draining it always finishes.
+//! and *child* open it again. No application thread is ever inside the recorder at the moment
+//! of the fork. A serialization enters the gate only for its short steps that touch what
+//! application threads share ([`SerializeSteps`]); its symbolization and encoding run outside,
+//! so a fork waits microseconds, never for an export, and a fork between two steps leaves the
+//! child's `reset_after_fork` to release what the vanished serializer held. Code inside the
+//! gate takes only recorder locks (taps are recorded outside it), and no thread holds one of
+//! those while waiting at the gate, so draining it always finishes.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering};
