@@ -535,9 +535,13 @@ fn check_table_len(len: usize, what: &str) -> Result<(), ProfileError> {
 /// Name of the one frame that samples over a profile's memory cap are folded into.
 pub const DROPPED_STACKS_FRAME: &str = "[stacks dropped: over memory cap]";
 
-/// Marks a [`RowId`] of a dropped-stacks row, so [`Profile::add_to_row`] counts its samples
-/// without reading the row. (A capped profile never comes near 2^31 rows.)
+/// Marks a [`RowId`] that is an index of the dropped-stacks rows, not of the aggregated rows.
+/// (A profile never comes near 2^31 dropped-stacks rows: there is one per label set at most.)
 const DROPPED_ROW: u32 = 1 << 31;
+
+/// Part of the cap (1/32) that only rows of the dropped-stacks frame may use, so that samples
+/// folded in over the cap keep their label sets (a thread's, say) for a while.
+const DROPPED_ROWS_SHARE: usize = 32;
 
 /// Most bytes a vector of `len` items with room for `cap` holds after `add` more items pushed,
 /// extended or resized in: nothing moves when they fit; otherwise each growth step at most
@@ -573,8 +577,10 @@ struct Adds {
     timed: usize,
     /// Length `id_cache` may be resized to (0: unchanged).
     id_cache_len: usize,
-    /// Length the dropped rows' table may be resized to (0: unchanged).
-    dropped_rows_len: usize,
+    /// New dropped-stacks rows.
+    dropped_rows: usize,
+    /// Length the label set -> dropped-stacks row map may be resized to (0: unchanged).
+    dropped_map_len: usize,
     /// The address cache may be allocated.
     addr_cache: bool,
     /// Lookups follow, so the stack and row indexes catch up with unindexed entries (the bulk
@@ -702,14 +708,20 @@ struct Tables {
 }
 
 /// Where samples over the memory cap go: one stack of the [`DROPPED_STACKS_FRAME`] frame, with a
-/// row per label set that already existed (or none).
+/// row per label set that already existed (or none). Its rows are kept apart from the
+/// aggregated ones: they grow from nothing in a share of the cap of their own, where a row in
+/// the aggregated table could need that (large) table to double.
 struct Dropped {
     /// The dropped-stacks stack, `NONE` until the first sample over the cap.
     stack: u32,
     /// The empty label set (valid once `stack` is set).
     empty_labels: u32,
     /// Label set id -> its dropped-stacks row, `NONE` where there is none.
-    rows: Vec<u32>,
+    map: Vec<u32>,
+    /// Label set per row.
+    labels: Vec<u32>,
+    /// Values per row (one per sample type).
+    values: Vec<i64>,
     /// Samples folded in.
     samples: u64,
 }
@@ -719,13 +731,19 @@ impl Dropped {
         Dropped {
             stack: NONE,
             empty_labels: NONE,
-            rows: Vec::new(),
+            map: Vec::new(),
+            labels: Vec::new(),
+            values: Vec::new(),
             samples: 0,
         }
     }
 
     fn row(&self, labels: u32) -> u32 {
-        self.rows.get(labels as usize).copied().unwrap_or(NONE)
+        self.map.get(labels as usize).copied().unwrap_or(NONE)
+    }
+
+    fn memory_bytes(&self) -> usize {
+        (self.map.capacity() + self.labels.capacity()) * 4 + self.values.capacity() * 8
     }
 }
 
@@ -874,7 +892,7 @@ impl Tables {
             + self.id_cache.capacity() * 4
             + self.function_src.capacity() * 8
             + self.addr_cache.capacity() * std::mem::size_of::<(u64, u32)>()
-            + self.dropped.rows.capacity() * 4
+            + self.dropped.memory_bytes()
     }
 
     /// An upper bound of [`Tables::memory_bytes`] after the additions `a` (values of `n` sample
@@ -895,9 +913,9 @@ impl Tables {
             a.label_sets += 1;
         }
         if d.row(d.empty_labels) == NONE {
-            a.rows += 1;
-            a.dropped_rows_len = a
-                .dropped_rows_len
+            a.dropped_rows += 1;
+            a.dropped_map_len = a
+                .dropped_map_len
                 .max(self.label_sets.spans.len() + a.label_sets);
         }
         let (pending_stacks, pending_rows) = if a.indexed {
@@ -962,7 +980,9 @@ impl Tables {
             } else {
                 self.addr_cache.capacity() * std::mem::size_of::<(u64, u32)>()
             }
-            + resized(d.rows.len(), d.rows.capacity(), a.dropped_rows_len, 4)
+            + resized(d.map.len(), d.map.capacity(), a.dropped_map_len, 4)
+            + bytes_after(&d.labels, a.dropped_rows)
+            + bytes_after(&d.values, a.dropped_rows * n)
     }
 
     /// Row of (stack, labels) if there is one, without changing anything.
@@ -1545,10 +1565,13 @@ impl Profile {
         self.t.dropped.samples
     }
 
-    /// Whether the additions `a` keep the tables under the cap.
+    /// Whether the additions `a` keep the tables under the cap, less the share kept for
+    /// dropped-stacks rows (which [`Profile::add_dropped`] alone may use).
     #[inline]
     fn fits(&self, a: &Adds) -> bool {
-        self.cap == usize::MAX || self.t.projected_bytes(a, self.types.len()) <= self.cap
+        self.cap == usize::MAX
+            || self.t.projected_bytes(a, self.types.len())
+                <= self.cap - self.cap / DROPPED_ROWS_SHARE
     }
 
     pub fn sample_types(&self) -> &[SampleType] {
@@ -1946,11 +1969,15 @@ impl Profile {
                 got: values.len(),
             });
         }
-        if row.0 & DROPPED_ROW != 0 {
-            self.t.dropped.samples += 1;
-        }
-        let start = (row.0 & !DROPPED_ROW) as usize * n;
-        for (acc, v) in self.t.agg_values[start..start + n].iter_mut().zip(values) {
+        let (table, row) = if row.0 & DROPPED_ROW != 0 {
+            let d = &mut self.t.dropped;
+            d.samples += 1;
+            (&mut d.values, row.0 & !DROPPED_ROW)
+        } else {
+            (&mut self.t.agg_values, row.0)
+        };
+        let start = row as usize * n;
+        for (acc, v) in table[start..start + n].iter_mut().zip(values) {
             *acc = acc.saturating_add(*v);
         }
         Ok(())
@@ -2016,9 +2043,9 @@ impl Profile {
     }
 
     /// Adds a sample's values to the dropped-stacks row of label set `labels` (`NONE`: no label
-    /// set) and counts it; returns the row. A label set gets a row of its own while the cap
-    /// allows; otherwise (and for `NONE`) the unlabeled row takes the values, and the cap always
-    /// keeps room for that one (see [`Tables::projected_bytes`]).
+    /// set) and counts it; returns the index of the row. A label set gets a row of its own while
+    /// the cap allows; otherwise (and for `NONE`) the unlabeled row takes the values, and the cap
+    /// always keeps room for that one (see [`Tables::projected_bytes`]).
     #[cold]
     fn add_dropped(&mut self, labels: u32, values: &[i64]) -> Result<u32, ProfileError> {
         self.ensure_dropped_stack()?;
@@ -2028,36 +2055,33 @@ impl Profile {
         let mut row = self.t.dropped.row(want);
         if row == NONE {
             let own_row = Adds {
-                rows: 1,
-                dropped_rows_len: want as usize + 1,
+                dropped_rows: 1,
+                dropped_map_len: want as usize + 1,
                 ..Adds::default()
             };
-            let target = if want == empty || self.fits(&own_row) {
+            let target = if want == empty || self.t.projected_bytes(&own_row, n) <= self.cap {
                 want
             } else {
                 empty
             };
             row = self.t.dropped.row(target);
             if row == NONE {
-                let t = &mut self.t;
-                check_table_len(t.agg.len(), "aggregated sample")?;
-                row = t.agg.len() as u32;
-                // Not indexed: a later lookup catches up (the bulk path may have rows pending).
-                t.agg.push((t.dropped.stack, target));
-                t.agg_values.resize(t.agg_values.len() + n, 0);
-                let rows = &mut t.dropped.rows;
-                if rows.len() <= target as usize {
-                    rows.resize(target as usize + 1, NONE);
+                let d = &mut self.t.dropped;
+                row = d.labels.len() as u32;
+                d.labels.push(target);
+                d.values.resize(d.values.len() + n, 0);
+                if d.map.len() <= target as usize {
+                    d.map.resize(target as usize + 1, NONE);
                 }
-                rows[target as usize] = row;
+                d.map[target as usize] = row;
             }
         }
-        let t = &mut self.t;
+        let d = &mut self.t.dropped;
         let start = row as usize * n;
-        for (acc, v) in t.agg_values[start..start + n].iter_mut().zip(values) {
+        for (acc, v) in d.values[start..start + n].iter_mut().zip(values) {
             *acc = acc.saturating_add(*v);
         }
-        t.dropped.samples += 1;
+        d.samples += 1;
         Ok(row)
     }
 
@@ -2239,7 +2263,7 @@ impl Profile {
 
     /// Distinct aggregated samples plus timestamped samples held.
     pub fn sample_count(&self) -> usize {
-        self.t.agg.len() + self.t.timed.len()
+        self.t.agg.len() + self.t.timed.len() + self.t.dropped.labels.len()
     }
 
     /// Bytes held by the profile's tables, for memory reporting.
@@ -2295,6 +2319,11 @@ impl Profile {
         for (row, &(stack, labels)) in t.agg.iter().enumerate() {
             let values = &t.agg_values[row * n..row * n + n];
             write_sample(&mut w, t, &ids, &label_bytes, stack, labels, values, None)?;
+        }
+        let d = &t.dropped;
+        for (row, &labels) in d.labels.iter().enumerate() {
+            let values = &d.values[row * n..row * n + n];
+            write_sample(&mut w, t, &ids, &label_bytes, d.stack, labels, values, None)?;
         }
         for (i, rec) in t.timed.iter().enumerate() {
             let values = &t.timed_values[i * n..i * n + n];
@@ -2514,6 +2543,9 @@ impl LocationIds {
         }
         for rec in &t.timed {
             stack_uses[rec.stack as usize] += 1;
+        }
+        if t.dropped.stack != NONE {
+            stack_uses[t.dropped.stack as usize] += t.dropped.labels.len() as u64;
         }
         let mut uses = vec![0u64; t.locations.items.len()];
         for (stack, &n) in stack_uses.iter().enumerate() {
@@ -3337,6 +3369,11 @@ mod cap_tests {
         let mut frames = Vec::new();
         let mut i = 0;
         while p.dropped_samples() == 0 {
+            assert!(
+                i < 100_000,
+                "{} bytes and no sample folded",
+                p.memory_bytes()
+            );
             distinct_stack(i, &mut frames);
             add(&mut p, &frames, &[], 1);
             i += 1;
