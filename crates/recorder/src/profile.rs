@@ -14,6 +14,13 @@
 //! no [`StringStorage`] lock. Interned ids are mapped to the profile's own string ids through a
 //! per-profile cache that is dropped whenever the storage's generation moves (ids may be reused
 //! after a generation advance).
+//!
+//! ## The memory cap
+//! [`Profile::set_max_bytes`] bounds the tables. Only paths that add entries check it (the slow
+//! path of a new key, a new row or timestamped sample that needs a table to grow, the bulk
+//! path's new stacks and rows), by an upper bound of the tables' size after the addition
+//! computed from their lengths and capacities; a known sample pays nothing. Past it, samples
+//! fold into one `[stacks dropped: over memory cap]` stack.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -1384,20 +1391,25 @@ impl Tables {
         sample: &Sample<'_>,
     ) -> Result<(Option<u32>, Option<u32>), ProfileError> {
         let mut ids = std::mem::take(&mut self.scratch);
-        let result = self.find_existing_into(r, sample, &mut ids);
+        let result = self
+            .find_stack(r, sample.frames, &mut ids)
+            .and_then(|stack| {
+                let labels = self.find_label_set(r, sample.labels, &mut ids)?;
+                Ok((stack, labels))
+            });
         self.scratch = ids;
         result
     }
 
-    fn find_existing_into(
+    /// The stack of `frames`, if the tables hold it (`ids`: scratch).
+    fn find_stack(
         &self,
         r: &Resolver<'_>,
-        sample: &Sample<'_>,
+        frames: &[Frame<'_>],
         ids: &mut Vec<u32>,
-    ) -> Result<(Option<u32>, Option<u32>), ProfileError> {
+    ) -> Result<Option<u32>, ProfileError> {
         ids.clear();
-        let mut stack_known = true;
-        for f in sample.frames {
+        for f in frames {
             let loc = match *f {
                 Frame::Address(a) => Some(Location::Address(a)),
                 Frame::Symbol {
@@ -1416,21 +1428,23 @@ impl Tables {
             };
             match loc.and_then(|l| self.locations.find(l, hash_location(l))) {
                 Some(id) => ids.push(id),
-                None => {
-                    stack_known = false;
-                    break;
-                }
+                None => return Ok(None),
             }
         }
-        let stack = if stack_known {
-            self.stacks.find(ids)
-        } else {
-            None
-        };
+        Ok(self.stacks.find(ids))
+    }
+
+    /// The label set of `labels`, if the tables hold it (`ids`: scratch).
+    fn find_label_set(
+        &self,
+        r: &Resolver<'_>,
+        labels: &[Label<'_>],
+        ids: &mut Vec<u32>,
+    ) -> Result<Option<u32>, ProfileError> {
         ids.clear();
-        for l in sample.labels {
+        for l in labels {
             let Some(key) = self.find_str(r, l.key)? else {
-                return Ok((stack, None));
+                return Ok(None);
             };
             let rec = match l.value {
                 LabelValue::Num(num) => LabelRec {
@@ -1440,15 +1454,15 @@ impl Tables {
                 },
                 LabelValue::Str(v) => match self.find_str(r, v)? {
                     Some(str) => LabelRec { key, str, num: 0 },
-                    None => return Ok((stack, None)),
+                    None => return Ok(None),
                 },
             };
             match self.labels.find(rec, hash_label(rec)) {
                 Some(id) => ids.push(id),
-                None => return Ok((stack, None)),
+                None => return Ok(None),
             }
         }
-        Ok((stack, self.label_sets.find(ids)))
+        Ok(self.label_sets.find(ids))
     }
 }
 
@@ -1540,10 +1554,12 @@ impl Profile {
     ///
     /// The check takes the tables' growth by doubling into account, so
     /// [`Profile::memory_bytes`] stays at or under the cap (a profile emptier than its cap may
-    /// thus start folding when a large table would have to double); the only exceptions are
-    /// a cap smaller than an empty profile plus the dropped-stacks entries, the 64 KiB address
-    /// cache of the bulk heap path, and endpoint names ([`Profile::set_endpoint`]), which are
-    /// not capped. The cap holds until the next reset, which keeps it.
+    /// thus start folding when a large table would have to double: it typically holds half to
+    /// three quarters of the cap then); the only exceptions are a cap smaller than an empty
+    /// profile plus the dropped-stacks entries, the 64 KiB address cache of the bulk heap path,
+    /// and endpoint names ([`Profile::set_endpoint`]), which are not capped. 1/32 of the cap is
+    /// kept for the dropped-stacks rows (one per label set). The cap holds until the next
+    /// reset, which keeps it.
     pub fn set_max_bytes(&mut self, max_bytes: Option<u64>) {
         self.cap = max_bytes.map_or(usize::MAX, |b| usize::try_from(b).unwrap_or(usize::MAX));
     }
@@ -1906,8 +1922,10 @@ impl Profile {
             (adds.stacks, adds.keys, adds.rows, adds.indexed) = (0, 0, 0, false);
             if !self.fits(&adds) {
                 // Rows on an unknown set go to the unlabeled dropped-stacks row.
-                let (_, labels) = self.t.find_existing(&r, &sample)?;
-                return Ok(LabelSetId(labels.unwrap_or(NONE)));
+                let mut ids = std::mem::take(&mut self.t.scratch);
+                let found = self.t.find_label_set(&r, labels, &mut ids);
+                self.t.scratch = ids;
+                return Ok(LabelSetId(found?.unwrap_or(NONE)));
             }
         }
         let t = &mut self.t;
