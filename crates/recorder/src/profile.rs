@@ -1725,11 +1725,14 @@ impl Profile {
         locs.clear();
         let result = if frames.iter().all(|f| matches!(f, Frame::Address(_))) {
             // Nothing to validate; locations come through the address cache.
-            let misses = (0..frames.len()).filter(|&i| hint(i) == NONE).count();
-            let adds = Adds {
-                locations: misses,
-                addr_cache: true,
-                ..Adds::default()
+            let adds = if self.cap == usize::MAX {
+                Adds::default()
+            } else {
+                Adds {
+                    locations: (0..frames.len()).filter(|&i| hint(i) == NONE).count(),
+                    addr_cache: true,
+                    ..Adds::default()
+                }
             };
             let Some(eager) = self.bulk_stack_room(frames.len(), adds) else {
                 self.t.scratch = locs;
