@@ -218,6 +218,8 @@ impl World {
             sample_types,
             heap,
             compression,
+            // The ops' model has no cap (the cap has tests of its own).
+            max_profile_bytes: None,
         };
         // Bad configurations (zstd unavailable, sample_every 0) are errors, then fixed.
         let rec = loop {

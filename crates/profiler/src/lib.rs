@@ -66,8 +66,8 @@ pub use fork::after_fork;
 #[doc(hidden)]
 pub use fork::{__hold_lock, __LOCKS};
 pub use profiler::{
-    Profiler, ProfilerBuilder, ProfilerGuard, ProfilerStats, DEFAULT_CPU_HZ, DEFAULT_OUTPUT_DIR,
-    DEFAULT_PERIOD, MAX_CPU_HZ, MIN_PERIOD,
+    Profiler, ProfilerBuilder, ProfilerGuard, ProfilerStats, DEFAULT_CPU_HZ,
+    DEFAULT_MAX_PROFILE_BYTES, DEFAULT_OUTPUT_DIR, DEFAULT_PERIOD, MAX_CPU_HZ, MIN_PERIOD,
 };
 pub use settings::Profiles;
 pub use symbolize::ProcessSymbolizer;

@@ -37,6 +37,9 @@ pub const MIN_PERIOD: Duration = Duration::from_millis(50);
 pub const DEFAULT_STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default output directory of the directory exporter.
 pub const DEFAULT_OUTPUT_DIR: &str = "./profiles";
+/// Default cap on the memory of the profile being recorded (see
+/// [`ProfilerBuilder::max_profile_bytes`]).
+pub const DEFAULT_MAX_PROFILE_BYTES: u64 = 32 << 20;
 
 /// Entry point: `Profiler::builder()...start()`.
 pub struct Profiler;
@@ -61,6 +64,7 @@ pub struct ProfilerBuilder {
     compression: Compression,
     signal: i32,
     restart_after_fork: bool,
+    max_profile_bytes: u64,
     deferred: Option<ProfilerError>,
 }
 
@@ -79,6 +83,7 @@ impl Default for ProfilerBuilder {
             compression: Compression::Gzip,
             signal: libc::SIGPROF,
             restart_after_fork: true,
+            max_profile_bytes: DEFAULT_MAX_PROFILE_BYTES,
             deferred: None,
         }
     }
@@ -174,9 +179,20 @@ impl ProfilerBuilder {
         self
     }
 
+    /// Cap on the memory of the profile being recorded (default 32 MiB; 0: no cap). Distinct
+    /// stacks grow a profile until its export; past the cap, samples of new stacks are
+    /// folded into a `[stacks dropped: over memory cap]` frame and counted
+    /// ([`ProfilerStats::dropped_stacks`]), while stacks already in the profile keep
+    /// aggregating. Two profiles may be held at a time (the one recorded and the one exported).
+    pub fn max_profile_bytes(mut self, bytes: u64) -> Self {
+        self.max_profile_bytes = bytes;
+        self
+    }
+
     /// Reads `FERROPROF_SERVICE`, `FERROPROF_ENV`, `FERROPROF_VERSION`, `FERROPROF_TAGS`
     /// (`k:v,k:v`), `FERROPROF_PERIOD_SECS`, `FERROPROF_CPU_HZ`, `FERROPROF_ALLOC_INTERVAL`
-    /// (bytes), `FERROPROF_OUTPUT_DIR` and `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`).
+    /// (bytes), `FERROPROF_OUTPUT_DIR`, `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`) and
+    /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap).
     /// Unset variables keep the builder's values; a bad value is reported by `start()`.
     pub fn from_env(self) -> Self {
         self.from_vars(|k| std::env::var(k).ok())
@@ -245,6 +261,18 @@ impl ProfilerBuilder {
                         "FERROPROF_ALLOC_INTERVAL",
                         &v,
                         "expected a non-negative number of bytes (0 = off)",
+                    ));
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_MAX_PROFILE_MB") {
+            match v.trim().parse::<u64>() {
+                Ok(mb) if mb <= u64::MAX >> 20 => self.max_profile_bytes = mb << 20,
+                _ => {
+                    err.get_or_insert(bad(
+                        "FERROPROF_MAX_PROFILE_MB",
+                        &v,
+                        "expected a non-negative number of MiB (0 = no cap)",
                     ));
                 }
             }
@@ -334,6 +362,7 @@ impl ProfilerBuilder {
             compression: self.compression,
             signal: self.signal,
             restart_after_fork: self.restart_after_fork,
+            max_profile_bytes: (self.max_profile_bytes > 0).then_some(self.max_profile_bytes),
         })
     }
 
@@ -358,6 +387,7 @@ impl ProfilerBuilder {
                 },
                 heap: heap_config(),
                 compression: settings.compression,
+                max_profile_bytes: settings.max_profile_bytes,
             })?;
             let mut exporters = std::mem::take(&mut self.exporters);
             if let Some(d) = &settings.output_dir {
@@ -631,6 +661,9 @@ pub struct ProfilerStats {
     pub export_dropped: u64,
     /// Profiles left undelivered when `stop()`'s deadline passed.
     pub export_abandoned: u64,
+    /// Samples folded into the `[stacks dropped: over memory cap]` frame because the profile
+    /// being recorded was at its memory cap (see [`ProfilerBuilder::max_profile_bytes`]).
+    pub dropped_stacks: u64,
 }
 
 /// The running profiler. Dropping it (or [`Self::stop`]) stops profiling and exports a last
@@ -786,6 +819,7 @@ impl ProfilerGuard {
             serialize_errors: l(&s.serialize_errors),
             export_dropped: l(&self.deliveries.dropped),
             export_abandoned: l(&self.deliveries.abandoned),
+            dropped_stacks: self.shared.recorder.dropped_stacks(),
         }
     }
 
@@ -842,6 +876,7 @@ impl Source {
                 sample_types: types,
                 heap: HeapConfig::default(),
                 compression: Compression::Gzip,
+                max_profile_bytes: sh.settings.max_profile_bytes,
             })
             .map_err(|e| e.to_string())?;
             let tap = Arc::new(Tap { kind, recorder });

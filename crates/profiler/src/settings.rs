@@ -102,4 +102,6 @@ pub(crate) struct Settings {
     pub compression: Compression,
     pub signal: i32,
     pub restart_after_fork: bool,
+    /// Cap on each in-flight profile's tables; `None`: no cap.
+    pub max_profile_bytes: Option<u64>,
 }

@@ -70,6 +70,7 @@ fn recorder() -> StackRecorder {
         sample_types: SampleTypeConfig::all(),
         heap: HeapConfig::native(),
         compression: Compression::Gzip,
+        max_profile_bytes: None,
     })
     .expect("recorder")
 }

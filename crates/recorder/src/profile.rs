@@ -14,6 +14,13 @@
 //! no [`StringStorage`] lock. Interned ids are mapped to the profile's own string ids through a
 //! per-profile cache that is dropped whenever the storage's generation moves (ids may be reused
 //! after a generation advance).
+//!
+//! ## The memory cap
+//! [`Profile::set_max_bytes`] bounds the tables. Only paths that add entries check it (the slow
+//! path of a new key, a new row or timestamped sample that needs a table to grow, the bulk
+//! path's new stacks and rows), by an upper bound of the tables' size after the addition
+//! computed from their lengths and capacities; a known sample pays nothing. Past it, samples
+//! fold into one `[stacks dropped: over memory cap]` stack.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -253,6 +260,18 @@ impl IdIndex {
     fn memory_bytes(&self) -> usize {
         (self.slots.capacity() + self.hashes.capacity()) * 8
     }
+
+    /// [`IdIndex::memory_bytes`] after `add` more ids at most: slot tables are powers of two,
+    /// at least twice as long as the ids they hold.
+    fn bytes_after(&self, add: usize) -> usize {
+        let need = (self.len() + add).saturating_mul(2);
+        let slots = if need > self.slots.len() {
+            need.next_power_of_two().max(16)
+        } else {
+            self.slots.capacity()
+        };
+        slots * 8 + bytes_after(&self.hashes, add)
+    }
 }
 
 /// Entries of the address cache: 4096 (64 KiB), enough for the frames many stacks share.
@@ -385,9 +404,47 @@ impl SliceSet {
         Ok(self.index.insert(hash))
     }
 
+    /// The id of an entry equal to `ids`, without changing anything (entries appended by
+    /// [`SliceSet::push_unindexed`] and not indexed yet are compared one by one).
+    fn find(&self, ids: &[u32]) -> Option<u32> {
+        let (items, spans) = (&self.items, &self.spans);
+        let eq = |id: u32| {
+            let (off, len) = spans[id as usize];
+            &items[off as usize..(off + len) as usize] == ids
+        };
+        self.index
+            .find(hash_ids(ids), eq)
+            .or_else(|| (self.index.len() as u32..spans.len() as u32).find(|&id| eq(id)))
+    }
+
+    /// Entries appended and not indexed yet.
+    fn unindexed(&self) -> usize {
+        self.spans.len() - self.index.len()
+    }
+
+    /// Most bytes the items hold after [`SliceSet::push_unindexed`] of `add` items.
+    fn items_bytes_after_push(&self, add: usize, eager: bool) -> usize {
+        let (len, cap) = (self.items.len(), self.items.capacity());
+        let plain = vec_bytes_after(len, cap, add, 4);
+        if eager && cap - len < add && !self.spans.is_empty() {
+            (len + self.eager_reserve(add)).max(2 * cap) * 4
+        } else {
+            plain
+        }
+    }
+
+    /// Items [`SliceSet::push_unindexed`] reserves at once when `add` more do not fit: room for
+    /// the entries reserved in `spans`, as deep as those so far.
+    fn eager_reserve(&self, add: usize) -> usize {
+        let mean = self.items.len().div_ceil(self.spans.len());
+        let expected = mean * (self.spans.capacity() - self.spans.len());
+        expected.max(add)
+    }
+
     /// Appends `ids` as a new entry without looking it up or indexing it: the entry may equal an
-    /// existing one. The index catches up on the next [`SliceSet::intern`].
-    fn push_unindexed(&mut self, ids: &[u32]) -> Result<u32, ProfileError> {
+    /// existing one. The index catches up on the next [`SliceSet::intern`]. `eager` reserves
+    /// room for the entries expected (see [`SliceSet::eager_reserve`]) when the items are full.
+    fn push_unindexed(&mut self, ids: &[u32], eager: bool) -> Result<u32, ProfileError> {
         check_table_len(self.spans.len(), "slice")?;
         if self.items.len() + ids.len() > u32::MAX as usize {
             return Err(ProfileError::Encode(format!(
@@ -395,12 +452,10 @@ impl SliceSet {
                 self.items.len()
             )));
         }
-        if self.items.capacity() - self.items.len() < ids.len() && !self.spans.is_empty() {
+        if eager && self.items.capacity() - self.items.len() < ids.len() && !self.spans.is_empty() {
             // Growing by doubling would copy (and page-fault) the whole table again and again:
-            // make room at once for the entries reserved in `spans`, as deep as those so far.
-            let mean = self.items.len().div_ceil(self.spans.len());
-            let expected = mean * (self.spans.capacity() - self.spans.len());
-            self.items.reserve(expected.max(ids.len()));
+            // make room at once for the entries expected.
+            self.items.reserve(self.eager_reserve(ids.len()));
         }
         let id = self.spans.len() as u32;
         let off = self.items.len() as u32;
@@ -482,6 +537,62 @@ fn check_table_len(len: usize, what: &str) -> Result<(), ProfileError> {
         )));
     }
     Ok(())
+}
+
+/// Name of the one frame that samples over a profile's memory cap are folded into.
+pub const DROPPED_STACKS_FRAME: &str = "[stacks dropped: over memory cap]";
+
+/// Marks a [`RowId`] that is an index of the dropped-stacks rows, not of the aggregated rows.
+/// (A profile never comes near 2^31 dropped-stacks rows: there is one per label set at most.)
+const DROPPED_ROW: u32 = 1 << 31;
+
+/// Part of the cap (1/32) that only rows of the dropped-stacks frame may use, so that samples
+/// folded in over the cap keep their label sets (a thread's, say) for a while.
+const DROPPED_ROWS_SHARE: usize = 32;
+
+/// Most bytes a vector of `len` items with room for `cap` holds after `add` more items pushed,
+/// extended or resized in: nothing moves when they fit; otherwise each growth step at most
+/// doubles the room or sets it to the length needed, so the room ends below twice the final
+/// length (and a first allocation reserves at most 8 items).
+fn vec_bytes_after(len: usize, cap: usize, add: usize, size: usize) -> usize {
+    let need = len.saturating_add(add);
+    if need <= cap {
+        cap * size
+    } else {
+        need.saturating_mul(2).max(8).saturating_mul(size)
+    }
+}
+
+fn bytes_after<T>(v: &Vec<T>, add: usize) -> usize {
+    vec_bytes_after(v.len(), v.capacity(), add, std::mem::size_of::<T>())
+}
+
+/// Upper bounds of what one operation may add to each table, for the memory cap's check.
+#[derive(Clone, Copy, Default)]
+struct Adds {
+    strings: usize,
+    string_bytes: usize,
+    functions: usize,
+    locations: usize,
+    stacks: usize,
+    stack_items: usize,
+    labels: usize,
+    label_sets: usize,
+    label_items: usize,
+    keys: usize,
+    rows: usize,
+    timed: usize,
+    /// Length `id_cache` may be resized to (0: unchanged).
+    id_cache_len: usize,
+    /// New dropped-stacks rows.
+    dropped_rows: usize,
+    /// Length the label set -> dropped-stacks row map may be resized to (0: unchanged).
+    dropped_map_len: usize,
+    /// The address cache may be allocated.
+    addr_cache: bool,
+    /// Lookups follow, so the stack and row indexes catch up with unindexed entries (the bulk
+    /// path appends without indexing; its entries are never looked up).
+    indexed: bool,
 }
 
 /// Hash of a slice of ids: one folded multiply per four ids (stacks are long, and a new stack is
@@ -600,6 +711,47 @@ struct Tables {
     /// Direct-mapped address -> location id cache of [`Profile::push_stack_unindexed`] (empty until
     /// first used). Location ids never change while the tables live, so entries stay valid.
     addr_cache: Vec<(u64, u32)>,
+    dropped: Dropped,
+}
+
+/// Where samples over the memory cap go: one stack of the [`DROPPED_STACKS_FRAME`] frame, with a
+/// row per label set that already existed (or none). Its rows are kept apart from the
+/// aggregated ones: they grow from nothing in a share of the cap of their own, where a row in
+/// the aggregated table could need that (large) table to double.
+struct Dropped {
+    /// The dropped-stacks stack, `NONE` until the first sample over the cap.
+    stack: u32,
+    /// The empty label set (valid once `stack` is set).
+    empty_labels: u32,
+    /// Label set id -> its dropped-stacks row, `NONE` where there is none.
+    map: Vec<u32>,
+    /// Label set per row.
+    labels: Vec<u32>,
+    /// Values per row (one per sample type).
+    values: Vec<i64>,
+    /// Samples folded in.
+    samples: u64,
+}
+
+impl Dropped {
+    fn new() -> Self {
+        Dropped {
+            stack: NONE,
+            empty_labels: NONE,
+            map: Vec::new(),
+            labels: Vec::new(),
+            values: Vec::new(),
+            samples: 0,
+        }
+    }
+
+    fn row(&self, labels: u32) -> u32 {
+        self.map.get(labels as usize).copied().unwrap_or(NONE)
+    }
+
+    fn memory_bytes(&self) -> usize {
+        (self.map.capacity() + self.labels.capacity()) * 4 + self.values.capacity() * 8
+    }
 }
 
 impl Tables {
@@ -639,6 +791,7 @@ impl Tables {
             },
             scratch: Vec::new(),
             addr_cache: Vec::new(),
+            dropped: Dropped::new(),
         }
     }
 
@@ -746,6 +899,111 @@ impl Tables {
             + self.id_cache.capacity() * 4
             + self.function_src.capacity() * 8
             + self.addr_cache.capacity() * std::mem::size_of::<(u64, u32)>()
+            + self.dropped.memory_bytes()
+    }
+
+    /// An upper bound of [`Tables::memory_bytes`] after the additions `a` (values of `n` sample
+    /// types per row), plus what the first sample over the cap adds (the dropped-stacks stack
+    /// and its unlabeled row) while that is not there yet: whatever is let in under the cap,
+    /// room for those remains. Mirrors `memory_bytes` term by term; reads lengths and
+    /// capacities only.
+    fn projected_bytes(&self, a: &Adds, n: usize) -> usize {
+        let mut a = *a;
+        let d = &self.dropped;
+        if d.stack == NONE {
+            a.strings += 1;
+            a.string_bytes += DROPPED_STACKS_FRAME.len();
+            a.functions += 1;
+            a.locations += 1;
+            a.stacks += 1;
+            a.stack_items += 1;
+            a.label_sets += 1;
+        }
+        if d.row(d.empty_labels) == NONE {
+            a.dropped_rows += 1;
+            a.dropped_map_len = a
+                .dropped_map_len
+                .max(self.label_sets.spans.len() + a.label_sets);
+        }
+        let (pending_stacks, pending_rows) = if a.indexed {
+            (
+                self.stacks.unindexed(),
+                self.agg.len() - self.agg_index.len(),
+            )
+        } else {
+            (0, 0)
+        };
+        let resized = |len: usize, cap: usize, to: usize, size: usize| {
+            vec_bytes_after(len, cap, to.saturating_sub(len), size)
+        };
+        let s = &self.strings;
+        vec_bytes_after(s.bytes.len(), s.bytes.capacity(), a.string_bytes, 1)
+            + bytes_after(&s.spans, a.strings)
+            + s.index.bytes_after(a.strings)
+            + bytes_after(&self.functions.items, a.functions)
+            + self.functions.index.bytes_after(a.functions)
+            + bytes_after(&self.locations.items, a.locations)
+            + self.locations.index.bytes_after(a.locations)
+            + vec_bytes_after(
+                self.stacks.items.len(),
+                self.stacks.items.capacity(),
+                a.stack_items,
+                4,
+            )
+            + bytes_after(&self.stacks.spans, a.stacks)
+            + self.stacks.index.bytes_after(if a.indexed {
+                a.stacks + pending_stacks
+            } else {
+                0
+            })
+            + bytes_after(&self.labels.items, a.labels)
+            + self.labels.index.bytes_after(a.labels)
+            + bytes_after(&self.label_sets.items, a.label_items)
+            + bytes_after(&self.label_sets.spans, a.label_sets)
+            + self.label_sets.index.bytes_after(a.label_sets)
+            + bytes_after(&self.keys, a.keys)
+            + self.key_index.bytes_after(a.keys)
+            + bytes_after(&self.agg, a.rows)
+            + self
+                .agg_index
+                .bytes_after(if a.indexed { a.rows + pending_rows } else { 0 })
+            + bytes_after(&self.agg_values, a.rows * n)
+            + bytes_after(&self.timed, a.timed)
+            + bytes_after(&self.timed_values, a.timed * n)
+            + resized(
+                self.id_cache.len(),
+                self.id_cache.capacity(),
+                a.id_cache_len,
+                4,
+            )
+            + resized(
+                self.function_src.len(),
+                self.function_src.capacity(),
+                self.functions.items.len() + a.functions,
+                8,
+            )
+            + if a.addr_cache && self.addr_cache.is_empty() {
+                (1 << ADDR_CACHE_BITS) * std::mem::size_of::<(u64, u32)>()
+            } else {
+                self.addr_cache.capacity() * std::mem::size_of::<(u64, u32)>()
+            }
+            + resized(d.map.len(), d.map.capacity(), a.dropped_map_len, 4)
+            + bytes_after(&d.labels, a.dropped_rows)
+            + bytes_after(&d.values, a.dropped_rows * n)
+    }
+
+    /// Row of (stack, labels) if there is one, without changing anything.
+    fn find_agg_row(&self, stack: u32, labels: u32) -> Option<u32> {
+        let agg = &self.agg;
+        self.agg_index
+            .find(hash_pair(stack, labels), |r| {
+                agg[r as usize] == (stack, labels)
+            })
+            .or_else(|| {
+                (self.agg_index.len()..agg.len())
+                    .find(|&r| agg[r] == (stack, labels))
+                    .map(|r| r as u32)
+            })
     }
 
     /// Location id of an address frame, through the address cache.
@@ -1065,6 +1323,150 @@ fn intern_labels(
 }
 
 // ---------------------------------------------------------------------------------------------
+// The memory cap's look-ups
+
+impl Tables {
+    /// What adding `sample` under a new key may add at most: every frame a new location (and
+    /// function, and strings), every label new. Cached ids are in the string table already.
+    fn new_key_adds(&self, r: &Resolver<'_>, sample: &Sample<'_>) -> Result<Adds, ProfileError> {
+        let mut a = Adds {
+            locations: sample.frames.len(),
+            stacks: 1,
+            stack_items: sample.frames.len(),
+            labels: sample.labels.len(),
+            label_sets: 1,
+            label_items: sample.labels.len(),
+            keys: 1,
+            indexed: true,
+            ..Adds::default()
+        };
+        if sample.end_timestamp_ns == 0 {
+            a.rows = 1;
+        } else {
+            a.timed = 1;
+        }
+        let mut count = |s: Str<'_>| -> Result<(), ProfileError> {
+            match s {
+                Str::Id(id) if self.cached(id).is_some() => return Ok(()),
+                Str::Id(id) => a.id_cache_len = a.id_cache_len.max(id.0 as usize + 1),
+                Str::Lit(_) => {}
+            }
+            a.strings += 1;
+            a.string_bytes += text(self, r, s)?.len();
+            Ok(())
+        };
+        let mut functions = 0;
+        for f in sample.frames {
+            if let Frame::Symbol { name, filename, .. } = *f {
+                functions += 1;
+                count(name)?;
+                count(filename)?;
+            }
+        }
+        for l in sample.labels {
+            count(l.key)?;
+            if let LabelValue::Str(v) = l.value {
+                count(v)?;
+            }
+        }
+        a.functions = functions;
+        Ok(a)
+    }
+
+    /// Local id of `s` if the string table holds it.
+    fn find_str(&self, r: &Resolver<'_>, s: Str<'_>) -> Result<Option<u32>, ProfileError> {
+        Ok(match s {
+            Str::Lit(s) => self.strings.find(s),
+            Str::Id(id) => match self.cached(id) {
+                Some(local) => Some(local),
+                None => self.strings.find(r.storage_text(id)?),
+            },
+        })
+    }
+
+    /// The stack and label set `sample` resolves to, where they exist, without adding anything.
+    fn find_existing(
+        &mut self,
+        r: &Resolver<'_>,
+        sample: &Sample<'_>,
+    ) -> Result<(Option<u32>, Option<u32>), ProfileError> {
+        let mut ids = std::mem::take(&mut self.scratch);
+        let result = self
+            .find_stack(r, sample.frames, &mut ids)
+            .and_then(|stack| {
+                let labels = self.find_label_set(r, sample.labels, &mut ids)?;
+                Ok((stack, labels))
+            });
+        self.scratch = ids;
+        result
+    }
+
+    /// The stack of `frames`, if the tables hold it (`ids`: scratch).
+    fn find_stack(
+        &self,
+        r: &Resolver<'_>,
+        frames: &[Frame<'_>],
+        ids: &mut Vec<u32>,
+    ) -> Result<Option<u32>, ProfileError> {
+        ids.clear();
+        for f in frames {
+            let loc = match *f {
+                Frame::Address(a) => Some(Location::Address(a)),
+                Frame::Symbol {
+                    name,
+                    filename,
+                    line,
+                } => match (self.find_str(r, name)?, self.find_str(r, filename)?) {
+                    (Some(name), Some(filename)) => {
+                        let func = Function { name, filename };
+                        self.functions
+                            .find(func, hash_function(func))
+                            .map(|function| Location::Symbol { function, line })
+                    }
+                    _ => None,
+                },
+            };
+            match loc.and_then(|l| self.locations.find(l, hash_location(l))) {
+                Some(id) => ids.push(id),
+                None => return Ok(None),
+            }
+        }
+        Ok(self.stacks.find(ids))
+    }
+
+    /// The label set of `labels`, if the tables hold it (`ids`: scratch).
+    fn find_label_set(
+        &self,
+        r: &Resolver<'_>,
+        labels: &[Label<'_>],
+        ids: &mut Vec<u32>,
+    ) -> Result<Option<u32>, ProfileError> {
+        ids.clear();
+        for l in labels {
+            let Some(key) = self.find_str(r, l.key)? else {
+                return Ok(None);
+            };
+            let rec = match l.value {
+                LabelValue::Num(num) => LabelRec {
+                    key,
+                    str: NONE,
+                    num,
+                },
+                LabelValue::Str(v) => match self.find_str(r, v)? {
+                    Some(str) => LabelRec { key, str, num: 0 },
+                    None => return Ok(None),
+                },
+            };
+            match self.labels.find(rec, hash_label(rec)) {
+                Some(id) => ids.push(id),
+                None => return Ok(None),
+            }
+        }
+        Ok(self.label_sets.find(ids))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Profile
 
 /// A stack interned in a profile, valid until its next reset.
@@ -1103,12 +1505,25 @@ pub(crate) struct BulkBuffers {
     location_hashes: Vec<u64>,
 }
 
+impl BulkBuffers {
+    fn memory_bytes(&self) -> usize {
+        self.agg.capacity() * 8
+            + self.agg_values.capacity() * 8
+            + self.stack_items.capacity() * 4
+            + self.stack_spans.capacity() * 8
+            + self.locations.capacity() * std::mem::size_of::<Location>()
+            + (self.location_slots.capacity() + self.location_hashes.capacity()) * 8
+    }
+}
+
 /// A profile being recorded.
 pub struct Profile {
     types: Box<[SampleType]>,
     storage: Option<Arc<StringStorage>>,
     start: SystemTime,
     t: Tables,
+    /// Most bytes the tables may hold ([`Profile::set_max_bytes`]); `usize::MAX`: no cap.
+    cap: usize,
 }
 
 impl Profile {
@@ -1124,7 +1539,55 @@ impl Profile {
             storage: strings,
             start,
             t: Tables::new(types, generation),
+            cap: usize::MAX,
         }
+    }
+
+    /// Caps the memory of the profile's tables at `max_bytes` (`None`: no cap, the default).
+    ///
+    /// Under the cap the profile works as without one. A sample that would need new table
+    /// entries (a new stack, location, function, string, label set or row) that could take the
+    /// tables past the cap is folded instead into one stack of a single
+    /// [`DROPPED_STACKS_FRAME`] frame (with the sample's labels when that label set already
+    /// exists, else none) and counted ([`Profile::dropped_samples`]); samples of stacks already
+    /// there keep aggregating into their own rows. Values are never lost.
+    ///
+    /// The check takes the tables' growth by doubling into account, so
+    /// [`Profile::memory_bytes`] stays at or under the cap (a profile emptier than its cap may
+    /// thus start folding when a large table would have to double: it typically holds half to
+    /// three quarters of the cap then); the only exceptions are a cap smaller than an empty
+    /// profile plus the dropped-stacks entries, the 64 KiB address cache of the bulk heap path,
+    /// and endpoint names ([`Profile::set_endpoint`]), which are not capped. 1/32 of the cap is
+    /// kept for the dropped-stacks rows (one per label set). The cap holds until the next
+    /// reset, which keeps it.
+    pub fn set_max_bytes(&mut self, max_bytes: Option<u64>) {
+        self.cap = max_bytes.map_or(usize::MAX, |b| usize::try_from(b).unwrap_or(usize::MAX));
+    }
+
+    /// [`Profile::set_max_bytes`], builder style.
+    pub fn with_max_bytes(mut self, max_bytes: Option<u64>) -> Self {
+        self.set_max_bytes(max_bytes);
+        self
+    }
+
+    /// The cap set by [`Profile::set_max_bytes`].
+    pub fn max_bytes(&self) -> Option<u64> {
+        (self.cap != usize::MAX).then_some(self.cap as u64)
+    }
+
+    /// Samples folded into the dropped-stacks frame since the last reset (a heap object added
+    /// by the bulk path counts as one sample).
+    pub fn dropped_samples(&self) -> u64 {
+        self.t.dropped.samples
+    }
+
+    /// Whether the additions `a` keep the tables under the cap, less the share kept for
+    /// dropped-stacks rows (which [`Profile::add_dropped`] alone may use).
+    #[inline]
+    fn fits(&self, a: &Adds) -> bool {
+        self.cap == usize::MAX
+            || self.t.projected_bytes(a, self.types.len())
+                <= self.cap - self.cap / DROPPED_ROWS_SHARE
     }
 
     pub fn sample_types(&self) -> &[SampleType] {
@@ -1160,7 +1623,11 @@ impl Profile {
             t.key_matches(&t.keys[k as usize], sample.frames, sample.labels)
         }) {
             Some(k) => k,
-            None => self.add_key(hash, sample)?,
+            None => match self.add_key(hash, sample)? {
+                Some(k) => k,
+                // Over the memory cap: already added where it belongs.
+                None => return Ok(()),
+            },
         };
         self.record(key, sample)
     }
@@ -1193,6 +1660,21 @@ impl Profile {
         stacks: usize,
         spare: &mut BulkBuffers,
     ) {
+        if self.cap != usize::MAX {
+            let a = Adds {
+                rows,
+                stacks,
+                locations: stacks,
+                ..Adds::default()
+            };
+            // Adopting keeps the larger of two allocations: at most both.
+            if self.t.projected_bytes(&a, self.types.len()) + spare.memory_bytes() > self.cap {
+                // Too much for the cap: give the kept buffers back and let each push check
+                // its own growth.
+                *spare = BulkBuffers::default();
+                return;
+            }
+        }
         let t = &mut self.t;
         if spare.agg.capacity() > 4 * (t.agg.len() + rows).max(1024) {
             *spare = BulkBuffers::default();
@@ -1238,12 +1720,25 @@ impl Profile {
             });
         }
         self.sync_generation();
+        let hint = |i: usize| hints.get(i).copied().unwrap_or(NONE);
         let mut locs = std::mem::take(&mut self.t.scratch);
         locs.clear();
         let result = if frames.iter().all(|f| matches!(f, Frame::Address(_))) {
             // Nothing to validate; locations come through the address cache.
+            let adds = if self.cap == usize::MAX {
+                Adds::default()
+            } else {
+                Adds {
+                    locations: (0..frames.len()).filter(|&i| hint(i) == NONE).count(),
+                    addr_cache: true,
+                    ..Adds::default()
+                }
+            };
+            let Some(eager) = self.bulk_stack_room(frames.len(), adds) else {
+                self.t.scratch = locs;
+                return self.dropped_stack_id();
+            };
             let t = &mut self.t;
-            let hint = |i: usize| hints.get(i).copied().unwrap_or(NONE);
             frames
                 .iter()
                 .enumerate()
@@ -1256,7 +1751,7 @@ impl Profile {
                     }
                     Ok(())
                 })
-                .and_then(|()| t.stacks.push_unindexed(&locs))
+                .and_then(|()| t.stacks.push_unindexed(&locs, eager))
         } else {
             let storage = self.storage.clone();
             let sample = Sample {
@@ -1266,14 +1761,58 @@ impl Profile {
                 end_timestamp_ns: 0,
             };
             let r = Resolver::new(storage.as_deref(), &self.t, &sample);
-            self.validate(&r, &sample).and_then(|()| {
-                let t = &mut self.t;
-                intern_frames(t, &r, frames, &mut locs)?;
-                t.stacks.push_unindexed(&locs)
-            })
+            let room = self.validate(&r, &sample).and_then(|()| {
+                if self.cap == usize::MAX {
+                    return Ok(Some(true));
+                }
+                let mut adds = self.t.new_key_adds(&r, &sample)?;
+                (adds.stacks, adds.stack_items, adds.rows) = (0, 0, 0);
+                (adds.label_sets, adds.keys, adds.indexed) = (0, 0, false);
+                Ok(self.bulk_stack_room(frames.len(), adds))
+            });
+            match room {
+                Ok(Some(eager)) => {
+                    let t = &mut self.t;
+                    intern_frames(t, &r, frames, &mut locs)
+                        .and_then(|()| t.stacks.push_unindexed(&locs, eager))
+                }
+                Ok(None) => {
+                    drop(r);
+                    self.t.scratch = locs;
+                    return self.dropped_stack_id();
+                }
+                Err(e) => Err(e),
+            }
         };
         self.t.scratch = locs;
         result.map(StackId)
+    }
+
+    /// Whether the bulk path may append a stack of `items` frames whose other additions are `a`
+    /// (and the row that follows it): `None` over the memory cap, else whether the stack table
+    /// may reserve ahead ([`SliceSet::push_unindexed`]'s `eager`).
+    fn bulk_stack_room(&self, items: usize, mut a: Adds) -> Option<bool> {
+        if self.cap == usize::MAX {
+            return Some(true);
+        }
+        (a.stacks, a.stack_items, a.rows) = (1, items, 1);
+        let projected = self.t.projected_bytes(&a, self.types.len());
+        if projected > self.cap {
+            return None;
+        }
+        let s = &self.t.stacks;
+        let eager_extra = s
+            .items_bytes_after_push(items, true)
+            .saturating_sub(s.items_bytes_after_push(items, false));
+        Some(projected + eager_extra <= self.cap)
+    }
+
+    /// The dropped-stacks stack, for a bulk stack over the memory cap; rows on it go to the
+    /// dropped-stacks rows (see [`Profile::push_unindexed_row`]).
+    #[cold]
+    fn dropped_stack_id(&mut self) -> Result<StackId, ProfileError> {
+        self.ensure_dropped_stack()?;
+        Ok(StackId(self.t.dropped.stack))
     }
 
     /// Looks `frames` up in the address cache ahead of [`Profile::push_stack_unindexed`]: sets
@@ -1347,13 +1886,22 @@ impl Profile {
             });
         }
         self.sync_generation();
+        let adds = Adds {
+            locations: prefetched.misses.len(),
+            ..Adds::default()
+        };
+        let Some(eager) = self.bulk_stack_room(prefetched.locs.len(), adds) else {
+            return self.dropped_stack_id();
+        };
         let t = &mut self.t;
         for &(pos, a, hash) in &prefetched.misses {
             let id = t.locations.intern(Location::Address(a), hash, "location")?;
             t.addr_cache[addr_cache_slot(a)] = (a, id);
             prefetched.locs[pos as usize] = id;
         }
-        t.stacks.push_unindexed(&prefetched.locs).map(StackId)
+        t.stacks
+            .push_unindexed(&prefetched.locs, eager)
+            .map(StackId)
     }
 
     /// Bulk path, part 2: interns a label set as [`Profile::add`] would (same validation, for
@@ -1372,6 +1920,17 @@ impl Profile {
         };
         let r = Resolver::new(storage.as_deref(), &self.t, &sample);
         self.validate(&r, &sample)?;
+        if self.cap != usize::MAX {
+            let mut adds = self.t.new_key_adds(&r, &sample)?;
+            (adds.stacks, adds.keys, adds.rows, adds.indexed) = (0, 0, 0, false);
+            if !self.fits(&adds) {
+                // Rows on an unknown set go to the unlabeled dropped-stacks row.
+                let mut ids = std::mem::take(&mut self.t.scratch);
+                let found = self.t.find_label_set(&r, labels, &mut ids);
+                self.t.scratch = ids;
+                return Ok(LabelSetId(found?.unwrap_or(NONE)));
+            }
+        }
         let t = &mut self.t;
         let mut ids = std::mem::take(&mut t.scratch);
         ids.clear();
@@ -1399,6 +1958,16 @@ impl Profile {
                 got: values.len(),
             });
         }
+        if stack.0 == self.t.dropped.stack
+            || labels.0 == NONE
+            || !self.fits(&Adds {
+                rows: 1,
+                ..Adds::default()
+            })
+        {
+            let row = self.add_dropped(labels.0, values)?;
+            return Ok(RowId(row | DROPPED_ROW));
+        }
         let t = &mut self.t;
         debug_assert!((stack.0 as usize) < t.stacks.spans.len());
         debug_assert!((labels.0 as usize) < t.label_sets.spans.len());
@@ -1421,8 +1990,15 @@ impl Profile {
                 got: values.len(),
             });
         }
-        let start = row.0 as usize * n;
-        for (acc, v) in self.t.agg_values[start..start + n].iter_mut().zip(values) {
+        let (table, row) = if row.0 & DROPPED_ROW != 0 {
+            let d = &mut self.t.dropped;
+            d.samples += 1;
+            (&mut d.values, row.0 & !DROPPED_ROW)
+        } else {
+            (&mut self.t.agg_values, row.0)
+        };
+        let start = row as usize * n;
+        for (acc, v) in table[start..start + n].iter_mut().zip(values) {
             *acc = acc.saturating_add(*v);
         }
         Ok(())
@@ -1431,15 +2007,27 @@ impl Profile {
     /// Applies the values of a sample whose key is known.
     #[inline]
     fn record(&mut self, key: u32, sample: &Sample<'_>) -> Result<(), ProfileError> {
-        let t = &mut self.t;
         let n = self.types.len();
-        let k = t.keys[key as usize];
+        let k = self.t.keys[key as usize];
         if sample.end_timestamp_ns != 0 {
             if k.has_ts_label {
                 return Err(ProfileError::ReservedLabelKey(
                     END_TIMESTAMP_LABEL.to_owned(),
                 ));
             }
+            let t = &self.t;
+            // Only a push that grows the tables needs the cap's check.
+            if (t.timed.len() == t.timed.capacity()
+                || t.timed_values.capacity() - t.timed_values.len() < n)
+                && !self.fits(&Adds {
+                    timed: 1,
+                    ..Adds::default()
+                })
+            {
+                self.add_dropped(k.labels, sample.values)?;
+                return Ok(());
+            }
+            let t = &mut self.t;
             t.timed.push(TimedRec {
                 stack: k.stack,
                 labels: k.labels,
@@ -1451,10 +2039,23 @@ impl Profile {
         let row = if k.agg != NONE {
             k.agg
         } else {
-            let row = t.agg_row(k.stack, k.labels, n)?;
-            t.keys[key as usize].agg = row;
+            let new_row = Adds {
+                rows: 1,
+                indexed: true,
+                ..Adds::default()
+            };
+            let row = if self.fits(&new_row) {
+                self.t.agg_row(k.stack, k.labels, n)?
+            } else if let Some(row) = self.t.find_agg_row(k.stack, k.labels) {
+                row
+            } else {
+                self.add_dropped(k.labels, sample.values)?;
+                return Ok(());
+            };
+            self.t.keys[key as usize].agg = row;
             row
         };
+        let t = &mut self.t;
         let start = row as usize * n;
         for (acc, v) in t.agg_values[start..start + n].iter_mut().zip(sample.values) {
             *acc = acc.saturating_add(*v);
@@ -1462,12 +2063,120 @@ impl Profile {
         Ok(())
     }
 
-    /// Slow path: validates the sample, resolves it into the tables and indexes its key.
+    /// Adds a sample's values to the dropped-stacks row of label set `labels` (`NONE`: no label
+    /// set) and counts it; returns the index of the row. A label set gets a row of its own while
+    /// the cap allows; otherwise (and for `NONE`) the unlabeled row takes the values, and the cap
+    /// always keeps room for that one (see [`Tables::projected_bytes`]).
     #[cold]
-    fn add_key(&mut self, hash: u64, sample: &Sample<'_>) -> Result<u32, ProfileError> {
+    fn add_dropped(&mut self, labels: u32, values: &[i64]) -> Result<u32, ProfileError> {
+        self.ensure_dropped_stack()?;
+        let n = self.types.len();
+        let empty = self.t.dropped.empty_labels;
+        let want = if labels == NONE { empty } else { labels };
+        let mut row = self.t.dropped.row(want);
+        if row == NONE {
+            let own_row = Adds {
+                dropped_rows: 1,
+                dropped_map_len: want as usize + 1,
+                ..Adds::default()
+            };
+            let target = if want == empty || self.t.projected_bytes(&own_row, n) <= self.cap {
+                want
+            } else {
+                empty
+            };
+            row = self.t.dropped.row(target);
+            if row == NONE {
+                let d = &mut self.t.dropped;
+                row = d.labels.len() as u32;
+                d.labels.push(target);
+                d.values.resize(d.values.len() + n, 0);
+                if d.map.len() <= target as usize {
+                    d.map.resize(target as usize + 1, NONE);
+                }
+                d.map[target as usize] = row;
+            }
+        }
+        let d = &mut self.t.dropped;
+        let start = row as usize * n;
+        for (acc, v) in d.values[start..start + n].iter_mut().zip(values) {
+            *acc = acc.saturating_add(*v);
+        }
+        d.samples += 1;
+        Ok(row)
+    }
+
+    /// Creates the dropped-stacks stack and the empty label set, once per profile.
+    fn ensure_dropped_stack(&mut self) -> Result<(), ProfileError> {
+        let t = &mut self.t;
+        if t.dropped.stack != NONE {
+            return Ok(());
+        }
+        check_table_len(t.strings.len(), "string")?;
+        let name = t.strings.intern(DROPPED_STACKS_FRAME);
+        let func = Function { name, filename: 0 };
+        let function = t.functions.intern(func, hash_function(func), "function")?;
+        if t.function_src.len() < t.functions.items.len() {
+            t.function_src.resize(t.functions.items.len(), NO_SOURCE);
+        }
+        let loc = Location::Symbol { function, line: 0 };
+        let loc = t.locations.intern(loc, hash_location(loc), "location")?;
+        // Appended without indexing: indexing now would index the bulk path's pending stacks.
+        let stack = t.stacks.push_unindexed(&[loc], false)?;
+        let empty = t.label_sets.intern(&[])?;
+        t.dropped.stack = stack;
+        t.dropped.empty_labels = empty;
+        Ok(())
+    }
+
+    /// Over the cap, a sample that needs a new key: adds it to its own row if its stack, label
+    /// set and row all exist already (a key missed only because the sample spells them
+    /// differently: literals vs ids, ids after a generation change), to the dropped-stacks
+    /// row otherwise. Changes no table but rows.
+    #[cold]
+    fn add_over_cap(&mut self, r: &Resolver<'_>, sample: &Sample<'_>) -> Result<(), ProfileError> {
+        let (stack, labels) = self.t.find_existing(r, sample)?;
+        if let (Some(stack), Some(labels)) = (stack, labels) {
+            let n = self.types.len();
+            let t = &mut self.t;
+            if sample.end_timestamp_ns == 0 {
+                if let Some(row) = t.find_agg_row(stack, labels) {
+                    let start = row as usize * n;
+                    for (acc, v) in t.agg_values[start..start + n].iter_mut().zip(sample.values) {
+                        *acc = acc.saturating_add(*v);
+                    }
+                    return Ok(());
+                }
+            } else if t.timed.len() < t.timed.capacity()
+                && t.timed_values.capacity() - t.timed_values.len() >= n
+            {
+                t.timed.push(TimedRec {
+                    stack,
+                    labels,
+                    ts: sample.end_timestamp_ns,
+                });
+                t.timed_values.extend_from_slice(sample.values);
+                return Ok(());
+            }
+        }
+        self.add_dropped(labels.unwrap_or(NONE), sample.values)?;
+        Ok(())
+    }
+
+    /// Slow path: validates the sample, resolves it into the tables and indexes its key.
+    /// `None` when the memory cap sent the sample elsewhere (already added).
+    #[cold]
+    fn add_key(&mut self, hash: u64, sample: &Sample<'_>) -> Result<Option<u32>, ProfileError> {
         let storage = self.storage.clone();
         let r = Resolver::new(storage.as_deref(), &self.t, sample);
         self.validate(&r, sample)?;
+        if self.cap != usize::MAX {
+            let adds = self.t.new_key_adds(&r, sample)?;
+            if !self.fits(&adds) {
+                self.add_over_cap(&r, sample)?;
+                return Ok(None);
+            }
+        }
 
         let t = &mut self.t;
         let mut locs = std::mem::take(&mut t.scratch);
@@ -1501,7 +2210,7 @@ impl Profile {
             Ok(t.key_index.insert(hash))
         })();
         t.scratch = locs;
-        result
+        result.map(Some)
     }
 
     /// Checks done before anything is added, so a bad sample leaves no trace: every storage id
@@ -1575,7 +2284,7 @@ impl Profile {
 
     /// Distinct aggregated samples plus timestamped samples held.
     pub fn sample_count(&self) -> usize {
-        self.t.agg.len() + self.t.timed.len()
+        self.t.agg.len() + self.t.timed.len() + self.t.dropped.labels.len()
     }
 
     /// Bytes held by the profile's tables, for memory reporting.
@@ -1631,6 +2340,11 @@ impl Profile {
         for (row, &(stack, labels)) in t.agg.iter().enumerate() {
             let values = &t.agg_values[row * n..row * n + n];
             write_sample(&mut w, t, &ids, &label_bytes, stack, labels, values, None)?;
+        }
+        let d = &t.dropped;
+        for (row, &labels) in d.labels.iter().enumerate() {
+            let values = &d.values[row * n..row * n + n];
+            write_sample(&mut w, t, &ids, &label_bytes, d.stack, labels, values, None)?;
         }
         for (i, rec) in t.timed.iter().enumerate() {
             let values = &t.timed_values[i * n..i * n + n];
@@ -1850,6 +2564,9 @@ impl LocationIds {
         }
         for rec in &t.timed {
             stack_uses[rec.stack as usize] += 1;
+        }
+        if t.dropped.stack != NONE {
+            stack_uses[t.dropped.stack as usize] += t.dropped.labels.len() as u64;
         }
         let mut uses = vec![0u64; t.locations.items.len()];
         for (stack, &n) in stack_uses.iter().enumerate() {
@@ -2553,5 +3270,282 @@ mod tests {
             assert_eq!(names[1], "root");
         }
         assert!(p.memory_bytes() > 0);
+    }
+}
+
+#[cfg(test)]
+mod cap_tests {
+    use super::*;
+    use crate::pprof::Compression;
+
+    const TYPES: [SampleType; 2] = [SampleType::CpuSamples, SampleType::WallTime];
+
+    fn t0() -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)
+    }
+
+    fn decode(p: &Profile) -> ferroprof_pprof::Profile {
+        let opts = EncodeOptions {
+            compression: Compression::None,
+        };
+        let enc = p.encode(t0(), &opts, None).unwrap();
+        ferroprof_pprof::decode(&enc.bytes).unwrap()
+    }
+
+    /// A stack distinct for every `i`: a recursion whose depth and entry frames follow `i`'s
+    /// digits, as recursive code gives (few addresses, many stacks).
+    fn distinct_stack(i: u64, out: &mut Vec<Frame<'static>>) {
+        out.clear();
+        out.push(Frame::Address(0x1000 + (i % 7) * 16));
+        let mut x = i;
+        loop {
+            out.push(Frame::Address(0x2000 + (x % 10) * 16));
+            x /= 10;
+            if x == 0 {
+                break;
+            }
+        }
+        out.push(Frame::Address(0x9000));
+    }
+
+    /// (dropped-frame samples' values, all samples' values) of an encoded profile.
+    fn totals(d: &ferroprof_pprof::Profile) -> ([i64; 2], [i64; 2]) {
+        let (mut dropped, mut all) = ([0; 2], [0; 2]);
+        for s in &d.sample {
+            let names = d.stack_names(s);
+            for k in 0..2 {
+                all[k] += s.value[k];
+                if names == [DROPPED_STACKS_FRAME] {
+                    dropped[k] += s.value[k];
+                }
+            }
+        }
+        (dropped, all)
+    }
+
+    #[test]
+    fn cap_holds_over_a_million_distinct_stacks_and_values_are_conserved() {
+        const CAP: u64 = 2 << 20;
+        let mut p = Profile::new(&TYPES, None, t0()).with_max_bytes(Some(CAP));
+        assert_eq!(p.max_bytes(), Some(CAP));
+        let mut frames = Vec::new();
+        let (mut max_mem, mut sum) = (0, [0i64; 2]);
+        for i in 0..1_000_000u64 {
+            distinct_stack(i, &mut frames);
+            let values = [1, i as i64 % 1000];
+            p.add(&Sample {
+                frames: &frames,
+                values: &values,
+                labels: &[],
+                end_timestamp_ns: 0,
+            })
+            .unwrap();
+            sum[0] += values[0];
+            sum[1] += values[1];
+            max_mem = max_mem.max(p.memory_bytes());
+        }
+        assert!(max_mem <= CAP as usize, "{max_mem} bytes over a {CAP} cap");
+        // The cap is used, not merely respected (tables grow by doubling).
+        assert!(max_mem >= CAP as usize / 4, "only {max_mem} bytes used");
+        let dropped = p.dropped_samples();
+        assert!(dropped > 500_000, "{dropped} dropped");
+        let d = decode(&p);
+        let (dropped_values, all) = totals(&d);
+        assert_eq!(all, sum, "every value is in the profile");
+        assert_eq!(dropped_values[0], dropped as i64);
+        assert_eq!(
+            d.sample
+                .iter()
+                .filter(|s| d.stack_names(s) == [DROPPED_STACKS_FRAME])
+                .count(),
+            1
+        );
+        // Kept stacks are whole, not truncated.
+        assert_eq!(d.sample.len() as u64, 1_000_000 - dropped + 1);
+
+        // A reset keeps the cap and forgets the drops.
+        p.reset(t0());
+        assert_eq!((p.dropped_samples(), p.max_bytes()), (0, Some(CAP)));
+    }
+
+    #[test]
+    fn existing_stacks_keep_aggregating_over_the_cap() {
+        let st = Arc::new(StringStorage::new());
+        let mut p = Profile::new(&TYPES, Some(st.clone()), t0()).with_max_bytes(Some(256 << 10));
+        let (name, file) = (st.intern("by_id").unwrap(), st.intern("id.rs").unwrap());
+        let id_frames = [Frame::ids(name, file, 7), Frame::sym("main", "m.rs", 1)];
+        let lit_frames = [Frame::sym("lit", "l.rs", 2), Frame::sym("main", "m.rs", 1)];
+        let thread = [Label::num("thread id", 1)];
+        let add = |p: &mut Profile, frames: &[Frame<'_>], labels: &[Label<'_>], v: i64| {
+            p.add(&Sample {
+                frames,
+                values: &[v, 0],
+                labels,
+                end_timestamp_ns: 0,
+            })
+            .unwrap()
+        };
+        add(&mut p, &id_frames, &thread, 1);
+        add(&mut p, &lit_frames, &[], 1);
+        let mut frames = Vec::new();
+        let mut i = 0;
+        while p.dropped_samples() == 0 {
+            assert!(
+                i < 100_000,
+                "{} bytes and no sample folded",
+                p.memory_bytes()
+            );
+            distinct_stack(i, &mut frames);
+            add(&mut p, &frames, &[], 1);
+            i += 1;
+        }
+        let over = p.memory_bytes();
+        // Known stacks keep their rows: through the key index, and when their key is missed
+        // (the id cache is dropped by a generation change, or the literal spelling of an id
+        // frame).
+        add(&mut p, &lit_frames, &[], 10);
+        st.advance_generation();
+        add(&mut p, &id_frames, &thread, 100);
+        let spelled = [
+            Frame::sym("by_id", "id.rs", 7),
+            Frame::sym("main", "m.rs", 1),
+        ];
+        add(&mut p, &spelled, &thread, 1000);
+        // New stacks fold in: with their label set when it exists, without labels otherwise.
+        distinct_stack(i + 1, &mut frames);
+        add(&mut p, &frames, &thread, 10_000);
+        distinct_stack(i + 2, &mut frames);
+        add(&mut p, &frames, &[Label::num("thread id", 99)], 100_000);
+        assert_eq!(p.dropped_samples(), 3);
+        assert!(p.memory_bytes() <= 256 << 10, "{} > cap", p.memory_bytes());
+        assert!(p.memory_bytes() >= over);
+
+        let d = decode(&p);
+        let value_of = |names: &[&str], thread: Option<i64>| -> i64 {
+            d.sample
+                .iter()
+                .filter(|s| d.stack_names(s) == names && d.label_num(s, "thread id") == thread)
+                .map(|s| s.value[0])
+                .sum()
+        };
+        assert_eq!(value_of(&["by_id", "main"], Some(1)), 1101);
+        assert_eq!(value_of(&["lit", "main"], None), 11);
+        assert_eq!(value_of(&[DROPPED_STACKS_FRAME], Some(1)), 10_000);
+        assert_eq!(value_of(&[DROPPED_STACKS_FRAME], None), 100_000 + 1);
+    }
+
+    #[test]
+    fn timestamped_samples_fold_over_the_cap() {
+        const CAP: u64 = 512 << 10;
+        let mut p = Profile::new(&TYPES, None, t0()).with_max_bytes(Some(CAP));
+        let frames = [Frame::sym("tick", "t.rs", 1)];
+        let labels = [Label::str("thread name", "worker")];
+        for ts in 1..=100_000 {
+            p.add(&Sample {
+                frames: &frames,
+                values: &[1, 2],
+                labels: &labels,
+                end_timestamp_ns: ts,
+            })
+            .unwrap();
+            assert!(p.memory_bytes() <= CAP as usize);
+        }
+        assert!(p.dropped_samples() > 0);
+        let d = decode(&p);
+        let (dropped, all) = totals(&d);
+        assert_eq!(all, [100_000, 200_000]);
+        assert_eq!(dropped[0], p.dropped_samples() as i64);
+        // The folded samples keep their (existing) labels.
+        let folded = d
+            .sample
+            .iter()
+            .find(|s| d.stack_names(s) == [DROPPED_STACKS_FRAME])
+            .unwrap();
+        assert_eq!(d.label_str(folded, "thread name"), Some("worker"));
+    }
+
+    #[test]
+    fn a_cap_below_an_empty_profile_keeps_only_the_dropped_row() {
+        let mut p = Profile::new(&TYPES, None, t0()).with_max_bytes(Some(1));
+        for i in 0..100 {
+            let frames = [Frame::Address(i)];
+            p.add(&Sample {
+                frames: &frames,
+                values: &[1, 1],
+                labels: &[],
+                end_timestamp_ns: 0,
+            })
+            .unwrap();
+        }
+        assert_eq!(p.dropped_samples(), 100);
+        let d = decode(&p);
+        assert_eq!(d.sample.len(), 1);
+        assert_eq!(d.sample[0].value, vec![100, 100]);
+        assert_eq!(d.stack_names(&d.sample[0]), vec![DROPPED_STACKS_FRAME]);
+    }
+
+    #[test]
+    fn bulk_rows_respect_the_cap() {
+        const CAP: u64 = 1 << 20;
+        let types = [SampleType::HeapLiveSamples, SampleType::HeapLiveSize];
+        let mut p = Profile::new(&types, None, t0()).with_max_bytes(Some(CAP));
+        // Samplers filled part of the profile first.
+        let mut frames = Vec::new();
+        for i in 0..2000 {
+            distinct_stack(i, &mut frames);
+            p.add(&Sample {
+                frames: &frames,
+                values: &[1, 8],
+                labels: &[],
+                end_timestamp_ns: 0,
+            })
+            .unwrap();
+        }
+        // A spare buffer far larger than the cap is not adopted.
+        let mut spare = BulkBuffers {
+            agg: Vec::with_capacity(1 << 20),
+            ..BulkBuffers::default()
+        };
+        p.reserve_unindexed(200_000, 200_000, &mut spare);
+        assert_eq!(spare.agg.capacity(), 0);
+        assert!(p.memory_bytes() <= CAP as usize);
+        let (mut sum, mut ahead, mut hints) = ([0i64; 2], PrefetchedStack::default(), Vec::new());
+        let mut addresses = Vec::new();
+        for i in 0..200_000u64 {
+            let labels = p
+                .intern_label_set(&[Label::num("gc gen age", (i % 3) as i64)])
+                .unwrap();
+            distinct_stack(1_000_000 + i, &mut frames);
+            let stack = if i % 2 == 0 {
+                addresses.clear();
+                addresses.extend(frames.iter().map(|f| match *f {
+                    Frame::Address(a) => a,
+                    Frame::Symbol { .. } => unreachable!(),
+                }));
+                p.prefetch_addresses(&addresses, &mut ahead);
+                p.push_address_stack_unindexed(&mut ahead).unwrap()
+            } else {
+                p.prefetch_stack(&frames, &mut hints);
+                p.push_stack_unindexed(&frames, &hints).unwrap()
+            };
+            let row = p.push_unindexed_row(stack, labels, &[1, 64]).unwrap();
+            p.add_to_row(row, &[2, 128]).unwrap();
+            sum[0] += 3;
+            sum[1] += 192;
+            assert!(p.memory_bytes() <= CAP as usize, "{}", p.memory_bytes());
+        }
+        let dropped = p.dropped_samples();
+        assert!(dropped > 100_000, "{dropped}");
+        let d = decode(&p);
+        let (dropped_values, all) = totals(&d);
+        assert_eq!(all, [sum[0] + 2000, sum[1] + 2000 * 8]);
+        // Two samples per folded stack (row push, then add), of values 1 and 2.
+        assert_eq!(dropped_values[0] * 2, dropped as i64 * 3);
+        // Folded rows keep an existing label set when there is room for its row, else none.
+        for s in d.sample.iter() {
+            if d.stack_names(s) == [DROPPED_STACKS_FRAME] {
+                assert!(matches!(d.label_num(s, "gc gen age"), None | Some(0..=2)));
+            }
+        }
     }
 }

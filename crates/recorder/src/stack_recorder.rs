@@ -26,7 +26,7 @@ use crate::profile::{
 use crate::sample_types::{SampleLayout, SampleTypeConfig, SampleValues};
 use crate::spin::{SpinGuard, SpinLock};
 use crate::strings::{StringId, StringStorage};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 /// The labels of a live object's heap sample: its class (when known) and its age.
@@ -110,6 +110,10 @@ pub struct RecorderConfig {
     /// Used only when heap samples or heap size are enabled.
     pub heap: HeapConfig,
     pub compression: Compression,
+    /// Cap on the memory of each in-flight profile's tables (see [`Profile::set_max_bytes`]):
+    /// past it, samples of new stacks fold into a `[stacks dropped: over memory cap]` frame
+    /// and are counted ([`ProfileStats::dropped_stacks`]). `None` (the default): no cap.
+    pub max_profile_bytes: Option<u64>,
 }
 
 /// Stats of one serialized profile.
@@ -120,6 +124,9 @@ pub struct ProfileStats {
     pub serialization_time_ns: u64,
     pub heap_iteration_prep_time_ns: u64,
     pub heap_profile_build_time_ns: u64,
+    /// Samples (heap objects included) folded into the dropped-stacks frame because the
+    /// profile was at its memory cap.
+    pub dropped_stacks: u64,
 }
 
 /// Stats over the recorder's lifetime.
@@ -139,6 +146,9 @@ pub struct RecorderStats {
     pub lifetime: LifetimeStats,
     /// `None` when heap profiling is disabled.
     pub heap: Option<HeapStats>,
+    /// Samples folded into the dropped-stacks frame over the memory cap, in all profiles so far
+    /// (see [`RecorderConfig::max_profile_bytes`]).
+    pub dropped_stacks: u64,
 }
 
 /// One serialization's result.
@@ -209,6 +219,8 @@ pub struct StackRecorder {
     /// Mirror of `SerializerState::active_slot` readable while a serialization runs.
     active_slot: AtomicU8,
     lifetime: SpinLock<LifetimeStats>,
+    /// Samples folded into the dropped-stacks frame so far (all profiles).
+    dropped_stacks: AtomicU64,
 }
 
 impl StackRecorder {
@@ -232,7 +244,8 @@ impl StackRecorder {
         let slot = |open: bool| Slot {
             gate: Gate::new(open),
             data: SpinLock::new(SlotData {
-                profile: Profile::new(layout.types(), Some(strings.clone()), start),
+                profile: Profile::new(layout.types(), Some(strings.clone()), start)
+                    .with_max_bytes(config.max_profile_bytes),
                 recorded_samples: 0,
             }),
         };
@@ -251,6 +264,7 @@ impl StackRecorder {
             }),
             active_slot: AtomicU8::new(1),
             lifetime: SpinLock::new(LifetimeStats::default()),
+            dropped_stacks: AtomicU64::new(0),
         })
     }
 
@@ -310,8 +324,12 @@ impl StackRecorder {
             }
         }
         let mut data = entered.slot.data.lock();
+        let dropped = data.profile.dropped_samples();
         data.profile.add(&sample)?;
         data.recorded_samples += 1;
+        if data.profile.dropped_samples() != dropped {
+            self.dropped_stacks.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -449,6 +467,7 @@ impl StackRecorder {
             serialization_time_ns: 0,
             heap_iteration_prep_time_ns,
             heap_profile_build_time_ns,
+            dropped_stacks: data.profile.dropped_samples(),
         };
         let start = data.profile.start();
         // Free the profile's memory now rather than when the slot becomes active again; what
@@ -521,6 +540,7 @@ impl StackRecorder {
             hints: Vec<u32>,
         }
         let sizes = heap.snapshot_sizes()?;
+        let dropped_before = data.profile.dropped_samples();
         data.profile.reserve_unindexed(
             sizes.objects.min(sizes.stacks),
             sizes.stacks,
@@ -657,6 +677,9 @@ impl StackRecorder {
             }
         }
         data.recorded_samples += added;
+        let heap_dropped = data.profile.dropped_samples() - dropped_before;
+        self.dropped_stacks
+            .fetch_add(heap_dropped, Ordering::Relaxed);
         Ok(match failure {
             Some(e) => Err(e.into()),
             None if !completed => Err(RecorderError::HeapIterationIncomplete { visited }),
@@ -668,7 +691,13 @@ impl StackRecorder {
         RecorderStats {
             lifetime: *self.lifetime.lock(),
             heap: self.heap.as_ref().map(HeapRecorder::stats),
+            dropped_stacks: self.dropped_stacks(),
         }
+    }
+
+    /// [`RecorderStats::dropped_stacks`] alone, without locking anything.
+    pub fn dropped_stacks(&self) -> u64 {
+        self.dropped_stacks.load(Ordering::Relaxed)
     }
 
     /// In a forked child, before profiling restarts: slot 1 active, both profiles empty.
@@ -685,7 +714,8 @@ impl StackRecorder {
             if abandoned {
                 // The profile may be half-way through an add: never walk or drop it, leak it.
                 let fresh = SlotData {
-                    profile: Profile::new(self.layout.types(), Some(self.strings.clone()), start),
+                    profile: Profile::new(self.layout.types(), Some(self.strings.clone()), start)
+                        .with_max_bytes(self.config.max_profile_bytes),
                     recorded_samples: 0,
                 };
                 std::mem::forget(std::mem::replace(&mut *data, fresh));

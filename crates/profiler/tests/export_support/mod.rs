@@ -57,6 +57,7 @@ pub fn exported_profile() -> ExportedProfile {
             serialization_time_ns: 1234,
             heap_iteration_prep_time_ns: 5,
             heap_profile_build_time_ns: 6,
+            dropped_stacks: 0,
         },
         service: "checkout".into(),
         tags: vec![
