@@ -603,6 +603,7 @@ fn export_once(sh: &Shared) -> Option<u64> {
             sh.stats.exports.fetch_add(1, Ordering::Relaxed);
         }
     }
+    sampler::trim_after_export();
     Some(round)
 }
 
