@@ -66,32 +66,40 @@ thread_local! {
 /// Runs `f`, a call into the running profiler's recorder, never while a fork is under way: waits
 /// for a fork being prepared to finish first. `f` must take no lock but the recorder's own.
 pub(crate) fn outside_fork<R>(f: impl FnOnce() -> R) -> R {
-    struct Leave(usize);
+    struct Leave(Option<usize>);
     impl Drop for Leave {
         fn drop(&mut self) {
-            GATE.leave(self.0);
+            if let Some(shard) = self.0 {
+                GATE.leave(shard);
+            }
         }
     }
+    let _leave = Leave(enter_gate());
+    f()
+}
+
+/// Enters the fork gate, waiting while a fork is being prepared. Returns the shard counted in,
+/// to be left with `GATE.leave`; `None` on the forking thread itself (from another library's
+/// prepare handler: it cannot be inside the recorder when the fork happens, since it is the
+/// one forking).
+fn enter_gate() -> Option<usize> {
     let mut round = 0u32;
     loop {
         // Count in, then look (and `close_gate` the other way round), all SeqCst: either the
         // prepare handler sees this thread counted, or this thread sees FORKING.
         let shard = GATE.enter();
         if !FORKING.load(Ordering::SeqCst) {
-            let _leave = Leave(shard);
-            return f();
+            return Some(shard);
         }
         GATE.leave(shard);
         if FORKING_THREAD.with(Cell::get) {
-            // The forking thread itself (from another library's prepare handler): it cannot be
-            // inside the recorder when the fork happens, since it is the one forking.
-            return f();
+            return None;
         }
         while FORKING.load(Ordering::SeqCst) {
             if round < 64 {
                 std::thread::yield_now();
             } else {
-                // The prepare handler may wait for a serialization: do not burn a CPU meanwhile.
+                // Do not burn a CPU while the prepare handler waits for threads to leave.
                 std::thread::sleep(Duration::from_micros(100));
             }
             round = round.saturating_add(1);
@@ -335,27 +343,7 @@ impl SerializeSteps {
 
 impl ferroprof_recorder::SharedStateGate for SerializeSteps {
     fn enter(&self) {
-        let mut round = 0u32;
-        loop {
-            // As in `outside_fork`: count in, then look.
-            let shard = GATE.enter();
-            if !FORKING.load(Ordering::SeqCst) {
-                self.shard.set(Some(shard));
-                return;
-            }
-            GATE.leave(shard);
-            if FORKING_THREAD.with(Cell::get) {
-                return;
-            }
-            while FORKING.load(Ordering::SeqCst) {
-                if round < 64 {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-                round = round.saturating_add(1);
-            }
-        }
+        self.shard.set(enter_gate());
     }
 
     fn leave(&self) {

@@ -585,25 +585,21 @@ pub(crate) fn init_pool() {
 /// the in-place room).
 const SWITCHES_STACKS: bool = cfg!(target_arch = "x86_64");
 
-/// Stack a signal handler may still use on the thread's stack after its headroom check, when
-/// its walk runs on a spare stack (the rest of `handle`, `Spare::run`; measured by
-/// `tests/small_stack.rs`, with room to spare).
-pub(crate) const HANDLER_STACK_NEED: u64 = if !SWITCHES_STACKS {
+/// Stack a path that switches to a spare stack may still use on the thread's own stack after
+/// its headroom check (measured by `tests/small_stack.rs` for both paths, with room to spare).
+const SWITCHED_STACK_NEED: u64 = if !SWITCHES_STACKS {
     IN_PLACE_STACK_NEED
 } else if cfg!(debug_assertions) {
     2048
 } else {
     512
 };
+/// Stack a signal handler may still use on the thread's stack after its headroom check, when
+/// its walk runs on a spare stack (the rest of `handle`, `Spare::run`).
+pub(crate) const HANDLER_STACK_NEED: u64 = SWITCHED_STACK_NEED;
 /// Stack a sampled allocation may still use on the thread's stack after its headroom check,
 /// when it walks and records on a spare stack.
-pub(crate) const ALLOC_STACK_NEED: u64 = if !SWITCHES_STACKS {
-    IN_PLACE_STACK_NEED
-} else if cfg!(debug_assertions) {
-    2048
-} else {
-    512
-};
+pub(crate) const ALLOC_STACK_NEED: u64 = SWITCHED_STACK_NEED;
 /// Stack a walk (framehop's CFI evaluation) and recording use when they run on the thread's
 /// own stack: no spare stack free, or no stack switch on this architecture.
 pub(crate) const IN_PLACE_STACK_NEED: u64 = 96 << 10;
