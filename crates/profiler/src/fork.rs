@@ -41,7 +41,7 @@
 //! those while waiting at the gate, so draining it always finishes.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
@@ -122,6 +122,72 @@ fn close_gate() {
     }
 }
 
+/// The profiler's threads inside `dl_iterate_phdr`, and whether a fork is being prepared (see
+/// [`outside_fork_walk_loader`]).
+static LOADER_WALKS: AtomicUsize = AtomicUsize::new(0);
+static LOADER_CLOSED: AtomicBool = AtomicBool::new(false);
+/// How long a fork waits for the profiler's threads to finish a walk of the loader's list (one
+/// takes well under a millisecond; copying the unwind sections of many objects a few).
+const LOADER_DRAIN_LIMIT: Duration = Duration::from_secs(1);
+
+/// Runs `f`, a call of `dl_iterate_phdr`, never across a fork. glibc's `fork` does not reset the
+/// lock `dl_iterate_phdr` holds while it runs (it resets the loader's other locks): a fork while
+/// a profiler thread is inside leaves the lock held forever in the child, whose next
+/// `dl_iterate_phdr` (its profiler's, or its own unwinder's on a panic or C++ exception) hangs.
+/// The prepare handler waits for walks under way to end and holds new ones back until the fork
+/// is done. `f` may allocate (prepare handlers run before glibc takes malloc's locks), and never
+/// enters the fork gate.
+pub(crate) fn outside_fork_walk_loader<R>(f: impl FnOnce() -> R) -> R {
+    struct Leave(bool);
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            if self.0 {
+                LOADER_WALKS.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
+    let mut counted = true;
+    loop {
+        // Count in, then look; prepare sets the flag, then looks at the count (all SeqCst).
+        LOADER_WALKS.fetch_add(1, Ordering::SeqCst);
+        if !LOADER_CLOSED.load(Ordering::SeqCst) {
+            break;
+        }
+        LOADER_WALKS.fetch_sub(1, Ordering::SeqCst);
+        if FORKING_THREAD.with(Cell::get) {
+            counted = false;
+            break;
+        }
+        while LOADER_CLOSED.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+    let _leave = Leave(counted);
+    f()
+}
+
+/// Holds new loader walks back and waits, at most [`LOADER_DRAIN_LIMIT`], for those under way.
+fn close_loader_walks() {
+    LOADER_CLOSED.store(true, Ordering::SeqCst);
+    let start = std::time::Instant::now();
+    let mut round = 0u32;
+    while LOADER_WALKS.load(Ordering::SeqCst) != 0 && start.elapsed() < LOADER_DRAIN_LIMIT {
+        if round < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        round = round.saturating_add(1);
+    }
+}
+
+fn open_loader_walks(child: bool) {
+    if child {
+        LOADER_WALKS.store(0, Ordering::SeqCst);
+    }
+    LOADER_CLOSED.store(false, Ordering::SeqCst);
+}
+
 /// Opens the gate again (in the child nobody can be counted: the prepare handler waited for
 /// that, and the counts are reset to be sure).
 fn open_gate(child: bool) {
@@ -144,6 +210,8 @@ pub(crate) fn register() {
 
 extern "C" fn prepare() {
     close_gate();
+    // After the gate: a thread inside the gate may walk the loader's list and must get out.
+    close_loader_walks();
     crate::tls::with_guard(|| {
         if let Some(sh) = state::active_arc() {
             IN_FORK.store(Arc::into_raw(sh) as *mut Shared, Ordering::SeqCst);
@@ -157,6 +225,7 @@ extern "C" fn parent() {
         // SAFETY: `p` came from Arc::into_raw in `prepare`.
         drop(unsafe { Arc::from_raw(p) });
     }
+    open_loader_walks(false);
     open_gate(false);
 }
 
@@ -165,6 +234,7 @@ extern "C" fn child() {
     // A restart under way in the parent (another thread inside `resume_slow`) is not this
     // child's: its thread did not survive the fork.
     RESTART.store(IDLE, Ordering::SeqCst);
+    open_loader_walks(true);
     if p.is_null() {
         open_gate(true);
         return;
@@ -321,6 +391,13 @@ pub fn __hold_lock(name: &str, while_held: impl FnOnce()) -> bool {
         _ => {}
     });
     once.is_none()
+}
+
+/// Test support, not API: runs `while_inside` inside a walk of the loader's list by the
+/// profiler (as its sampler and symbolizer do), so a test can fork meanwhile.
+#[doc(hidden)]
+pub fn __walk_loader(while_inside: impl FnOnce()) {
+    crate::tls::with_guard(|| crate::modules::walk_with(while_inside));
 }
 
 /// The fork gate for a serialization of the running profiler's recorder, step by step (see

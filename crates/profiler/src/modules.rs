@@ -280,9 +280,9 @@ fn iterate(
         reuse,
     };
     // SAFETY: the callback only touches `c` through the pointer we pass and the loader's info.
-    unsafe {
+    crate::fork::outside_fork_walk_loader(|| unsafe {
         libc::dl_iterate_phdr(Some(callback), &mut c as *mut Collect as *mut libc::c_void);
-    }
+    });
     let gen = (c.adds, c.subs);
     (c.out, gen)
 }
@@ -306,13 +306,41 @@ pub(crate) fn objects_generation() -> (u64, u64) {
     }
     let mut out = (0u64, 0u64);
     // SAFETY: as above.
-    unsafe {
+    crate::fork::outside_fork_walk_loader(|| unsafe {
         libc::dl_iterate_phdr(
             Some(first_only),
             &mut out as *mut (u64, u64) as *mut libc::c_void,
         );
-    }
+    });
     out
+}
+
+/// Runs `f` inside a walk of the loader's list, on its first object (tests: fork meanwhile).
+pub(crate) fn walk_with(f: impl FnOnce()) {
+    unsafe extern "C" fn call_once(
+        _info: *mut libc::dl_phdr_info,
+        _size: libc::size_t,
+        data: *mut libc::c_void,
+    ) -> libc::c_int {
+        // SAFETY: `data` is the `&mut &mut dyn FnMut()` passed below, alive for the call.
+        let f = unsafe { &mut *(data as *mut &mut dyn FnMut()) };
+        f();
+        1
+    }
+    let mut once = Some(f);
+    let mut run = || {
+        if let Some(f) = once.take() {
+            f();
+        }
+    };
+    let mut dynf: &mut dyn FnMut() = &mut run;
+    // SAFETY: the callback only calls the closure behind the pointer we pass.
+    crate::fork::outside_fork_walk_loader(|| unsafe {
+        libc::dl_iterate_phdr(
+            Some(call_once),
+            &mut dynf as *mut &mut dyn FnMut() as *mut libc::c_void,
+        );
+    });
 }
 
 #[cfg(test)]

@@ -158,6 +158,33 @@ fn a_child_forked_while_each_profiler_lock_is_held_never_hangs() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// glibc's `fork` does not reset the lock `dl_iterate_phdr` holds; the profiler's threads walk
+/// the loader's list often (the sampler checks it for new objects at every tick). A child forked
+/// while one of them is inside must still be able to walk it: its profiler's threads and its
+/// own unwinder do.
+#[test]
+fn a_child_forked_while_the_profiler_walks_the_loaders_list_never_hangs() {
+    let _one = one_profiler_at_a_time();
+    let dir = std::env::temp_dir().join(format!("ferroprof-prefork-walk-{}", std::process::id()));
+    let guard = start(&dir);
+    guard.flush().expect("parent flushes");
+    let (inside_tx, inside_rx) = mpsc::channel();
+    let walker = std::thread::spawn(move || {
+        ferroprof::__walk_loader(move || {
+            let _ = inside_tx.send(());
+            // Long enough that the fork below starts while this walk is under way.
+            std::thread::sleep(Duration::from_millis(300));
+        })
+    });
+    inside_rx.recv().expect("the walk started");
+    let pid = fork_child(&guard, use_every_lock);
+    walker.join().unwrap();
+    let what = reap(pid);
+    guard.stop().expect("parent stops");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(what, None, "forked during a walk of the loader's list");
+}
+
 fn workers() -> usize {
     std::env::var("FERROPROF_PREFORK_WORKERS")
         .ok()
