@@ -1,5 +1,5 @@
-//! Memory per tracked object, measured with a counting global allocator (this file holds a
-//! single test so nothing else allocates while it measures).
+//! Memory per tracked object, measured with a counting global allocator that counts the test
+//! thread's allocations only (the harness's own threads may allocate meanwhile).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -11,26 +11,34 @@ struct Counting;
 
 static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
 
+thread_local! {
+    /// Set on the measuring thread only.
+    static COUNTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn count(delta: isize) {
+    if COUNTED.try_with(|c| c.get()).unwrap_or(false) {
+        LIVE_BYTES.fetch_add(delta, Ordering::Relaxed);
+    }
+}
+
 // SAFETY: every call forwards to `System` with the caller's arguments unchanged; the counter is
 // bookkeeping only.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        count(layout.size() as isize);
         // SAFETY: same contract as our caller's.
         unsafe { System.alloc(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE_BYTES.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        count(-(layout.size() as isize));
         // SAFETY: `ptr` came from `System` with this layout.
         unsafe { System.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE_BYTES.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
+        count(new_size as isize - layout.size() as isize);
         // SAFETY: same contract as our caller's.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -41,6 +49,7 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn at_most_64_bytes_per_tracked_object_and_all_of_it_given_back() {
+    COUNTED.with(|c| c.set(true));
     let frames: Vec<Frame<'static>> = (0..32u64).map(|i| Frame::Address(0x4000 + i)).collect();
     let strings = Arc::new(StringStorage::new());
     let mut worst = 0f64;
