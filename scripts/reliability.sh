@@ -72,9 +72,9 @@ run_host() {
         FERROPROF_FORK_LATENCY_ROUNDS=10 cargo test --release -p ferroprof --test fork_latency -- --nocapture
     log "host: 5000 rounds of racing start() calls"
     FERROPROF_START_RACE_ROUNDS=5000 cargo test --release -p ferroprof --test start_race
-    log "host: 2000 fork+exec children at 1 kHz (and the measured residual race)"
+    log "host: 2000 fork+exec children at 1 kHz (fresh and resumed profilers)"
     FERROPROF_FORK_EXEC_CHILDREN=2000 cargo test --release -p ferroprof --test fork_exec \
-        -- --include-ignored --nocapture --test-threads 1
+        -- --nocapture --test-threads 1
     log "host: 60 pre-fork workers stopping while the parent is busy"
     FERROPROF_PREFORK_WORKERS=60 cargo test --release -p ferroprof --test prefork -- --nocapture --test-threads 1
     log "host: 80,000 short threads"

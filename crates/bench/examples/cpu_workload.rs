@@ -106,8 +106,8 @@ fn main() {
             (
                 m,
                 format!(
-                    " handler_ns={} handler_median_ns={} frames={} samples={} signals={} timer_samples={} sampler_cpu_ns={} builds={} stop_ms={stop_ms:.1}",
-                    s.handler_avg_ns, s.handler_median_ns, s.handler_avg_frames, s.cpu_samples, s.cpu_signals, s.cpu_timer_samples,
+                    " handler_ns={} handler_median_ns={} frames={} samples={} remote_stacks={} timer_samples={} sampler_cpu_ns={} builds={} stop_ms={stop_ms:.1}",
+                    s.handler_avg_ns, s.handler_median_ns, s.handler_avg_frames, s.cpu_samples, s.wall_remote_stacks, s.cpu_timer_samples,
                     s.sampler_cpu_ns, s.snapshot_builds
                 ),
             )

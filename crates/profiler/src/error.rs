@@ -34,6 +34,8 @@ pub enum ProfilerError {
     },
     #[error("signal {value} cannot be used for sampling (use SIGPROF or a real-time signal)")]
     InvalidSignal { value: i32 },
+    #[error("no real-time signal is free for sampling (every one has a handler); pick one with FERROPROF_SIGNAL or ProfilerBuilder::signal")]
+    NoFreeSignal,
     #[error("output directory {path} is not usable: {source}")]
     OutputDir {
         path: PathBuf,

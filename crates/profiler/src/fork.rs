@@ -22,10 +22,7 @@
 //! allocates through the sampling allocator nor calls the profiler) calls [`after_fork`] to be
 //! profiled.
 //! Limits: a fork while another thread is blocked on a *contended* lock of the profiler leaves
-//! that lock's `parking_lot` wait entry behind in the child. A child whose profiler runs again
-//! (or any profiled thread) that calls `execve` can still receive a request queued just before:
-//! with `SIGPROF` or a real-time signal (default action: terminate) about 1 in 100 such execs
-//! at 1 kHz dies of it; a signal whose default action is to ignore would not.
+//! that lock's `parking_lot` wait entry behind in the child.
 //!
 //! The recorder's own locks (its slots, the heap recorder's shards, the string table) are taken
 //! by application threads too, on the allocation and free paths, where the child cannot replace
@@ -244,6 +241,7 @@ extern "C" fn child() {
     crate::tls::with_guard(|| {
         state::after_fork_in_child();
         state::reset_current_tid();
+        state::forget_own_threads_after_fork();
         state::reset_current_thread_name();
         crate::unwind::after_fork_in_child();
         crate::sampler::after_fork_in_child();

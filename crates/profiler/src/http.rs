@@ -295,6 +295,9 @@ pub fn serve_with(
         let t = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {
+                // Ours: never sampled (a capture's wait, reads and writes are not the
+                // application's).
+                crate::tls::enter_profiler_thread();
                 run(&alive.0);
                 drop(alive);
             })
@@ -667,6 +670,7 @@ impl Shared {
         let spawned = std::thread::Builder::new()
             .name("ferroprof-http-conn".into())
             .spawn(move || {
+                crate::tls::enter_profiler_thread();
                 let mut stream = stream;
                 match work {
                     Work::Request { method, target } => done.shared.serve(stream, &method, &target),

@@ -49,6 +49,7 @@ mod filter;
 mod fork;
 mod modules;
 mod profiler;
+mod remote;
 mod sampler;
 mod settings;
 mod sharded;

@@ -62,7 +62,7 @@ pub struct ProfilerBuilder {
     output_dir: Option<PathBuf>,
     exporters: Vec<Box<dyn Exporter>>,
     compression: Compression,
-    signal: i32,
+    signal: Option<i32>,
     restart_after_fork: bool,
     max_profile_bytes: u64,
     deferred: Option<ProfilerError>,
@@ -81,7 +81,7 @@ impl Default for ProfilerBuilder {
             output_dir: None,
             exporters: Vec::new(),
             compression: Compression::Gzip,
-            signal: libc::SIGPROF,
+            signal: None,
             restart_after_fork: true,
             max_profile_bytes: DEFAULT_MAX_PROFILE_BYTES,
             deferred: None,
@@ -164,10 +164,11 @@ impl ProfilerBuilder {
         self
     }
 
-    /// Signal used to ask threads for their stacks (default `SIGPROF`; a real-time signal
-    /// avoids sharing `SIGPROF` with another profiler).
+    /// Signal the threads' CPU-time timers raise to capture stacks. By default a real-time
+    /// signal that no handler uses at start, picked from `SIGRTMAX` down; `SIGPROF` or another
+    /// real-time signal may be given (then it is used whoever else handles it).
     pub fn signal(mut self, sig: i32) -> Self {
-        self.signal = sig;
+        self.signal = Some(sig);
         self
     }
 
@@ -191,8 +192,8 @@ impl ProfilerBuilder {
 
     /// Reads `FERROPROF_SERVICE`, `FERROPROF_ENV`, `FERROPROF_VERSION`, `FERROPROF_TAGS`
     /// (`k:v,k:v`), `FERROPROF_PERIOD_SECS`, `FERROPROF_CPU_HZ`, `FERROPROF_ALLOC_INTERVAL`
-    /// (bytes), `FERROPROF_OUTPUT_DIR`, `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`) and
-    /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap).
+    /// (bytes), `FERROPROF_OUTPUT_DIR`, `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`),
+    /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap) and `FERROPROF_SIGNAL` (signal number).
     /// Unset variables keep the builder's values; a bad value is reported by `start()`.
     pub fn from_env(self) -> Self {
         self.from_vars(|k| std::env::var(k).ok())
@@ -250,6 +251,18 @@ impl ProfilerBuilder {
                 Ok(hz) => self.cpu_hz = hz,
                 Err(_) => {
                     err.get_or_insert(bad("FERROPROF_CPU_HZ", &v, "expected an integer (Hz)"));
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_SIGNAL") {
+            match v.trim().parse::<i32>() {
+                Ok(sig) => self.signal = Some(sig),
+                Err(_) => {
+                    err.get_or_insert(bad(
+                        "FERROPROF_SIGNAL",
+                        &v,
+                        "expected a signal number (SIGPROF or SIGRTMIN..SIGRTMAX)",
+                    ));
                 }
             }
         }
@@ -336,9 +349,16 @@ impl ProfilerBuilder {
                 given: format!("{:?} with allocation interval 0", self.profiles),
             });
         }
-        if profiles.needs_sampler() && !sampler::valid_signal(self.signal) {
-            return Err(ProfilerError::InvalidSignal { value: self.signal });
-        }
+        let signal = match self.signal {
+            Some(sig) if profiles.needs_sampler() && !sampler::valid_signal(sig) => {
+                return Err(ProfilerError::InvalidSignal { value: sig });
+            }
+            Some(sig) => sig,
+            None if profiles.needs_sampler() => {
+                sampler::pick_signal().ok_or(ProfilerError::NoFreeSignal)?
+            }
+            None => 0,
+        };
         let output_dir = match (&self.output_dir, self.exporters.is_empty()) {
             (Some(d), _) => Some(d.clone()),
             (None, true) => Some(PathBuf::from(DEFAULT_OUTPUT_DIR)),
@@ -360,7 +380,7 @@ impl ProfilerBuilder {
             profiles,
             output_dir,
             compression: self.compression,
-            signal: self.signal,
+            signal,
             restart_after_fork: self.restart_after_fork,
             max_profile_bytes: (self.max_profile_bytes > 0).then_some(self.max_profile_bytes),
         })
@@ -610,26 +630,33 @@ fn export_once(sh: &Shared) -> Option<u64> {
 /// What the running profiler did so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ProfilerStats {
-    /// CPU/wall samples recorded (ticks covered).
+    /// CPU samples recorded: sampling periods of CPU time covered by the recorded captures.
     pub cpu_samples: u64,
-    /// Thread visits by the sampler (one per thread per sampler wake-up).
+    /// Thread visits by the sampler (for wall time and to collect captures).
     pub cpu_ticks: u64,
     /// Sampler wake-ups.
     pub sampler_ticks: u64,
     /// Ticks whose time passed while the sampler waited for a CPU (covered by the next one).
     pub sampler_late_ticks: u64,
-    /// Signals sent to threads that ran since their last sample.
-    pub cpu_signals: u64,
-    /// Ticks covered by a request still pending from an earlier tick.
-    pub cpu_merged_ticks: u64,
-    /// Stacks captured by the threads' own CPU-time timers (busy threads, no signal sent by
-    /// the sampler).
+    /// Stacks captured by the threads' CPU-time timers (where they spent CPU).
     pub cpu_timer_samples: u64,
-    /// Ticks of busy threads left to their CPU timer's next capture.
-    pub cpu_timer_ticks: u64,
-    /// Timer captures dropped because the thread's ring was full (the sampler was late; their
+    /// Timer captures lost because every capture slot was waiting for a late sampler (their
     /// CPU time goes to the thread's other captures). Counted for the whole process.
-    pub cpu_timer_ring_full: u64,
+    pub cpu_captures_lost: u64,
+    /// Stacks of blocked threads read without a signal (from their stack pointer and program
+    /// counter in `/proc/self/task/<tid>/syscall`), for wall time.
+    pub wall_remote_stacks: u64,
+    /// Such reads discarded because the thread ran during the read (its previous stack was
+    /// kept).
+    pub wall_remote_retries: u64,
+    /// Threads the kernel gave no CPU-time timer (out of `RLIMIT_SIGPENDING`): they get wall
+    /// samples only. Logged once.
+    pub threads_without_timer: u64,
+    /// Times another handler was found installed for the sampling signal (CPU sampling then
+    /// stops; logged).
+    pub signal_handler_replaced: u64,
+    /// The signal the CPU-time timers raise (picked at start unless set).
+    pub signal: i32,
     /// Samples (signal or allocation) skipped because the thread's stack had less room left
     /// than the sampling path needs on it. Counted for the whole process.
     pub skipped_low_stack: u64,
@@ -637,7 +664,6 @@ pub struct ProfilerStats {
     /// newer than the unwinder's last look at the mappings) and the kernel would not tell
     /// whether the room below its stack pointer is readable. Counted for the whole process.
     pub skipped_unknown_stack: u64,
-    pub cpu_signal_failures: u64,
     /// Average time a signal handler spent capturing its stack, in nanoseconds.
     pub handler_avg_ns: u64,
     /// Median time a signal handler spent capturing its stack (100 ns resolution): the mean
@@ -790,21 +816,21 @@ impl ProfilerGuard {
         fork::resume_if_pending();
         let s = &self.shared.stats;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let signals = l(&s.cpu_requests);
         let done = l(&s.handler_count).max(1);
         ProfilerStats {
             cpu_samples: l(&s.cpu_samples),
             cpu_ticks: l(&s.cpu_ticks),
             sampler_ticks: l(&s.sampler_ticks),
             sampler_late_ticks: l(&s.sampler_late_ticks),
-            cpu_signals: signals,
-            cpu_merged_ticks: l(&s.cpu_merged_ticks),
             cpu_timer_samples: l(&s.cpu_timer_samples),
-            cpu_timer_ticks: l(&s.cpu_timer_ticks),
-            cpu_timer_ring_full: sampler::ring_full_count(),
+            cpu_captures_lost: sampler::lost_captures(),
+            wall_remote_stacks: l(&s.wall_remote_stacks),
+            wall_remote_retries: l(&s.wall_remote_retries),
+            threads_without_timer: l(&s.threads_without_timer),
+            signal_handler_replaced: l(&s.signal_handler_replaced),
+            signal: self.shared.settings.signal,
             skipped_low_stack: unwind::skipped_low_stack(),
             skipped_unknown_stack: unwind::skipped_unknown_stack(),
-            cpu_signal_failures: l(&s.cpu_signal_failures),
             handler_avg_ns: l(&s.handler_ns_total) / done,
             handler_median_ns: s.handler_median_ns(),
             handler_avg_frames: l(&s.handler_frames_total) / done,

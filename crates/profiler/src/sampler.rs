@@ -1,124 +1,100 @@
 //! CPU and wall-time sampling of every thread of the process.
 //!
-//! A sampler thread wakes `cpu_hz` times a second (absolute deadlines on the monotonic clock, so
-//! ticks do not drift) and visits every thread listed in `/proc/self/task`:
+//! Two sources, neither of which ever interrupts a thread that is not running:
 //!
-//! * It reads the thread's CPU clock (`clock_gettime` on the thread's clock id). If the thread
-//!   has not run since its last sample and its stack is already known, the stack cannot have
-//!   changed: the tick becomes a wall-time sample on that stack without disturbing the thread.
-//!   This is how idle threads get wall samples without being interrupted again and again.
-//! * Otherwise it queues a signal to that one thread (`rt_tgsigqueueinfo`) carrying the index
-//!   and sequence number of a preallocated *slot*. The thread's handler (async-signal-safe: no
-//!   allocation, no lock, no lazy TLS) unwinds its own stack into the slot and publishes it with
-//!   a release store. The sampler collects finished slots at its next tick and records them
-//!   (cpu-time = thread CPU clock delta, wall-time = wall delta, cpu-samples = ticks covered,
-//!   labels `thread id` and `thread name`).
-//! * A request still unanswered at the next tick means the thread has not returned to user mode
-//!   since (it was not scheduled, or sat in one system call): its user stack is still the one it
-//!   will report, so the tick is merged into the pending request instead of being lost. Ticks are
-//!   therefore never dropped by scheduling delays, unlike `setitimer(ITIMER_PROF)`, whose signals
-//!   coalesce per process and are capped by the kernel tick rate.
-//! * A thread seen busy (it used at least 3/4 of a CPU since the previous visit) also gets a
-//!   POSIX CPU-time timer on its own clock (`timer_create`, `SIGEV_THREAD_ID`): every period of
-//!   its CPU time the kernel queues the signal to the thread at its own scheduler tick, and the
-//!   handler captures the stack into that thread's *ring* of slots. The sampler need not
-//!   signal busy threads (a signal to a thread running on another CPU costs an
-//!   inter-processor interrupt, the most expensive part of a sample in a VM): at each visit it
-//!   records the ring's captures in order, each with the CPU time up to it; for a busy thread
-//!   also the wall time and the ticks since its last sample, spread over them. A thread that
-//!   was only partly busy also spent time waiting, which belongs to where it waited: its
-//!   captures carry CPU time only and its ticks go the ways above.
-//! * When a tick signalled nobody and left no request pending (all threads idle or covered by
-//!   their timers), the sampler sleeps over the next `SLOW_TICKS - 1` ticks; the next visit
-//!   covers them (idle threads add them up, busy ones spread them over their captures). Each
-//!   ring holds more captures than a thread can make meanwhile.
+//! * **CPU: a CPU-time timer per thread.** Every thread of the process (but ferroprof's own) gets
+//!   a POSIX timer on its own CPU clock (`timer_create` with `SIGEV_THREAD_ID`): each time the
+//!   thread has used another sampling period of CPU, the kernel signals that thread, at its own
+//!   scheduler tick, on its way back to user mode. The handler (async-signal-safe: no
+//!   allocation, no lock) unwinds the interrupted context into a capture slot taken from a
+//!   shared pool and publishes it. The stack is therefore taken where the CPU was spent, for
+//!   every thread that uses CPU, whatever the load (a thread waiting for a CPU uses none and is
+//!   not signalled). A real-time signal, picked at start among those nobody handles, queues one
+//!   signal per timer: nothing coalesces, and a program's own `SIGPROF` user is left alone.
+//!   On kernels that run CPU timers as task work on the way to user mode (x86_64 and arm64
+//!   since Linux 5.11) the signal is raised only there, so it cannot interrupt a system call:
+//!   a blocking call of the application never sees `EINTR` from us.
+//! * **Wall: a visit per thread, without signals.** The sampler thread wakes `cpu_hz` times a
+//!   second and visits threads. A thread whose CPU clock did not move since its stack was read
+//!   is where it was: the elapsed wall time goes to that stack. One that ran is looked at
+//!   again: its timer captures of the interval carry its on-CPU time; for the rest, where it
+//!   is now: blocked in a system call, its stack pointer and program counter are read from
+//!   `/proc/self/task/<tid>/syscall` and its stack is unwound from a copy
+//!   ([`crate::remote`]), kept only if its CPU clock did not move meanwhile; runnable, it waits
+//!   where its timer last caught it running. Each visit weighs exactly the wall time since the
+//!   previous one, so per-thread totals are exact whatever the visiting rate.
+//! * **Cost follows the threads that ran.** Threads that ran recently are visited every tick;
+//!   the others (idle for a while) a few per tick in turn, each at least about once a second,
+//!   their samples weighted by the time since their last visit. Threads are listed from
+//!   `/proc/self/task` at a rate bounded by what a listing costs.
 //!
-//! CPU timers are checked at the kernel's scheduler tick (`CONFIG_HZ`, often 250 Hz): above that
-//! rate a busy thread's stack is captured at the kernel's rate and each capture covers more than
-//! one tick (no tick is lost).
-//!
-//! The handler is installed with `SA_RESTART`: interrupted system calls that the kernel can
-//! restart are restarted. Calls that always fail with `EINTR` when a handler runs (`epoll_wait`,
-//! `poll`, `nanosleep`...) can see it, as with every signal-based profiler; idle threads are
-//! signalled only when they ran since their last sample, which keeps this rare. Signals not sent
-//! by this sampler (other `SIGPROF` users) are passed on to the handler installed before ours.
+//! A thread the kernel gives no timer (out of `RLIMIT_SIGPENDING`) still has wall samples; it is
+//! counted ([`crate::ProfilerStats::threads_without_timer`]) and logged once. When another
+//! library replaces our signal's handler, the timers are deleted (nobody would handle their
+//! signals), a warning is logged and counted; wall sampling goes on. Signals that are not
+//! ours are passed on to the handler installed before ours.
 
 use std::cell::UnsafeCell;
 use std::collections::HashMap;
-use std::sync::atomic::{
-    AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
-};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use ferroprof_recorder::{Frame, Label, SampleValues};
 
+use crate::remote::{self, RemoteUnwinder, TaskSyscall};
 use crate::state::{Shared, TapKind, THREAD_ID_LABEL, THREAD_NAME_LABEL};
 use crate::tls;
 use crate::unwind::{self, MAX_FRAMES};
 
-/// Most requests in flight at once (one per thread being sampled).
-const MAX_SLOTS: usize = 4096;
-/// Marks our signals' payload: (MAGIC << 48) | (seq << 16) | slot index.
-const MAGIC: u64 = 0xf3f0;
-/// A request unanswered for this long is abandoned (the thread blocks the signal).
-const ABANDON_AFTER: Duration = Duration::from_secs(1);
-/// CPU time a thread may use after its handler read its clock (the rest of the handler and the
-/// return from the signal) and still count as "has not run since": its stack is unchanged.
-const IDLE_SLACK_NS: u64 = 50_000;
-
-const IDLE: u32 = 0;
-const REQUESTED: u32 = 1;
+/// Marks our timers' payload: MAGIC (16 bits) | epoch (8) | generation (16) | thread index (24).
+const MAGIC: u64 = 0xf3f2;
+const FREE: u32 = 0;
+/// A handler is writing the slot.
+const CAPTURING: u32 = 1;
+/// Published by a handler, waiting for the sampler.
 const DONE: u32 = 2;
-/// A thread's CPU-timer slot, waiting for the timer's next signal.
-const ARMED: u32 = 3;
-/// A timer signal's handler is writing the slot (claimed from ARMED, so that the sampler can
-/// retire an ARMED slot with a compare-and-swap and know no handler is inside).
-const CAPTURING: u32 = 4;
-/// Marks the payload of the threads' CPU-timer signals: (TIMER_MAGIC << 48) | (seq << 16) | idx.
-const TIMER_MAGIC: u64 = 0xf3f1;
-/// How many ticks the sampler sleeps over when every thread is either idle or busy under its
-/// CPU timer (nothing to signal): their ticks are accounted at the next wake-up, and the timers'
-/// captures wait in their rings meanwhile.
-const SLOW_TICKS: u64 = 5;
-/// Captures a CPU timer's ring holds between two visits of the sampler: a thread runs at most
-/// one timer period per tick, so this covers SLOW_TICKS and a late wake-up.
-const RING: usize = 8;
-/// Most CPU timers at once (threads that were seen busy); the rest are signalled.
-const MAX_RINGS: usize = 512;
-/// Ticks a busy thread may wait for its CPU timer's next capture before it is signalled.
-const MAX_TIMER_WAIT: i64 = SLOW_TICKS as i64 + 3;
-/// Share of the wall time since its last visit (in 1/4) a thread must have run to count as busy
-/// (its timer then fires at least every 4/3 ticks).
-const BUSY_QUARTERS: u64 = 3;
+/// Capture slots per chunk of the shared pool, and most chunks: a handler finds a free slot
+/// among the published ones; the sampler adds a chunk when more than a quarter were waiting.
+const CHUNK: usize = 256;
+const CHUNKS: usize = 16;
+/// Slots a handler tries before it gives up (the pool is full: the capture is lost, counted).
+const CLAIM_TRIES: usize = 64;
+/// How long a thread that ran stays visited at every tick after it was last seen running.
+const HOT_LINGER_NS: u64 = 250_000_000;
+/// Idle threads are visited in turn so that each comes up about this often.
+const COLD_REVISIT_NS: u64 = 1_000_000_000;
+/// Least visits of idle threads per second (spread over ticks), so that a few idle threads are
+/// seen often.
+const COLD_VISITS_PER_SEC: u64 = 800;
+/// Wall time an idle thread accumulates on one stack before it is recorded.
+const IDLE_FLUSH_NS: u64 = 100_000_000;
+/// A listing of `/proc/self/task` may take this share of the time between two listings (1/N).
+const LIST_BUDGET: u64 = 200;
 
 struct Slot {
     state: AtomicU32,
-    seq: AtomicU32,
+    /// The timer's payload (which thread, which profiler).
+    payload: AtomicU64,
+    /// Timer periods this capture stands for: 1 + the timer's overruns.
+    weight: AtomicU32,
     len: AtomicU32,
-    /// The whole handler's run time, from the payload check to the last store, in [`stamp`]
-    /// units.
+    /// The whole handler's run time, in [`stamp`] units.
     handler_stamps: AtomicU64,
-    /// When the handler finished (orders a ring's captures, and gives their wall time): a
-    /// [`stamp`] when `stamp_wall`, else the monotonic clock. The thread's CPU clock is not
-    /// read here: on Linux that is a system call, the most expensive thing a handler would do;
-    /// the sampler reads it instead.
+    /// When the handler finished (orders a thread's captures): a [`stamp`] when `stamp_wall`,
+    /// else the monotonic clock.
     wall_at: AtomicU64,
-    /// Whether stamps are good wall-clock readings here (the kernel's clock source is the
-    /// TSC, so it is constant-rate and synchronized across CPUs): [`stamps_are_wall_clock`],
-    /// copied into the slot the handler touches anyway rather than read from a static, which
-    /// would be one more cold cache line.
+    /// Whether stamps are good wall-clock readings here ([`stamps_are_wall_clock`]), copied into
+    /// the slot the handler touches anyway.
     stamp_wall: bool,
-    /// Out of line, so a ring's slot headers (whose states a handler tries in turn) share a
-    /// few cache lines instead of lying a kilobyte apart.
     frames: Box<UnsafeCell<[u64; MAX_FRAMES]>>,
 }
 
 impl Slot {
     fn new() -> Slot {
         Slot {
-            state: AtomicU32::new(IDLE),
-            seq: AtomicU32::new(0),
+            state: AtomicU32::new(FREE),
+            payload: AtomicU64::new(0),
+            weight: AtomicU32::new(0),
             len: AtomicU32::new(0),
             handler_stamps: AtomicU64::new(0),
             wall_at: AtomicU64::new(0),
@@ -128,49 +104,43 @@ impl Slot {
     }
 }
 
-// SAFETY: `frames` is written only by the handler that owns a REQUESTED slot (or claimed an
-// ARMED one) and read only by the sampler after observing DONE (release/acquire on `state`).
+// SAFETY: `frames` is written only by the handler that moved the slot FREE -> CAPTURING and
+// read only by the sampler after it observed DONE (release/acquire on `state`).
 unsafe impl Sync for Slot {}
 
-static SLOTS: [AtomicPtr<Slot>; MAX_SLOTS] =
-    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_SLOTS];
-
-/// The capture slots of one thread's CPU timer. The handler takes the first ARMED one; the
-/// sampler collects the DONE ones at its next visit, in capture order, and arms them again.
-struct Ring {
-    /// Must match the timer signal's payload (bumped when the ring is retired).
-    seq: AtomicU32,
-    slots: [Slot; RING],
+struct Chunk {
+    slots: [Slot; CHUNK],
 }
 
-static RINGS: [AtomicPtr<Ring>; MAX_RINGS] =
-    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_RINGS];
-/// Timer signals that found their ring full (the sampler was late): their CPU time is
-/// attributed to the ring's other captures.
-static RING_FULL: AtomicU64 = AtomicU64::new(0);
-static PID: AtomicI32 = AtomicI32::new(0);
-/// Our user id, for the siginfo we queue; read once (a getuid per signal was a syscall per
-/// request; the handler never looks at it).
-static UID: AtomicU32 = AtomicU32::new(0);
+/// The capture pool, shared by every thread's timer; chunks are published once and never freed
+/// (a late signal may still write into one after its profiler stopped).
+static POOL: [AtomicPtr<Chunk>; CHUNKS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; CHUNKS];
+/// Slots published (a multiple of CHUNK).
+static POOL_LEN: AtomicUsize = AtomicUsize::new(0);
+/// Where the next handler starts looking for a free slot.
+static POOL_CURSOR: AtomicUsize = AtomicUsize::new(0);
+/// Captures lost because the pool was full.
+static LOST: AtomicU64 = AtomicU64::new(0);
+/// Tells one profiler's timers from the next one's (a signal may arrive after its timer died).
+static EPOCH: AtomicU32 = AtomicU32::new(0);
 
 /// Previous dispositions of the signals we took over: (handler, flags), for chaining.
 static PREV_HANDLER: [AtomicUsize; 65] = [const { AtomicUsize::new(0) }; 65];
 static PREV_FLAGS: [AtomicUsize; 65] = [const { AtomicUsize::new(0) }; 65];
 
-/// The kernel's siginfo layout for `SI_QUEUE` signals (64-bit Linux).
+/// The kernel's siginfo layout for `SI_TIMER` signals (64-bit Linux).
 #[repr(C)]
 struct KSigInfo {
     signo: i32,
     errno: i32,
     code: i32,
     _pad0: i32,
-    pid: i32,
-    uid: u32,
+    timer_id: i32,
+    overrun: i32,
     value: u64,
     _rest: [u8; 128 - 32],
 }
 
-/// Timer captures dropped for a full ring, in this process so far.
 /// Set by the sampler when threads exited since the last export.
 static THREADS_EXITED: AtomicBool = AtomicBool::new(false);
 /// Whether threads exited in the interval before the last export.
@@ -198,8 +168,9 @@ pub(crate) fn trim_after_export() {
     }
 }
 
-pub(crate) fn ring_full_count() -> u64 {
-    RING_FULL.load(Ordering::Relaxed)
+/// Captures lost because every slot of the pool was taken (the sampler was late).
+pub(crate) fn lost_captures() -> u64 {
+    LOST.load(Ordering::Relaxed)
 }
 
 /// Whether `sig` may be used for sampling.
@@ -207,12 +178,32 @@ pub(crate) fn valid_signal(sig: i32) -> bool {
     sig == libc::SIGPROF || (libc::SIGRTMIN()..=libc::SIGRTMAX()).contains(&sig)
 }
 
+/// A real-time signal nobody handles (default disposition), from the top of the range down:
+/// libraries that take one usually count up from `SIGRTMIN`. None when all are taken.
+pub(crate) fn pick_signal() -> Option<i32> {
+    (libc::SIGRTMIN()..=libc::SIGRTMAX()).rev().find(|&sig| {
+        // SAFETY: sigaction only reads the disposition into a zeroed struct we own.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(sig, std::ptr::null(), &mut old) == 0
+                && (old.sa_sigaction == libc::SIG_DFL
+                    || old.sa_sigaction == on_signal as *const () as usize)
+        }
+    })
+}
+
+/// Whether our handler is still the one installed for `sig`.
+fn handler_in_place(sig: i32) -> bool {
+    // SAFETY: as in `pick_signal`.
+    unsafe {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut cur) == 0
+            && cur.sa_sigaction == on_signal as *const () as usize
+    }
+}
+
 /// Installs the handler for `sig` (idempotent). Never uninstalled: a late signal finds it.
 pub(crate) fn install_handler(sig: i32) -> std::io::Result<()> {
-    // SAFETY: getpid and getuid have no preconditions.
-    PID.store(unsafe { libc::getpid() }, Ordering::SeqCst);
-    // SAFETY: as above.
-    UID.store(unsafe { libc::getuid() }, Ordering::SeqCst);
     // SAFETY: plain sigaction calls on zero-initialized structs we own.
     unsafe {
         let mut old: libc::sigaction = std::mem::zeroed();
@@ -237,29 +228,15 @@ pub(crate) fn install_handler(sig: i32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// In a forked child: the process id changed, and requests in flight were addressed to threads
-/// of the parent; the slots are free again (no other thread exists to answer them).
+/// In a forked child: timers are not inherited, and no handler of the parent's threads can
+/// still be writing a slot: the whole pool is free again.
 pub(crate) fn after_fork_in_child() {
-    // SAFETY: getpid has no preconditions.
-    PID.store(unsafe { libc::getpid() }, Ordering::SeqCst);
-    for s in SLOTS.iter() {
-        let p = s.load(Ordering::Acquire);
+    for c in POOL.iter() {
+        let p = c.load(Ordering::Acquire);
         if !p.is_null() {
-            // SAFETY: published slots are never freed.
-            let slot = unsafe { &*p };
-            slot.seq.fetch_add(1, Ordering::AcqRel);
-            slot.state.store(IDLE, Ordering::Release);
-        }
-    }
-    // Timers are not inherited by a child: its threads' rings are free.
-    for r in RINGS.iter() {
-        let p = r.load(Ordering::Acquire);
-        if !p.is_null() {
-            // SAFETY: published rings are never freed.
-            let ring = unsafe { &*p };
-            ring.seq.fetch_add(1, Ordering::AcqRel);
-            for slot in &ring.slots {
-                slot.state.store(IDLE, Ordering::Release);
+            // SAFETY: published chunks are never freed.
+            for s in unsafe { &(*p).slots } {
+                s.state.store(FREE, Ordering::Release);
             }
         }
     }
@@ -278,8 +255,8 @@ extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     unsafe { *libc::__errno_location() = errno };
 }
 
-/// Captures the stack into the slot named by the signal's payload. Returns false when the
-/// signal is not one of ours.
+/// Captures the stack into a free slot of the pool. Returns false when the signal is not one
+/// of our timers'.
 ///
 /// The walk runs on a spare stack of the unwinder's pool ([`unwind::Spare`]): the thread's own
 /// stack holds the kernel's signal frame, this function's frame and the switch, a few hundred
@@ -296,44 +273,20 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
     }
     // SAFETY: siginfo_t is 128 bytes on 64-bit Linux, matching KSigInfo.
     let ki = unsafe { &*(info as *const KSigInfo) };
-    // A request queued by the sampler names our process as sender; a CPU-timer signal carries
-    // the timer id there instead (both keep the payload at the same offset).
-    let timer = match (ki.code, ki.value >> 48) {
-        (libc::SI_QUEUE, MAGIC) if ki.pid == PID.load(Ordering::Relaxed) => false,
-        (libc::SI_TIMER, TIMER_MAGIC) => true,
-        _ => return false,
-    };
+    if ki.code != libc::SI_TIMER || ki.value >> 48 != MAGIC {
+        return false;
+    }
     let t0 = stamp();
-    let idx = (ki.value & 0xffff) as usize;
-    let seq = (ki.value >> 16) as u32;
-    let slot = if timer {
-        // SAFETY: as below, for rings.
-        match unsafe { claim_ring_slot(idx, seq) } {
-            Some(slot) => slot,
-            None => return true,
-        }
-    } else {
-        let Some(slot) = SLOTS.get(idx).map(|s| s.load(Ordering::Acquire)) else {
-            return true;
-        };
-        if slot.is_null() {
-            return true;
-        }
-        // SAFETY: slots are never freed once published.
-        let slot = unsafe { &*slot };
-        if slot.seq.load(Ordering::Acquire) != seq
-            || slot.state.load(Ordering::Acquire) != REQUESTED
-        {
-            return true; // a stale request
-        }
-        slot
-    };
-    // SAFETY: ctx is this handler's ucontext.
-    let regs = unsafe { unwind::regs_from_ucontext(ctx) };
+    // The room left is checked before anything else runs on the thread's stack.
     let bounds = tls::known_stack_bounds();
     let sp = unwind::current_sp();
     let room =
         unwind::headroom(sp, bounds).or_else(|| unwind::probe_room(sp, unwind::HANDLER_STACK_NEED));
+    let Some(slot) = claim_slot() else {
+        return true;
+    };
+    // SAFETY: ctx is this handler's ucontext.
+    let regs = unsafe { unwind::regs_from_ucontext(ctx) };
     let n = match room {
         None => {
             unwind::count_skipped_unknown_stack();
@@ -346,7 +299,7 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
                 None
             };
             match spare {
-                // SAFETY (both): the slot is ours (see `capture`).
+                // SAFETY (both): the slot is ours (claimed FREE -> CAPTURING).
                 Some(mut spare) => spare
                     .run(|s| unsafe { capture(slot, regs, bounds, Some(s)) })
                     .unwrap_or(0),
@@ -361,6 +314,9 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
         }
     };
     slot.len.store(n as u32, Ordering::Relaxed);
+    slot.payload.store(ki.value, Ordering::Relaxed);
+    slot.weight
+        .store(1 + ki.overrun.max(0) as u32, Ordering::Relaxed);
     let end = stamp();
     slot.handler_stamps
         .store(end.wrapping_sub(t0), Ordering::Relaxed);
@@ -373,8 +329,8 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
 /// Unwinds the interrupted context into the slot's frames; the number written.
 ///
 /// # Safety
-/// The slot must be REQUESTED for the request being handled, or claimed from ARMED by this
-/// handler: only this handler writes its frames until it publishes DONE.
+/// The slot must have been claimed (FREE -> CAPTURING) by this handler: only it writes the
+/// frames until it publishes DONE.
 #[inline(never)]
 unsafe fn capture(
     slot: &Slot,
@@ -384,40 +340,60 @@ unsafe fn capture(
 ) -> usize {
     // SAFETY: see the contract above.
     let frames = unsafe { &mut *slot.frames.get() };
-    // The slot still holds the stack it captured last time (a ring's slots are reused).
-    let stale = slot.len.load(Ordering::Relaxed) as usize;
     match spare {
-        Some(s) => unwind::unwind_with(s, regs, bounds, 0, frames, stale),
-        None => unwind::unwind(regs, bounds, 0, frames, stale),
+        Some(s) => unwind::unwind_with(s, regs, bounds, 0, frames, 0),
+        None => unwind::unwind(regs, bounds, 0, frames, 0),
     }
 }
 
-/// Claims the first ARMED slot of ring `idx` for a timer signal with payload sequence `seq`;
-/// None for a retired timer or a full ring.
-///
-/// # Safety
-/// Async-signal-safe; called from the handler.
-unsafe fn claim_ring_slot(idx: usize, seq: u32) -> Option<&'static Slot> {
-    let ring = RINGS.get(idx)?.load(Ordering::Acquire);
-    if ring.is_null() {
+/// Claims a free slot of the pool (async-signal-safe: atomics only); None when the tries find
+/// none (counted).
+fn claim_slot() -> Option<&'static Slot> {
+    let len = POOL_LEN.load(Ordering::Acquire);
+    if len == 0 {
+        LOST.fetch_add(1, Ordering::Relaxed);
         return None;
     }
-    // SAFETY: rings are never freed once published.
-    let ring = unsafe { &*ring };
-    if ring.seq.load(Ordering::Acquire) != seq {
-        return None;
-    }
-    // The CAS leaves CAPTURING: the sampler retires only ARMED slots, so it knows no handler is
-    // inside the ones it takes back.
-    let slot = ring.slots.iter().find(|s| {
-        s.state
-            .compare_exchange(ARMED, CAPTURING, Ordering::Acquire, Ordering::Relaxed)
+    let start = POOL_CURSOR.fetch_add(1, Ordering::Relaxed);
+    for i in 0..len.min(CLAIM_TRIES) {
+        let k = (start + i) % len;
+        let chunk = POOL[k / CHUNK].load(Ordering::Acquire);
+        if chunk.is_null() {
+            continue;
+        }
+        // SAFETY: published chunks are never freed.
+        let s = unsafe { &(*chunk).slots[k % CHUNK] };
+        if s.state
+            .compare_exchange(FREE, CAPTURING, Ordering::Acquire, Ordering::Relaxed)
             .is_ok()
-    });
-    if slot.is_none() {
-        RING_FULL.fetch_add(1, Ordering::Relaxed);
+        {
+            return Some(s);
+        }
     }
-    slot
+    LOST.fetch_add(1, Ordering::Relaxed);
+    None
+}
+
+/// Publishes one more chunk of the pool (up to CHUNKS). Sampler only.
+fn add_chunk() {
+    let len = POOL_LEN.load(Ordering::Acquire);
+    let i = len / CHUNK;
+    if i >= CHUNKS {
+        return;
+    }
+    if POOL[i].load(Ordering::Acquire).is_null() {
+        let chunk = Box::new(Chunk {
+            slots: std::array::from_fn(|_| Slot::new()),
+        });
+        POOL[i].store(Box::into_raw(chunk), Ordering::Release);
+    }
+    POOL_LEN.store(len + CHUNK, Ordering::Release);
+}
+
+fn pool_slot(k: usize) -> Option<&'static Slot> {
+    let chunk = POOL.get(k / CHUNK)?.load(Ordering::Acquire);
+    // SAFETY: published chunks are never freed.
+    (!chunk.is_null()).then(|| unsafe { &(*chunk).slots[k % CHUNK] })
 }
 
 /// Passes a foreign signal to the handler that was installed before ours.
@@ -563,46 +539,8 @@ pub(crate) fn thread_cpu_ns(tid: i32) -> Option<u64> {
     clock_ns(clock)
 }
 
-fn send(tid: i32, sig: i32, value: u64) -> bool {
-    let pid = PID.load(Ordering::Relaxed);
-    let info = KSigInfo {
-        signo: sig,
-        errno: 0,
-        code: libc::SI_QUEUE,
-        _pad0: 0,
-        pid,
-        uid: UID.load(Ordering::Relaxed),
-        value,
-        _rest: [0; 128 - 32],
-    };
-    // SAFETY: rt_tgsigqueueinfo reads a 128-byte siginfo from a valid pointer.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_rt_tgsigqueueinfo,
-            pid as libc::c_long,
-            tid as libc::c_long,
-            sig as libc::c_long,
-            &info as *const KSigInfo,
-        )
-    };
-    rc == 0
-}
-
-/// A thread's CPU-time timer. The kernel checks it at the thread's own scheduler ticks and, each
-/// time the thread has used another sampling period of CPU, queues the signal to that thread:
-/// the thread captures its stack on its way back to user mode, with no signal sent by the
-/// sampler and no interrupt of another CPU to deliver it (what setitimer profilers get, but per
-/// thread, so nothing coalesces). The stack goes to the thread's own slot.
-struct CpuTimer {
-    id: libc::timer_t,
-    /// Index of its ring in RINGS.
-    ring: usize,
-    /// Ticks of the busy thread waiting for the timer's next captures.
-    ticks: i64,
-}
-
 /// Arms a CPU-time timer on thread `tid` that signals it with `value` every `period_ns` of its
-/// CPU time; None when the kernel refuses (no timers left: the sampler signals it instead).
+/// CPU time; None when the kernel refuses (no timers left: the thread gets wall samples only).
 fn create_cpu_timer(tid: i32, sig: i32, value: u64, period_ns: u64) -> Option<libc::timer_t> {
     // SAFETY: sigevent is plain data; every field the kernel reads is set below.
     let mut ev: libc::sigevent = unsafe { std::mem::zeroed() };
@@ -756,69 +694,90 @@ fn refresh_name(dirfd: Option<libc::c_int>, tid: i32, name: &mut String) -> bool
     true
 }
 
-struct Pending {
+/// A timer capture taken out of the pool, waiting for its thread's visit in this tick.
+struct Cap {
     idx: usize,
-    seq: u32,
-    ticks: i64,
-    cpu: u64,
-    wall: u64,
-    sent_at: u64,
+    weight: u32,
+    at: u64,
+    start: usize,
+    len: usize,
 }
 
 struct ThreadInfo {
+    tid: i32,
+    /// A thread of ferroprof: never sampled.
+    own: bool,
     name: String,
-    last_cpu: u64,
-    last_wall: u64,
-    stack: Vec<u64>,
-    has_stack: bool,
-    /// CPU clock of the thread right after its last stack capture.
-    idle_ref: u64,
-    /// Idle ticks not recorded yet, and the thread's CPU and wall clocks at the last of them.
-    idle_ticks: i64,
-    idle_cpu: u64,
-    idle_wall: u64,
     /// A new thread names itself shortly after it starts (Rust does it in the new thread):
     /// its name is re-read on its first visits until it changes.
     name_checks_left: u8,
-    pending: Option<Pending>,
-    /// A request the thread never answered (it blocks the signal): not signalled again unless
-    /// it answers after all.
-    abandoned: Option<Pending>,
-    /// The thread's CPU timer, when the kernel gave us one.
-    timer: Option<CpuTimer>,
-    /// Its CPU and wall clocks at the previous visit (to tell a busy thread).
-    prev_cpu: u64,
-    prev_wall: u64,
-    seen: u64,
+    timer: Option<libc::timer_t>,
+    /// The thread's CPU clock at its last visit, and the wall time accounted up to.
+    last_cpu: u64,
+    last_wall: u64,
+    /// CPU time used but not given to a capture yet (the next captures carry it).
+    cpu_carry: u64,
+    /// Wall time the captures took ahead of the visits (on-CPU time the visits had booked
+    /// off CPU already): paid back from the next off-CPU time, so totals stay exact.
+    wall_debt: u64,
+    /// Where the thread waits: its stack when last seen off CPU.
+    stack: Vec<u64>,
+    /// Where its timer last caught it running.
+    ran: Vec<u64>,
+    /// Off-CPU wall time on `stack` not recorded yet.
+    idle_wall: u64,
+    /// Wall time recorded but not yet counted as a whole tick in `cpu-samples`.
+    tick_rest: u64,
+    /// Visited at every tick until then (it ran recently).
+    hot_until: u64,
+    /// The listing it was last seen in, and the tick it was last visited.
+    listed: u64,
+    visited: u64,
+}
+
+impl ThreadInfo {
+    /// Whole ticks in `wall` ns plus what earlier records left over.
+    fn ticks_of(&mut self, wall: u64, period: u64) -> i64 {
+        let total = self.tick_rest + wall;
+        self.tick_rest = total % period;
+        (total / period) as i64
+    }
 }
 
 /// State of the sampler thread.
 pub(crate) struct Sampler {
     shared: Arc<Shared>,
     signal: i32,
-    threads: HashMap<i32, ThreadInfo, foldhash::fast::RandomState>,
-    tids: Vec<i32>,
+    epoch: u64,
+    period: u64,
+    cpu_hz: u64,
+    wall_enabled: bool,
+    threads: Vec<Option<ThreadInfo>>,
+    /// Generation of each entry of `threads` (bumped when an entry is reused).
+    gens: Vec<u16>,
+    free: Vec<usize>,
+    by_tid: HashMap<i32, usize, foldhash::fast::RandomState>,
     lister: Option<TaskLister>,
-    free_slots: Vec<usize>,
-    next_slot: usize,
-    tick: u64,
+    tids: Vec<i32>,
+    listing: u64,
+    last_list_at: u64,
+    next_list_at: u64,
+    own_gen: u64,
+    remote: RemoteUnwinder,
+    remote_frames: Vec<u64>,
+    caps: Vec<Cap>,
+    cap_frames: Vec<u64>,
     frames: Vec<Frame<'static>>,
+    tick: u64,
+    cold_cursor: usize,
     last_refresh: u64,
     maps_wanted: bool,
     last_names: u64,
-    last_list: u64,
-    wall_enabled: bool,
-    /// The kernel refused a CPU timer once (RLIMIT_SIGPENDING, or no timer support): threads
-    /// are then signalled by the sampler only.
-    timers_failed: bool,
-    free_rings: Vec<usize>,
-    next_ring: usize,
-    /// This tick signalled a thread or left a request pending: the next one comes on time
-    /// rather than SLOW_TICKS later.
-    fast: bool,
+    /// Our signal's handler was replaced: no timers any more.
+    timers_off: bool,
+    timer_failure_logged: bool,
     stamps: StampClock,
-    /// Threads seen exiting since the last [`Sampler::give_back_memory`], and the exports done
-    /// by then.
+    /// Threads seen exiting since the last [`Sampler::give_back_memory`].
     exited: u64,
 }
 
@@ -826,25 +785,40 @@ impl Sampler {
     pub(crate) fn new(shared: Arc<Shared>) -> Sampler {
         let signal = shared.settings.signal;
         let wall_enabled = shared.settings.profiles.wall;
+        let period = period_ns(&shared.settings);
+        let cpu_hz = shared.settings.cpu_hz.max(1) as u64;
+        if POOL_LEN.load(Ordering::Acquire) == 0 {
+            add_chunk();
+        }
         Sampler {
             shared,
             signal,
-            threads: HashMap::default(),
-            tids: Vec::new(),
+            epoch: (EPOCH.fetch_add(1, Ordering::Relaxed) & 0xff) as u64,
+            period,
+            cpu_hz,
+            wall_enabled,
+            threads: Vec::new(),
+            gens: Vec::new(),
+            free: Vec::new(),
+            by_tid: HashMap::default(),
             lister: TaskLister::open(),
-            free_slots: Vec::new(),
-            next_slot: 0,
-            tick: 0,
+            tids: Vec::new(),
+            listing: 0,
+            last_list_at: 0,
+            next_list_at: 0,
+            own_gen: u64::MAX,
+            remote: RemoteUnwinder::new(),
+            remote_frames: vec![0; MAX_FRAMES],
+            caps: Vec::new(),
+            cap_frames: Vec::new(),
             frames: Vec::with_capacity(MAX_FRAMES),
+            tick: 0,
+            cold_cursor: 0,
             last_refresh: 0,
             maps_wanted: false,
             last_names: 0,
-            last_list: 0,
-            wall_enabled,
-            timers_failed: false,
-            free_rings: Vec::new(),
-            next_ring: 0,
-            fast: true,
+            timers_off: false,
+            timer_failure_logged: false,
             stamps: StampClock::new(),
             exited: 0,
         }
@@ -853,21 +827,18 @@ impl Sampler {
     /// The sampler thread's body.
     pub(crate) fn run(mut self) {
         tls::enter_profiler_thread();
-        let period = period_ns(&self.shared.settings);
         // The snapshot was built by `start`; only changes are picked up from here on.
         unwind::refresh(false);
+        let period = self.period;
         let mut next = monotonic_ns() + period;
-        let mut skip = 0;
         loop {
-            sleep_until(next + skip * period);
+            sleep_until(next);
             if self.shared.stopping.load(Ordering::SeqCst) {
                 break;
             }
             let now = monotonic_ns();
             self.stamps.update();
-            // Ticks whose time passed while this thread slept over them or waited for a CPU are
-            // not skipped: the next observation of each thread covers them.
-            let mut ticks = 0;
+            let mut ticks = 0u64;
             while now >= next {
                 next += period;
                 ticks += 1;
@@ -882,129 +853,525 @@ impl Sampler {
             stats.sampler_ticks.fetch_add(1, Ordering::Relaxed);
             stats
                 .sampler_late_ticks
-                .fetch_add((ticks as u64).saturating_sub(1 + skip), Ordering::Relaxed);
-            self.fast = false;
-            self.run_tick(now, ticks.min(1000));
-            skip = if self.fast { 0 } else { SLOW_TICKS - 1 };
+                .fetch_add(ticks - 1, Ordering::Relaxed);
+            self.run_tick(now, ticks);
         }
         self.finish();
     }
 
-    fn alloc_slot(&mut self) -> Option<usize> {
-        if let Some(i) = self.free_slots.pop() {
-            return Some(i);
-        }
-        while self.next_slot < MAX_SLOTS {
-            let i = self.next_slot;
-            self.next_slot += 1;
-            if SLOTS[i].load(Ordering::Acquire).is_null() {
-                SLOTS[i].store(Box::into_raw(Box::new(Slot::new())), Ordering::Release);
-                return Some(i);
-            }
-            // Left by an earlier profiler in this process: reuse if no handler can write it.
-            // SAFETY: published slots are never freed.
-            let s = unsafe { &*SLOTS[i].load(Ordering::Acquire) };
-            if matches!(s.state.load(Ordering::Acquire), IDLE | DONE) {
-                s.state.store(IDLE, Ordering::Release);
-                return Some(i);
-            }
-        }
-        None
+    fn task_dir(&self) -> Option<libc::c_int> {
+        self.lister.as_ref().map(|l| l.fd)
     }
 
-    fn slot(idx: usize) -> &'static Slot {
-        // SAFETY: only indices of published slots are handed around; never freed.
-        unsafe { &*SLOTS[idx].load(Ordering::Acquire) }
+    pub(crate) fn run_tick(&mut self, now: u64, ticks: u64) {
+        self.tick += ticks;
+        self.check_handler();
+        self.check_own_threads();
+        // Captures first, before a listing finds their thread gone: they are its last CPU.
+        self.drain(now);
+        self.visit_captured(now);
+        if now >= self.next_list_at || self.listing == 0 {
+            self.list_threads(now);
+        }
+        // Then the threads that ran recently, and a few idle ones in turn.
+        if self.wall_enabled {
+            for idx in 0..self.threads.len() {
+                let due = self.threads[idx]
+                    .as_ref()
+                    .is_some_and(|t| !t.own && t.visited != self.tick && t.hot_until > now);
+                if due {
+                    self.visit(idx, now, &[]);
+                }
+            }
+            self.visit_cold(now, ticks);
+        }
+        self.refresh_unwinder();
+        if self.tick - self.last_names >= self.cpu_hz {
+            self.last_names = self.tick;
+            let dirfd = self.task_dir();
+            // Names of threads that ran lately (an idle thread's name is read when it runs).
+            for t in self.threads.iter_mut().flatten() {
+                if !t.own && t.hot_until > now {
+                    refresh_name(dirfd, t.tid, &mut t.name);
+                }
+            }
+        }
+        self.give_back_memory();
     }
 
-    pub(crate) fn run_tick(&mut self, now: u64, ticks: i64) {
-        // Counts ticks, not wake-ups (a wake-up may cover several): the rates below are in time.
-        self.tick += ticks.max(1) as u64;
-        let hz = self.shared.settings.cpu_hz.max(1) as u64;
+    /// Threads that registered as ferroprof's since the last look stop being sampled.
+    fn check_own_threads(&mut self) {
+        let own_gen = crate::state::own_threads_generation();
+        if own_gen == self.own_gen {
+            return;
+        }
+        self.own_gen = own_gen;
+        for idx in 0..self.threads.len() {
+            let became_own = self.threads[idx]
+                .as_ref()
+                .is_some_and(|t| !t.own && crate::state::is_own_tid(t.tid));
+            if became_own {
+                self.finish_thread(idx, false);
+            }
+        }
+    }
+
+    /// Deletes every timer when another library replaced our signal's handler: their signals
+    /// would reach a handler that does not expect them. Warned once, counted.
+    fn check_handler(&mut self) {
+        if self.timers_off || handler_in_place(self.signal) {
+            return;
+        }
+        self.timers_off = true;
+        self.shared
+            .stats
+            .signal_handler_replaced
+            .fetch_add(1, Ordering::Relaxed);
+        log::warn!(
+            "ferroprof: another handler was installed for signal {} (ferroprof's CPU sampling \
+             signal); CPU sampling stops, wall sampling goes on. Pick another signal with \
+             FERROPROF_SIGNAL or ProfilerBuilder::signal",
+            self.signal
+        );
+        for t in self.threads.iter_mut().flatten() {
+            if let Some(id) = t.timer.take() {
+                // SAFETY: a timer this sampler created and has not deleted.
+                unsafe { libc::timer_delete(id) };
+            }
+        }
+    }
+
+    /// Lists the process's threads: new ones get an entry and a timer, missing ones are
+    /// finished. A listing costs about a microsecond per thread, so with many threads it
+    /// comes less often than every tick (at most 1/LIST_BUDGET of the time).
+    fn list_threads(&mut self, now: u64) {
         let mut tids = std::mem::take(&mut self.tids);
-        // Threads are listed every ~50 ms (new threads are found within that); in between the
-        // known ones are visited, and one whose CPU clock cannot be read any more has exited.
-        let list_every = (hz / 20).max(1);
-        if self.tick - self.last_list >= list_every || tids.is_empty() {
-            self.last_list = self.tick;
-            let listed = match self.lister.as_mut() {
-                Some(l) => l.list(&mut tids),
-                None => false,
-            };
-            if !listed {
-                self.tids = tids;
-                return;
-            }
+        let listed = match self.lister.as_mut() {
+            Some(l) => l.list(&mut tids),
+            None => false,
+        };
+        let cost = monotonic_ns().saturating_sub(now);
+        self.next_list_at = now + (cost * LIST_BUDGET).max(self.period / 2);
+        if !listed {
+            self.tids = tids;
+            return;
         }
+        let first = self.listing == 0;
+        self.listing += 1;
         let mut new_threads = false;
-        tids.retain(|&tid| {
-            if self.shared.is_own_thread(tid) {
-                return false;
+        for &tid in &tids {
+            match self.by_tid.get(&tid) {
+                Some(&idx) => {
+                    if let Some(t) = self.threads[idx].as_mut() {
+                        t.listed = self.listing;
+                    }
+                }
+                None => {
+                    new_threads = true;
+                    self.add_thread(tid, now, first);
+                }
             }
-            if !self.threads.contains_key(&tid) {
-                new_threads = true;
-            }
-            self.visit(tid, now, ticks)
-        });
-        let tick = self.tick;
-        let gone: Vec<i32> = self
-            .threads
-            .iter()
-            .filter(|(_, t)| t.seen != tick && t.idle_ticks > 0)
-            .map(|(&tid, _)| tid)
-            .collect();
-        for tid in gone {
-            self.flush_idle(tid);
         }
-        let timed_out: Vec<i32> = self
-            .threads
-            .iter()
-            .filter(|(_, t)| t.seen != tick && t.timer.is_some())
-            .map(|(&tid, _)| tid)
-            .collect();
-        for tid in timed_out {
-            self.settle_timer(tid, true);
-        }
-        let mut vanished = Vec::new();
-        let mut exited = 0;
-        self.threads.retain(|_, t| {
-            if t.seen == tick {
-                return true;
+        for idx in 0..self.threads.len() {
+            let gone = self.threads[idx]
+                .as_ref()
+                .is_some_and(|t| t.listed != self.listing);
+            if gone {
+                self.finish_thread(idx, true);
             }
-            exited += 1;
-            // The thread exited: it can no longer run a handler, so its slot is reusable.
-            if let Some(p) = t.pending.take().or(t.abandoned.take()) {
-                vanished.push(p.idx);
-            }
-            false
-        });
-        self.exited += exited;
-        for idx in vanished {
-            let s = Self::slot(idx);
-            s.seq.fetch_add(1, Ordering::AcqRel);
-            s.state.store(IDLE, Ordering::Release);
-            self.free_slots.push(idx);
         }
+        self.last_list_at = now;
         self.tids = tids;
-        // New threads bring new stacks: refresh the maps, at most every 50 ms; check for newly
-        // loaded objects every second.
+        self.maps_wanted |= new_threads;
+    }
+
+    fn add_thread(&mut self, tid: i32, now: u64, first: bool) {
+        let own = crate::state::is_own_tid(tid);
+        let cpu = if own { Some(0) } else { thread_cpu_ns(tid) };
+        let Some(cpu) = cpu else {
+            return; // gone already
+        };
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.threads.push(None);
+                self.gens.push(0);
+                self.threads.len() - 1
+            }
+        };
+        if idx >= 1 << 24 {
+            return;
+        }
+        self.gens[idx] = self.gens[idx].wrapping_add(1);
+        let gen = self.gens[idx];
+        let mut name = String::new();
+        if !own {
+            refresh_name(self.task_dir(), tid, &mut name);
+        }
+        // A thread found by a later listing started since the previous one: the CPU it used
+        // so far is in this profile, and its wall time since about half-way between the two.
+        let (cpu_carry, since) = if first {
+            (0, now)
+        } else {
+            (cpu, now - now.saturating_sub(self.last_list_at) / 2)
+        };
+        let mut t = ThreadInfo {
+            tid,
+            own,
+            name,
+            name_checks_left: 100,
+            timer: None,
+            last_cpu: cpu,
+            last_wall: since,
+            cpu_carry,
+            wall_debt: 0,
+            stack: Vec::new(),
+            ran: Vec::new(),
+            idle_wall: 0,
+            tick_rest: 0,
+            hot_until: now + HOT_LINGER_NS,
+            listed: self.listing,
+            visited: 0,
+        };
+        if !own && !self.timers_off {
+            let value = (MAGIC << 48) | (self.epoch << 40) | ((gen as u64) << 24) | idx as u64;
+            t.timer = create_cpu_timer(tid, self.signal, value, self.period);
+            if t.timer.is_none() {
+                self.shared
+                    .stats
+                    .threads_without_timer
+                    .fetch_add(1, Ordering::Relaxed);
+                if !self.timer_failure_logged {
+                    self.timer_failure_logged = true;
+                    log::warn!(
+                        "ferroprof: the kernel refused a CPU-time timer for thread {tid} ({}); \
+                         threads without one get wall samples only (see \
+                         ProfilerStats::threads_without_timer; RLIMIT_SIGPENDING bounds timers)",
+                        std::io::Error::last_os_error()
+                    );
+                }
+            }
+        }
+        self.threads[idx] = Some(t);
+        self.by_tid.insert(tid, idx);
+    }
+
+    /// Ends thread entry `idx`: deletes its timer, records what it still carries. `gone`: the
+    /// thread exited (its entry is freed); else it became one of ferroprof's threads and stays
+    /// listed as such.
+    fn finish_thread(&mut self, idx: usize, gone: bool) {
+        let Some(mut t) = self.threads[idx].take() else {
+            return;
+        };
+        if let Some(id) = t.timer.take() {
+            // SAFETY: a timer this sampler created and has not deleted.
+            unsafe { libc::timer_delete(id) };
+        }
+        // A thread that turned out to be ferroprof's (it registers from its own start, the
+        // listing may come first) leaves nothing in the profile.
+        if !t.own && gone {
+            self.flush_idle(&mut t);
+            if t.cpu_carry > 0 {
+                let cpu = std::mem::take(&mut t.cpu_carry) as i64;
+                let stack = if t.ran.is_empty() { &t.stack } else { &t.ran };
+                record(&self.shared, &mut self.frames, &t, stack, cpu, 0, 0);
+            }
+        }
+        if gone {
+            self.by_tid.remove(&t.tid);
+            self.free.push(idx);
+            self.exited += 1;
+        } else {
+            t.own = true;
+            self.threads[idx] = Some(t);
+        }
+    }
+
+    /// Takes the timers' captures out of the pool, sorted by thread and time.
+    fn drain(&mut self, _now: u64) {
+        self.caps.clear();
+        self.cap_frames.clear();
+        let len = POOL_LEN.load(Ordering::Acquire);
+        let mut waiting = 0;
+        for k in 0..len {
+            let Some(s) = pool_slot(k) else { continue };
+            if s.state.load(Ordering::Acquire) != DONE {
+                continue;
+            }
+            waiting += 1;
+            let payload = s.payload.load(Ordering::Relaxed);
+            let idx = (payload & 0xff_ffff) as usize;
+            let gen = ((payload >> 24) & 0xffff) as u16;
+            let epoch = (payload >> 40) & 0xff;
+            let mine = epoch == self.epoch
+                && self.gens.get(idx) == Some(&gen)
+                && self.threads.get(idx).is_some_and(|t| t.is_some());
+            if mine {
+                let n = (s.len.load(Ordering::Relaxed) as usize).min(MAX_FRAMES);
+                // SAFETY: DONE was observed with acquire ordering: the handler finished writing.
+                let frames = unsafe { &(&*s.frames.get())[..n] };
+                let start = self.cap_frames.len();
+                self.cap_frames.extend_from_slice(frames);
+                crate::unwind::learn(frames);
+                let stats = &self.shared.stats;
+                stats.count_handler(
+                    self.stamps
+                        .duration_ns(s.handler_stamps.load(Ordering::Relaxed)),
+                );
+                stats
+                    .handler_frames_total
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                stats.handler_count.fetch_add(1, Ordering::Relaxed);
+                self.caps.push(Cap {
+                    idx,
+                    weight: s.weight.load(Ordering::Relaxed).max(1),
+                    at: self.stamps.wall_ns(s, s.wall_at.load(Ordering::Relaxed)),
+                    start,
+                    len: n,
+                });
+            }
+            s.state.store(FREE, Ordering::Release);
+        }
+        if waiting * 4 > len {
+            add_chunk();
+        }
+        self.caps.sort_unstable_by_key(|c| (c.idx, c.at));
+    }
+
+    /// Visits the threads whose timers captured stacks since the last tick.
+    fn visit_captured(&mut self, now: u64) {
+        let caps = std::mem::take(&mut self.caps);
+        let mut i = 0;
+        while i < caps.len() {
+            let idx = caps[i].idx;
+            let mut j = i;
+            while j < caps.len() && caps[j].idx == idx {
+                j += 1;
+            }
+            self.visit(idx, now, &caps[i..j]);
+            i = j;
+        }
+        self.caps = caps;
+        self.caps.clear();
+    }
+
+    /// Visits idle threads in turn: enough per tick that each comes up about every
+    /// COLD_REVISIT_NS, and at least COLD_VISITS_PER_SEC a second in all.
+    fn visit_cold(&mut self, now: u64, ticks: u64) {
+        let n = self.threads.len();
+        if n == 0 {
+            return;
+        }
+        let cold = self
+            .threads
+            .iter()
+            .flatten()
+            .filter(|t| !t.own && t.hot_until <= now)
+            .count() as u64;
+        if cold == 0 {
+            return;
+        }
+        let by_rate = (COLD_VISITS_PER_SEC * ticks).div_ceil(self.cpu_hz);
+        let by_revisit = (cold * ticks * self.period).div_ceil(COLD_REVISIT_NS);
+        let mut budget = by_rate.max(by_revisit);
+        let mut steps = 0;
+        while budget > 0 && steps < n {
+            let idx = self.cold_cursor % n;
+            self.cold_cursor = (idx + 1) % n;
+            steps += 1;
+            let due = self.threads[idx]
+                .as_ref()
+                .is_some_and(|t| !t.own && t.visited != self.tick && t.hot_until <= now);
+            if due {
+                budget -= 1;
+                self.visit(idx, now, &[]);
+            }
+        }
+    }
+
+    /// Samples thread entry `idx`: its captures of this tick (`caps`) get the CPU time it used
+    /// since the last visit, and the wall time since then goes to where it is.
+    fn visit(&mut self, idx: usize, now: u64, caps: &[Cap]) {
+        let Some(mut t) = self.threads[idx].take() else {
+            return;
+        };
+        if t.own {
+            self.threads[idx] = Some(t);
+            return;
+        }
+        t.visited = self.tick;
+        self.shared.stats.cpu_ticks.fetch_add(1, Ordering::Relaxed);
+        let clock = thread_cpu_ns(t.tid);
+        // Gone: its last captures still get their CPU (a period each, as the timer counted).
+        let cpu = clock.unwrap_or_else(|| {
+            let periods: u64 = caps.iter().map(|c| c.weight as u64).sum();
+            t.last_cpu + periods * self.period
+        });
+        let dirfd = self.task_dir();
+        if t.name_checks_left > 0 {
+            // Re-read until the thread renamed itself (it starts with its creator's name):
+            // every visit at first, then every tenth.
+            t.name_checks_left -= 1;
+            if (t.name_checks_left > 90 || t.name_checks_left % 10 == 0)
+                && refresh_name(dirfd, t.tid, &mut t.name)
+            {
+                t.name_checks_left = 0;
+            }
+        }
+        let used = cpu.saturating_sub(t.last_cpu);
+        t.last_cpu = t.last_cpu.max(cpu);
+        let ran = used > 0 || !caps.is_empty();
+        if caps.is_empty() {
+            t.cpu_carry += used;
+        } else {
+            // The CPU time since the last captures, spread over these by their weight (each
+            // stands for one or more periods of CPU).
+            self.flush_idle(&mut t);
+            let total = used + std::mem::take(&mut t.cpu_carry);
+            let weights: u64 = caps.iter().map(|c| c.weight as u64).sum();
+            let mut before = 0u64;
+            for c in caps {
+                let share = total * (before + c.weight as u64) / weights - total * before / weights;
+                before += c.weight as u64;
+                t.ran.clear();
+                t.ran
+                    .extend_from_slice(&self.cap_frames[c.start..c.start + c.len]);
+                // With wall time on, `cpu-samples` counts ticks of wall time (as many per thread
+                // as its lifetime has ticks); else periods of CPU.
+                let (wall, count) = if self.wall_enabled {
+                    (share, t.ticks_of(share, self.period))
+                } else {
+                    (0, c.weight as i64)
+                };
+                t.wall_debt += wall;
+                record(
+                    &self.shared,
+                    &mut self.frames,
+                    &t,
+                    &t.ran,
+                    share as i64,
+                    wall as i64,
+                    count,
+                );
+            }
+            self.shared
+                .stats
+                .cpu_timer_samples
+                .fetch_add(caps.len() as u64, Ordering::Relaxed);
+        }
+        if clock.is_none() {
+            self.threads[idx] = Some(t);
+            self.finish_thread(idx, true);
+            return;
+        }
+        if !self.wall_enabled {
+            t.last_wall = now;
+            self.threads[idx] = Some(t);
+            return;
+        }
+        let wall = now.saturating_sub(t.last_wall);
+        if ran || t.stack.is_empty() {
+            if ran {
+                t.hot_until = now + HOT_LINGER_NS;
+            }
+            // Runnable now: where it last ran, if it mostly ran since the last visit (else it
+            // mostly waited where it was, and has just woken).
+            let busy = !t.ran.is_empty() && (!caps.is_empty() || used * 2 >= wall);
+            match self.where_now(&t, cpu, busy) {
+                Where::Gone => {
+                    self.threads[idx] = Some(t);
+                    self.finish_thread(idx, true);
+                    return;
+                }
+                Where::Read(n) => {
+                    if t.stack[..] != self.remote_frames[..n] {
+                        self.flush_idle(&mut t);
+                        t.stack.clear();
+                        t.stack.extend_from_slice(&self.remote_frames[..n]);
+                    }
+                }
+                Where::Ran => {
+                    if t.stack != t.ran {
+                        self.flush_idle(&mut t);
+                        t.stack.clone_from(&t.ran);
+                    }
+                }
+                Where::Unchanged => {}
+            }
+        }
+        // The interval's wall time, less what the captures took, goes where it is now.
+        t.last_wall = t.last_wall.max(now);
+        let pay = wall.min(t.wall_debt);
+        t.wall_debt -= pay;
+        t.idle_wall += wall - pay;
+        if ran || t.idle_wall >= IDLE_FLUSH_NS {
+            self.flush_idle(&mut t);
+        }
+        self.threads[idx] = Some(t);
+    }
+
+    /// Where thread `t` (that ran since its last visit, CPU clock `cpu`) stands now. `busy`:
+    /// when it is runnable, it waits where its timer last caught it.
+    fn where_now(&mut self, t: &ThreadInfo, cpu: u64, busy: bool) -> Where {
+        let fallback = if busy { Where::Ran } else { Where::Unchanged };
+        match remote::task_syscall(self.task_dir(), t.tid) {
+            TaskSyscall::Gone => Where::Gone,
+            TaskSyscall::Running => fallback,
+            TaskSyscall::InSyscall { sp, pc, .. } | TaskSyscall::Stopped { sp, pc } => {
+                let n = self.remote.unwind(sp, pc, &mut self.remote_frames);
+                // Read while it stood still, or not at all: a thread that ran meanwhile may
+                // have changed the stack under the walk.
+                if n > 0 && thread_cpu_ns(t.tid) == Some(cpu) {
+                    self.shared
+                        .stats
+                        .wall_remote_stacks
+                        .fetch_add(1, Ordering::Relaxed);
+                    Where::Read(n)
+                } else {
+                    self.shared
+                        .stats
+                        .wall_remote_retries
+                        .fetch_add(1, Ordering::Relaxed);
+                    fallback
+                }
+            }
+        }
+    }
+
+    /// Records the off-CPU wall time `t` accumulated, on its stack (or where it ran, when its
+    /// stack was never read). Kept for later when neither is known.
+    fn flush_idle(&mut self, t: &mut ThreadInfo) {
+        if t.idle_wall == 0 || (t.stack.is_empty() && t.ran.is_empty()) {
+            return;
+        }
+        let wall = std::mem::take(&mut t.idle_wall);
+        let count = t.ticks_of(wall, self.period);
+        let stack = if !t.stack.is_empty() {
+            &t.stack
+        } else {
+            &t.ran
+        };
+        record(
+            &self.shared,
+            &mut self.frames,
+            t,
+            stack,
+            0,
+            wall as i64,
+            count,
+        );
+    }
+
+    /// New threads bring stacks the unwinder's snapshot does not know: refresh the maps, at
+    /// most every 20 ms; check for newly loaded objects every second.
+    fn refresh_unwinder(&mut self) {
         let since = self.tick - self.last_refresh;
-        // New threads bring stacks the snapshot does not know yet; the request is kept until the
-        // rate limit lets it through.
-        self.maps_wanted |= new_threads || unwind::maps_stale();
-        if (self.maps_wanted && since * 1000 >= 20 * hz) || since >= hz {
+        self.maps_wanted |= unwind::maps_stale();
+        if (self.maps_wanted && since * 1000 >= 20 * self.cpu_hz) || since >= self.cpu_hz {
             unwind::refresh(self.maps_wanted);
             self.maps_wanted = false;
             self.last_refresh = self.tick;
         }
-        if self.tick - self.last_names >= hz {
-            self.last_names = self.tick;
-            let dirfd = self.lister.as_ref().map(|l| l.fd);
-            for (tid, t) in self.threads.iter_mut() {
-                refresh_name(dirfd, *tid, &mut t.name);
-            }
-        }
-        self.give_back_memory();
     }
 
     /// Tells the export thread that threads exited since its last export (see
@@ -1016,513 +1383,83 @@ impl Sampler {
         }
     }
 
-    /// Samples thread `tid` for this tick; false when the thread no longer exists.
-    fn visit(&mut self, tid: i32, now: u64, ticks: i64) -> bool {
-        let Some(cpu) = thread_cpu_ns(tid) else {
-            return false;
-        };
-        let tick = self.tick;
-        let dirfd = self.lister.as_ref().map(|l| l.fd);
-        let info = self.threads.entry(tid).or_insert_with(|| ThreadInfo {
-            name: {
-                let mut name = String::new();
-                refresh_name(dirfd, tid, &mut name);
-                name
-            },
-            last_cpu: cpu,
-            last_wall: now,
-            stack: Vec::new(),
-            has_stack: false,
-            idle_ref: 0,
-            idle_ticks: 0,
-            idle_cpu: 0,
-            idle_wall: 0,
-            name_checks_left: 100,
-            pending: None,
-            abandoned: None,
-            timer: None,
-            prev_cpu: cpu,
-            prev_wall: now,
-            seen: tick,
-        });
-        info.seen = tick;
-        // Used at least BUSY_QUARTERS/4 of a CPU since the previous visit.
-        let busy = cpu.saturating_sub(info.prev_cpu) * 4
-            >= now.saturating_sub(info.prev_wall) * BUSY_QUARTERS;
-        info.prev_cpu = cpu;
-        info.prev_wall = now;
-        if info.name_checks_left > 0 {
-            // Re-read until the thread renamed itself (it starts with its creator's name), for
-            // its first visits only: a thread not scheduled for a while names itself late.
-            // Every visit at first, then every tenth.
-            info.name_checks_left -= 1;
-            if (info.name_checks_left > 90 || info.name_checks_left % 10 == 0)
-                && refresh_name(dirfd, tid, &mut info.name)
-            {
-                info.name_checks_left = 0;
-            }
-        }
-        self.shared.stats.cpu_ticks.fetch_add(1, Ordering::Relaxed);
-
-        if let Some(a) = info.abandoned.as_ref() {
-            let s = Self::slot(a.idx);
-            if s.state.load(Ordering::Acquire) == DONE && s.seq.load(Ordering::Acquire) == a.seq {
-                // It answered after all: take the slot back and sample it again.
-                let a = info.abandoned.take().unwrap_or_else(|| unreachable!());
-                s.state.store(IDLE, Ordering::Release);
-                self.free_slots.push(a.idx);
-                let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
-                info.last_cpu = cpu;
-                info.last_wall = now;
-            } else {
-                return true;
-            }
-        }
-
-        let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
-        if let Some(p) = info.pending.as_mut() {
-            let s = Self::slot(p.idx);
-            if s.state.load(Ordering::Acquire) == DONE {
-                self.complete(tid);
-            } else if now.saturating_sub(p.sent_at) > ABANDON_AFTER.as_nanos() as u64 {
-                info.abandoned = info.pending.take();
-                return true;
-            } else {
-                // Not answered yet: the thread's user stack has not changed since the request,
-                // so this tick is covered by the same stack.
-                p.ticks += ticks;
-                p.cpu = cpu;
-                p.wall = now;
-                self.shared
-                    .stats
-                    .cpu_merged_ticks
-                    .fetch_add(ticks as u64, Ordering::Relaxed);
-                self.fast = true;
-                return true;
-            }
-        }
-
-        // Stacks the thread's CPU timer captured since the last visit (they cover this tick if
-        // it was busy).
-        if self.take_timer_captures(tid, ticks, busy, Some(cpu)) {
-            return true;
-        }
-        let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
-        if info.has_stack && cpu.saturating_sub(info.idle_ref) < IDLE_SLACK_NS {
-            // Has not run since its stack was captured: same stack, no need to interrupt it.
-            // Consecutive idle ticks are added up and recorded as one sample (same stack, same
-            // labels: the aggregated profile is identical), at most every ~100 ms.
-            if self.wall_enabled {
-                info.idle_ticks += ticks;
-                info.idle_cpu = cpu;
-                info.idle_wall = now;
-                let flush_every = (self.shared.settings.cpu_hz as i64 / 10).max(1);
-                if info.idle_ticks >= flush_every {
-                    self.flush_idle(tid);
-                }
-            } else {
-                info.last_wall = now;
-                info.last_cpu = cpu;
-            }
-            return true;
-        }
-        // About to look at the thread again: what it accumulated idle goes out first.
-        self.flush_idle(tid);
-        let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
-        let mut ticks = ticks;
-        match info.timer.as_mut() {
-            Some(t) if busy && t.ticks + ticks <= MAX_TIMER_WAIT => {
-                // Busy: its timer fires within about a period of its CPU time and captures the
-                // stack then; the tick waits for that instead of a signal from here.
-                t.ticks += ticks;
-                self.shared
-                    .stats
-                    .cpu_timer_ticks
-                    .fetch_add(ticks as u64, Ordering::Relaxed);
-                return true;
-            }
-            // Not busy enough for its timer to come soon: the request covers the ticks left to
-            // the timer too.
-            Some(t) => ticks += std::mem::take(&mut t.ticks),
-            // Signalled this once; its timer captures from now on.
-            None if busy && !self.timers_failed => self.arm_timer(tid),
-            None => {}
-        }
-        // A request is answered within a tick or two: the next wake-up comes on time.
-        self.fast = true;
-        let Some(idx) = self.alloc_slot() else {
-            return true;
-        };
-        let s = Self::slot(idx);
-        let seq = s.seq.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
-        s.state.store(REQUESTED, Ordering::Release);
-        let value = (MAGIC << 48) | ((seq as u64) << 16) | idx as u64;
-        if send(tid, self.signal, value) {
-            self.shared
-                .stats
-                .cpu_requests
-                .fetch_add(1, Ordering::Relaxed);
-            let info = self.threads.get_mut(&tid).unwrap_or_else(|| unreachable!());
-            info.pending = Some(Pending {
-                idx,
-                seq,
-                ticks,
-                cpu,
-                wall: now,
-                sent_at: now,
-            });
-        } else {
-            self.shared
-                .stats
-                .cpu_signal_failures
-                .fetch_add(1, Ordering::Relaxed);
-            s.state.store(IDLE, Ordering::Release);
-            self.free_slots.push(idx);
-        }
-        true
-    }
-
-    fn ring(idx: usize) -> &'static Ring {
-        // SAFETY: only indices of published rings are handed around; never freed.
-        unsafe { &*RINGS[idx].load(Ordering::Acquire) }
-    }
-
-    fn alloc_ring(&mut self) -> Option<usize> {
-        if let Some(i) = self.free_rings.pop() {
-            return Some(i);
-        }
-        while self.next_ring < MAX_RINGS {
-            let i = self.next_ring;
-            self.next_ring += 1;
-            let p = RINGS[i].load(Ordering::Acquire);
-            if p.is_null() {
-                let ring = Box::new(Ring {
-                    seq: AtomicU32::new(0),
-                    slots: std::array::from_fn(|_| Slot::new()),
-                });
-                RINGS[i].store(Box::into_raw(ring), Ordering::Release);
-                return Some(i);
-            }
-            // Left by an earlier profiler in this process: reuse if no handler can write it.
-            // SAFETY: published rings are never freed.
-            let ring = unsafe { &*p };
-            if ring
-                .slots
-                .iter()
-                .all(|s| matches!(s.state.load(Ordering::Acquire), IDLE | DONE))
-            {
-                return Some(i);
-            }
-        }
-        None
-    }
-
-    /// Gives thread `tid` a CPU timer signalling it into a ring of its own.
-    fn arm_timer(&mut self, tid: i32) {
-        let Some(r) = self.alloc_ring() else {
-            return;
-        };
-        let ring = Self::ring(r);
-        let seq = ring.seq.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
-        for s in &ring.slots {
-            s.state.store(ARMED, Ordering::Release);
-        }
-        let value = (TIMER_MAGIC << 48) | ((seq as u64) << 16) | r as u64;
-        let period = period_ns(&self.shared.settings);
-        match create_cpu_timer(tid, self.signal, value, period) {
-            Some(id) => {
-                if let Some(info) = self.threads.get_mut(&tid) {
-                    info.timer = Some(CpuTimer {
-                        id,
-                        ring: r,
-                        ticks: 0,
-                    });
-                }
-            }
-            None => {
-                self.timers_failed = true;
-                ring.seq.fetch_add(1, Ordering::AcqRel);
-                for s in &ring.slots {
-                    s.state.store(IDLE, Ordering::Release);
-                }
-                self.free_rings.push(r);
-            }
-        }
-    }
-
-    /// Deletes a thread's CPU timer and frees its ring unless a handler is still writing into
-    /// it (then the ring stays out of use; a later profiler may take it once the handler is
-    /// done). `thread_gone`: no handler of it can run any more.
-    fn release_timer(&mut self, t: CpuTimer, thread_gone: bool) {
-        // SAFETY: `t.id` is a timer this sampler created and has not deleted.
-        unsafe { libc::timer_delete(t.id) };
-        let ring = Self::ring(t.ring);
-        // A signal already queued finds the new sequence number and leaves the ring alone.
-        ring.seq.fetch_add(1, Ordering::AcqRel);
-        let mut free = true;
-        for s in &ring.slots {
-            let idle = thread_gone
-                || s.state
-                    .compare_exchange(ARMED, IDLE, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                || s.state.load(Ordering::Acquire) == DONE;
-            if idle {
-                s.state.store(IDLE, Ordering::Release);
-            } else {
-                free = false;
-            }
-        }
-        if free {
-            self.free_rings.push(t.ring);
-        }
-    }
-
-    /// Records the stacks the CPU timer of `tid` captured since the last visit, in capture
-    /// order. For a `busy` thread each gets the CPU and wall time up to its capture, and the
-    /// ticks that waited for the timer and this visit's `ticks` are spread over them (exact in
-    /// sum); true then: they cover this tick. A thread that was not busy also spent time off
-    /// CPU, which belongs to where it waited, not to where it ran: its captures get their CPU
-    /// time only, and its wall time and ticks are left to the visit (false).
-    ///
-    /// `cpu_now` is the thread's CPU clock read just now by the sampler (`None` when it could
-    /// not be read, e.g. the thread is gone): the CPU time since the last sample is split evenly
-    /// over the captures, each of which the timer took after one period of CPU time. Without a
-    /// reading each capture is credited one period.
-    fn take_timer_captures(
-        &mut self,
-        tid: i32,
-        ticks: i64,
-        busy: bool,
-        cpu_now: Option<u64>,
-    ) -> bool {
-        let Some(r) = self
-            .threads
-            .get(&tid)
-            .and_then(|i| i.timer.as_ref())
-            .map(|t| t.ring)
-        else {
-            return false;
-        };
-        let ring = Self::ring(r);
-        let mut done = [0usize; RING];
-        let mut k = 0;
-        for (i, s) in ring.slots.iter().enumerate() {
-            if s.state.load(Ordering::Acquire) == DONE {
-                done[k] = i;
-                k += 1;
-            }
-        }
-        if k == 0 {
-            return false;
-        }
-        done[..k].sort_unstable_by_key(|&i| ring.slots[i].wall_at.load(Ordering::Relaxed));
-        // Idle ticks belong to the stack being replaced.
-        self.flush_idle(tid);
-        let total = match self.threads.get_mut(&tid).and_then(|i| i.timer.as_mut()) {
-            Some(t) if busy => std::mem::take(&mut t.ticks) + ticks,
-            Some(_) => 0,
-            None => return false,
-        };
-        self.shared
-            .stats
-            .cpu_timer_samples
-            .fetch_add(k as u64, Ordering::Relaxed);
-        let period = period_ns(&self.shared.settings);
-        let (cpu_total, cpu_ref) = match (cpu_now, self.threads.get(&tid)) {
-            (Some(now), Some(info)) => (now.saturating_sub(info.last_cpu), now),
-            (_, info) => {
-                let total = period * k as u64;
-                (total, info.map_or(0, |i| i.last_cpu) + total)
-            }
-        };
-        for (j, &i) in done[..k].iter().enumerate() {
-            let s = &ring.slots[i];
-            let Some(info) = self.threads.get_mut(&tid) else {
-                return true;
-            };
-            take_stack(s, &mut info.stack, &self.shared.stats, &self.stamps);
-            info.has_stack = !info.stack.is_empty();
-            let wall_at = self.stamps.wall_ns(s, s.wall_at.load(Ordering::Relaxed));
-            s.state.store(ARMED, Ordering::Release);
-            let (j64, k64) = (j as u64, k as u64);
-            let cpu_ns = (cpu_total * (j64 + 1) / k64 - cpu_total * j64 / k64) as i64;
-            if j + 1 == k {
-                info.last_cpu = info.last_cpu.max(cpu_ref);
-                info.idle_ref = cpu_ref;
-            }
-            let mut wall_ns = 0;
-            if busy {
-                wall_ns = wall_at.saturating_sub(info.last_wall) as i64;
-                info.last_wall = info.last_wall.max(wall_at);
-            }
-            let (j, k) = (j as i64, k as i64);
-            let count = total * (j + 1) / k - total * j / k;
-            self.record(tid, cpu_ns, wall_ns, count);
-        }
-        busy
-    }
-
-    /// Ends the CPU timer of `tid`: records what it captured, and the ticks still waiting for
-    /// it on the thread's last known stack (it was busy there a moment ago).
-    fn settle_timer(&mut self, tid: i32, thread_gone: bool) {
-        let cpu_now = if thread_gone {
-            None
-        } else {
-            thread_cpu_ns(tid)
-        };
-        self.take_timer_captures(tid, 0, true, cpu_now);
-        let now = monotonic_ns();
-        let Some(info) = self.threads.get_mut(&tid) else {
-            return;
-        };
-        let Some(t) = info.timer.take() else {
-            return;
-        };
-        if t.ticks > 0 {
-            let cpu = thread_cpu_ns(tid).unwrap_or(info.last_cpu);
-            let cpu_ns = cpu.saturating_sub(info.last_cpu) as i64;
-            let wall_ns = now.saturating_sub(info.last_wall) as i64;
-            info.last_cpu = cpu.max(info.last_cpu);
-            info.last_wall = now;
-            self.record(tid, cpu_ns, wall_ns, t.ticks);
-        }
-        self.release_timer(t, thread_gone);
-    }
-
-    /// Records the idle ticks `tid` accumulated, on its current stack.
-    fn flush_idle(&mut self, tid: i32) {
-        let Some(info) = self.threads.get_mut(&tid) else {
-            return;
-        };
-        if info.idle_ticks == 0 {
-            return;
-        }
-        let ticks = std::mem::take(&mut info.idle_ticks);
-        let wall = info.idle_wall.saturating_sub(info.last_wall) as i64;
-        let cpu = info.idle_cpu.saturating_sub(info.last_cpu) as i64;
-        info.last_wall = info.idle_wall;
-        info.last_cpu = info.idle_cpu;
-        self.record(tid, cpu, wall, ticks);
-    }
-
-    /// Records the finished request of `tid` and frees its slot.
-    fn complete(&mut self, tid: i32) {
-        let Some(info) = self.threads.get_mut(&tid) else {
-            return;
-        };
-        let Some(p) = info.pending.take() else {
-            return;
-        };
-        let s = Self::slot(p.idx);
-        take_stack(s, &mut info.stack, &self.shared.stats, &self.stamps);
-        info.has_stack = !info.stack.is_empty();
-        // The CPU clock when the request was sent: the handler ran after it, so a thread whose
-        // clock has not moved past it (give or take the handler) has not run since.
-        info.idle_ref = p.cpu;
-        s.state.store(IDLE, Ordering::Release);
-        self.free_slots.push(p.idx);
-        let cpu = p.cpu.saturating_sub(info.last_cpu) as i64;
-        let wall = p.wall.saturating_sub(info.last_wall) as i64;
-        info.last_cpu = p.cpu;
-        info.last_wall = p.wall;
-        self.record(tid, cpu, wall, p.ticks);
-    }
-
-    fn record(&mut self, tid: i32, cpu_ns: i64, wall_ns: i64, count: i64) {
-        let Some(info) = self.threads.get(&tid) else {
-            return;
-        };
-        if !info.has_stack {
-            return;
-        }
-        self.frames.clear();
-        self.frames
-            .extend(info.stack.iter().map(|&a| Frame::Address(a)));
-        let labels = [
-            Label::num(THREAD_ID_LABEL, tid as i64),
-            Label::str(THREAD_NAME_LABEL, &info.name),
-        ];
-        let values = SampleValues {
-            cpu_time_ns: cpu_ns,
-            cpu_or_wall_samples: count,
-            wall_time_ns: wall_ns,
-            ..Default::default()
-        };
-        let sh = &self.shared;
-        let frames = &self.frames;
-        tls::in_recorder(|| {
-            // Never inside the recorder while a fork is under way (see `fork`); taps outside.
-            crate::fork::outside_fork(|| {
-                if sh
-                    .recorder
-                    .record_sample(frames, &values, &labels, 0)
-                    .is_err()
-                {
-                    sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    sh.stats
-                        .cpu_samples
-                        .fetch_add(count as u64, Ordering::Relaxed);
-                }
-            });
-            sh.for_each_tap(TapKind::Cpu, |r| {
-                let _ = r.record_sample(frames, &values, &labels, 0);
-            });
-        });
-    }
-
-    /// On stop: ends the CPU timers, gives pending requests a moment to finish, records them,
-    /// abandons the rest.
+    /// On stop: the last captures and visits, then every timer deleted.
     fn finish(&mut self) {
         self.stamps.update();
-        let all: Vec<i32> = self.threads.keys().copied().collect();
-        for &tid in &all {
-            self.flush_idle(tid);
-            self.settle_timer(tid, false);
-        }
-        let deadline = monotonic_ns() + 100_000_000;
-        loop {
-            let pending: Vec<i32> = self
-                .threads
-                .iter()
-                .filter(|(_, t)| t.pending.is_some())
-                .map(|(&tid, _)| tid)
-                .collect();
-            if pending.is_empty() {
-                return;
-            }
-            for tid in pending {
-                let done = self.threads[&tid]
-                    .pending
+        let now = monotonic_ns();
+        self.tick += 1;
+        self.drain(now);
+        self.visit_captured(now);
+        if self.wall_enabled {
+            for idx in 0..self.threads.len() {
+                let due = self.threads[idx]
                     .as_ref()
-                    .is_some_and(|p| Self::slot(p.idx).state.load(Ordering::Acquire) == DONE);
-                if done {
-                    self.complete(tid);
+                    .is_some_and(|t| !t.own && t.visited != self.tick);
+                if due {
+                    self.visit(idx, now, &[]);
                 }
             }
-            if monotonic_ns() > deadline {
-                // Left REQUESTED: never reused while a handler might still write it.
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        }
+        for idx in 0..self.threads.len() {
+            self.finish_thread(idx, true);
         }
     }
 }
 
-/// Copies the stack of a slot observed DONE into `stack`, counting the handler's cost.
-fn take_stack(s: &Slot, stack: &mut Vec<u64>, stats: &crate::state::Stats, stamps: &StampClock) {
-    let n = (s.len.load(Ordering::Relaxed) as usize).min(MAX_FRAMES);
-    // SAFETY: DONE was observed with acquire ordering: the handler finished writing.
-    let frames = unsafe { &(&*s.frames.get())[..n] };
-    stack.clear();
-    stack.extend_from_slice(frames);
-    // The next capture through these frames takes the fast path.
-    crate::unwind::learn(frames);
-    stats.count_handler(stamps.duration_ns(s.handler_stamps.load(Ordering::Relaxed)));
-    stats
-        .handler_frames_total
-        .fetch_add(n as u64, Ordering::Relaxed);
-    stats.handler_count.fetch_add(1, Ordering::Relaxed);
+enum Where {
+    Gone,
+    /// Its stack was read into `remote_frames[..n]`.
+    Read(usize),
+    /// Runnable: where its timer last caught it.
+    Ran,
+    Unchanged,
+}
+
+/// Records one sample of thread `t` on `stack` (nothing for an empty stack).
+fn record(
+    sh: &Shared,
+    frames: &mut Vec<Frame<'static>>,
+    t: &ThreadInfo,
+    stack: &[u64],
+    cpu_ns: i64,
+    wall_ns: i64,
+    count: i64,
+) {
+    if stack.is_empty() || (cpu_ns == 0 && wall_ns == 0 && count == 0) {
+        return;
+    }
+    frames.clear();
+    frames.extend(stack.iter().map(|&a| Frame::Address(a)));
+    let labels = [
+        Label::num(THREAD_ID_LABEL, t.tid as i64),
+        Label::str(THREAD_NAME_LABEL, &t.name),
+    ];
+    let values = SampleValues {
+        cpu_time_ns: cpu_ns,
+        cpu_or_wall_samples: count,
+        wall_time_ns: wall_ns,
+        ..Default::default()
+    };
+    let frames = &*frames;
+    tls::in_recorder(|| {
+        // Never inside the recorder while a fork is under way (see `fork`); taps outside.
+        crate::fork::outside_fork(|| {
+            if sh
+                .recorder
+                .record_sample(frames, &values, &labels, 0)
+                .is_err()
+            {
+                sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
+            } else {
+                sh.stats
+                    .cpu_samples
+                    .fetch_add(count as u64, Ordering::Relaxed);
+            }
+        });
+        sh.for_each_tap(TapKind::Cpu, |r| {
+            let _ = r.record_sample(frames, &values, &labels, 0);
+        });
+    });
 }
 
 fn sleep_until(deadline_ns: u64) {
@@ -1549,6 +1486,7 @@ fn sleep_until(deadline_ns: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn stamps_convert_to_monotonic_time() {
@@ -1634,53 +1572,41 @@ mod tests {
     }
 
     #[test]
-    fn timer_signals_fill_their_ring_in_order_and_stale_ones_are_ignored() {
-        // The last ring: samplers take rings from the first one up.
-        let idx = MAX_RINGS - 1;
-        let ring = Box::into_raw(Box::new(Ring {
-            seq: AtomicU32::new(7),
-            slots: std::array::from_fn(|_| Slot::new()),
-        }));
-        RINGS[idx]
-            .compare_exchange(
-                std::ptr::null_mut(),
-                ring,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .expect("ring unused");
-        let ring = Sampler::ring(idx);
-        for s in &ring.slots {
-            s.state.store(ARMED, Ordering::Release);
+    fn handlers_claim_free_slots_and_a_full_pool_is_counted() {
+        if POOL_LEN.load(Ordering::Acquire) == 0 {
+            add_chunk();
         }
-        // SAFETY (all calls below): claim_ring_slot only touches atomics; any thread may call it.
-        assert!(
-            unsafe { claim_ring_slot(idx, 6) }.is_none(),
-            "a retired timer"
-        );
-        assert!(
-            unsafe { claim_ring_slot(idx - 1, 7) }.is_none(),
-            "no ring there"
-        );
-        let full = RING_FULL.load(Ordering::Relaxed);
-        for want in &ring.slots {
-            let got = unsafe { claim_ring_slot(idx, 7) }.expect("an armed slot");
-            assert!(std::ptr::eq(got, want), "slots are taken in order");
-            assert_eq!(got.state.load(Ordering::Acquire), CAPTURING);
-            got.state.store(DONE, Ordering::Release);
+        let len = POOL_LEN.load(Ordering::Acquire);
+        let mut claimed: Vec<&'static Slot> = Vec::new();
+        while let Some(s) = claim_slot() {
+            assert_eq!(s.state.load(Ordering::Acquire), CAPTURING);
+            assert!(
+                !claimed.iter().any(|&c| std::ptr::eq(c, s)),
+                "a slot is never handed out twice"
+            );
+            claimed.push(s);
+            assert!(claimed.len() <= len, "more slots than the pool has");
         }
+        // The tries start at a moving cursor: nearly the whole pool is found before one fails.
         assert!(
-            unsafe { claim_ring_slot(idx, 7) }.is_none(),
-            "the ring is full"
+            claimed.len() >= CLAIM_TRIES.min(len),
+            "{} of {len}",
+            claimed.len()
         );
+        let lost = LOST.load(Ordering::Relaxed);
+        assert!(claim_slot().is_none() || claimed.len() < len);
         assert!(
-            RING_FULL.load(Ordering::Relaxed) > full,
-            "a full ring is counted"
+            LOST.load(Ordering::Relaxed) >= lost,
+            "a failed claim is counted"
         );
-        // A collected slot is armed again and the next signal takes it.
-        ring.slots[3].state.store(ARMED, Ordering::Release);
-        let got = unsafe { claim_ring_slot(idx, 7) }.expect("the re-armed slot");
-        assert!(std::ptr::eq(got, &ring.slots[3]));
+        let first = claimed[0];
+        first.state.store(FREE, Ordering::Release);
+        let again = (0..len).find_map(|_| claim_slot()).expect("the freed slot");
+        assert!(std::ptr::eq(again, first));
+        claimed.push(again);
+        for s in claimed {
+            s.state.store(FREE, Ordering::Release);
+        }
     }
 
     /// Whether `cond` holds within a second (for what the kernel finishes after `join`).

@@ -34,12 +34,12 @@ pub(crate) struct Stats {
     pub cpu_samples: AtomicU64,
     pub sampler_ticks: AtomicU64,
     pub sampler_late_ticks: AtomicU64,
-    pub cpu_requests: AtomicU64,
     pub cpu_ticks: AtomicU64,
-    pub cpu_merged_ticks: AtomicU64,
-    pub cpu_timer_ticks: AtomicU64,
     pub cpu_timer_samples: AtomicU64,
-    pub cpu_signal_failures: AtomicU64,
+    pub wall_remote_stacks: AtomicU64,
+    pub wall_remote_retries: AtomicU64,
+    pub threads_without_timer: AtomicU64,
+    pub signal_handler_replaced: AtomicU64,
     /// Bumped by every allocating thread: sharded (see `crate::sharded`).
     pub alloc_samples: ShardedCount,
     pub record_errors: AtomicU64,
@@ -158,12 +158,6 @@ impl Shared {
         self.settings.profiles.heap
     }
 
-    pub fn is_own_thread(&self, tid: i32) -> bool {
-        self.own_tids
-            .iter()
-            .any(|t| t.load(Ordering::Relaxed) == tid)
-    }
-
     /// Calls `f` with the recorder of every active tap of `kind`.
     pub fn for_each_tap(&self, kind: TapKind, mut f: impl FnMut(&StackRecorder)) {
         if self.tap_count.load(Ordering::Acquire) == 0 {
@@ -263,6 +257,58 @@ impl Shared {
             t.store(0, Ordering::SeqCst);
         }
     }
+}
+
+/// ferroprof's threads (sampler, exporters, delivery, HTTP server...), by thread id: the
+/// sampler never samples them. A fixed table (threads register from their own start, and leave
+/// when they exit); its generation tells the sampler to look again.
+static OWN_TIDS: [AtomicI32; 64] = [const { AtomicI32::new(0) }; 64];
+static OWN_GEN: AtomicU64 = AtomicU64::new(0);
+
+/// Registers the calling thread as one of ferroprof's until it exits.
+pub(crate) fn register_own_thread() {
+    struct Leave(usize);
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            OWN_TIDS[self.0].store(0, Ordering::SeqCst);
+            OWN_GEN.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    thread_local! {
+        static REGISTERED: std::cell::RefCell<Option<Leave>> = const { std::cell::RefCell::new(None) };
+    }
+    let tid = current_tid();
+    let _ = REGISTERED.try_with(|r| {
+        let mut r = r.borrow_mut();
+        if r.is_some() {
+            return;
+        }
+        if let Some(i) = OWN_TIDS.iter().position(|t| {
+            t.compare_exchange(0, tid, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        }) {
+            OWN_GEN.fetch_add(1, Ordering::SeqCst);
+            *r = Some(Leave(i));
+        }
+    });
+}
+
+/// Whether `tid` is one of ferroprof's threads.
+pub(crate) fn is_own_tid(tid: i32) -> bool {
+    OWN_TIDS.iter().any(|t| t.load(Ordering::Relaxed) == tid)
+}
+
+/// Changes whenever a thread registers or leaves.
+pub(crate) fn own_threads_generation() -> u64 {
+    OWN_GEN.load(Ordering::SeqCst)
+}
+
+/// In a forked child: the parent's threads are gone, and so are their entries.
+pub(crate) fn forget_own_threads_after_fork() {
+    for t in OWN_TIDS.iter() {
+        t.store(0, Ordering::Relaxed);
+    }
+    OWN_GEN.fetch_add(1, Ordering::SeqCst);
 }
 
 static ACTIVE: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());

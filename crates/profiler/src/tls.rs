@@ -80,8 +80,10 @@ pub(crate) fn in_recorder<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Marks the calling thread as a profiler thread for the rest of its life.
+/// (Also keeps the sampler away from it.)
 pub(crate) fn enter_profiler_thread() {
     STATE.with(|s| s.guard.set(s.guard.get() + 1));
+    crate::state::register_own_thread();
 }
 
 /// The calling thread's stack bounds, computed once per thread (not async-signal-safe: may

@@ -831,7 +831,7 @@ fn unwind_counted(
     out: &mut [u64],
     fast: bool,
     stale: usize,
-    mut own_cache: Option<&mut NativeCache>,
+    own_cache: Option<&mut NativeCache>,
 ) -> (usize, usize) {
     if out.is_empty() {
         return (0, 0);
@@ -873,7 +873,7 @@ fn unwind_counted(
         MAPS_STALE.store(true, Ordering::Relaxed);
         return (1, 0);
     };
-    let mut read_stack = |addr: u64| -> Result<u64, ()> {
+    let read_stack = |addr: u64| -> Result<u64, ()> {
         if addr >= lo && addr.checked_add(8).is_some_and(|e| e <= hi) {
             // SAFETY: [addr, addr+8) lies within the live stack mapping containing sp.
             Ok(unsafe { ptr::read_volatile(addr as *const u64) })
@@ -881,6 +881,50 @@ fn unwind_counted(
             Err(())
         }
     };
+    if known.is_none() {
+        prefetch_stack(lo, hi);
+    }
+    let (n, fast_frames, _) = walk(
+        snap,
+        pool,
+        regs,
+        FrameAddress::from_instruction_pointer(regs.pc),
+        skip_to_sp,
+        out,
+        fast,
+        own_cache,
+        read_stack,
+    );
+    (n, fast_frames)
+}
+
+/// Where a walk stopped on a frame it could not unwind: the frame, and the stack and frame
+/// pointers it had for it.
+#[derive(Clone, Copy)]
+struct Stuck {
+    frame: FrameAddress,
+    sp: u64,
+    fp: u64,
+    /// framehop said "end of stack" (a frame-pointer frame with a zero frame pointer says so
+    /// too), rather than failing.
+    ended: bool,
+}
+
+/// Walks the stack from `regs` (its first frame `start`) with the snapshot's rules and framehop,
+/// reading stack words through `read_stack`; (frames written, frames the compact rules handled,
+/// where it got stuck if a frame could not be unwound).
+#[allow(clippy::too_many_arguments)]
+fn walk(
+    snap: &Snapshot,
+    pool: &[PoolEntry],
+    regs: StartRegs,
+    start: FrameAddress,
+    skip_to_sp: u64,
+    out: &mut [u64],
+    fast: bool,
+    mut own_cache: Option<&mut NativeCache>,
+    mut read_stack: impl FnMut(u64) -> Result<u64, ()>,
+) -> (usize, usize, Option<Stuck>) {
     #[cfg(target_arch = "x86_64")]
     let uregs = framehop::x86_64::UnwindRegsX86_64::new(regs.pc, regs.sp, regs.fp);
     #[cfg(target_arch = "aarch64")]
@@ -893,14 +937,12 @@ fn unwind_counted(
     #[cfg(not(target_arch = "x86_64"))]
     let _ = fast;
     let mut uregs = uregs;
-    if known.is_none() {
-        prefetch_stack(lo, hi);
-    }
     let mut n = 0;
     let mut fast_frames = 0;
     // A framehop cache, borrowed from the pool the first time a frame needs framehop.
     let mut entry: Option<&PoolEntry> = None;
-    let mut frame = FrameAddress::from_instruction_pointer(regs.pc);
+    let mut frame = start;
+    let mut stuck = None;
     // Bounded by frames written and by steps taken (skipped frames count too).
     for _ in 0..out.len() + 64 {
         if n >= out.len() {
@@ -961,7 +1003,18 @@ fn unwind_counted(
                 Some(f) => frame = f,
                 None => break,
             },
-            _ => break,
+            result => {
+                stuck = Some(Stuck {
+                    frame,
+                    sp: uregs.sp(),
+                    #[cfg(target_arch = "x86_64")]
+                    fp: uregs.bp(),
+                    #[cfg(not(target_arch = "x86_64"))]
+                    fp: uregs.fp(),
+                    ended: result.is_ok(),
+                });
+                break;
+            }
         }
     }
     if let Some(e) = entry {
@@ -971,9 +1024,129 @@ fn unwind_counted(
         out[0] = regs.pc;
         n = 1;
     }
-    (n, fast_frames)
+    (n, fast_frames, stuck)
 }
 
+/// A framehop cache owned by a walker that is not a signal handler (see [`unwind_copied`]).
+pub(crate) struct OwnCache(Box<NativeCache>);
+
+impl OwnCache {
+    pub(crate) fn new() -> OwnCache {
+        OwnCache(Box::new(NativeCache::new_in()))
+    }
+}
+
+/// Unwinds another thread of this process from its program counter and stack pointer, over
+/// `stack`: a copy of its stack from `sp` up (the sampler thread, for a thread blocked in the
+/// kernel). Its frame pointer is unknown: a frame whose rule needs it ends the walk. Reads
+/// nothing of the other thread's memory; frames into `out`, their number returned.
+pub(crate) fn unwind_copied(
+    pc: u64,
+    sp: u64,
+    stack: &[u8],
+    cache: &mut OwnCache,
+    out: &mut [u64],
+) -> usize {
+    if out.is_empty() {
+        return 0;
+    }
+    let _reader = ReaderGuard::enter();
+    let snap = HOT.snapshot.load(Ordering::SeqCst);
+    let pool = HOT.pool.load(Ordering::SeqCst);
+    if snap.is_null() || pool.is_null() {
+        out[0] = pc;
+        return 1;
+    }
+    // SAFETY: as in `unwind_counted`.
+    let (snap, pool) = unsafe { (&*snap, &*pool) };
+    let end = sp.saturating_add(stack.len() as u64);
+    let read = |addr: u64| -> Result<u64, ()> {
+        if addr < sp || addr.checked_add(8).is_none_or(|e| e > end) {
+            return Err(());
+        }
+        let off = (addr - sp) as usize;
+        let word: [u8; 8] = stack[off..off + 8].try_into().map_err(|_| ())?;
+        Ok(u64::from_ne_bytes(word))
+    };
+    // The frame pointer is unknown. Code built with frame pointers (Rust's std, between a
+    // blocking libc call and the application) finds its frame through it: when the walk gets
+    // stuck there, the frame pointer is guessed from the copy (the lowest word above the stack
+    // pointer followed by a return address into a loaded object) and the walk goes on.
+    let mut frame = FrameAddress::from_instruction_pointer(pc);
+    let (mut at_sp, mut fp) = (sp, 0u64);
+    let mut n = 0;
+    for _ in 0..8 {
+        let regs = StartRegs {
+            pc: frame.address(),
+            sp: at_sp,
+            fp,
+            lr: 0,
+        };
+        let (k, _, stuck) = walk(
+            snap,
+            pool,
+            regs,
+            frame,
+            0,
+            &mut out[n..],
+            true,
+            Some(&mut cache.0),
+            read,
+        );
+        n += k;
+        let Some(stuck) = stuck else { break };
+        // Only a frame pointer nobody restored is guessed; a known one that fails is a real end.
+        if stuck.fp != 0 || n >= out.len() {
+            break;
+        }
+        let Some(guess) = guess_frame_pointer(snap, stuck.sp, &read) else {
+            break;
+        };
+        if stuck.ended {
+            // The outermost frame also ends the walk: only a frame whose unwinding depends on
+            // the frame pointer (it does not end with a non-zero one) is worth the guess.
+            #[cfg(target_arch = "x86_64")]
+            let mut probe =
+                framehop::x86_64::UnwindRegsX86_64::new(stuck.frame.address(), stuck.sp, guess);
+            #[cfg(target_arch = "aarch64")]
+            let mut probe = framehop::aarch64::UnwindRegsAarch64::new_with_ptr_auth_mask(
+                snap.ptr_auth_mask,
+                0,
+                stuck.sp,
+                guess,
+            );
+            let mut r = read;
+            if matches!(
+                snap.unwinder
+                    .unwind_frame(stuck.frame, &mut probe, &mut cache.0, &mut r),
+                Ok(None)
+            ) {
+                break;
+            }
+        }
+        // The stuck frame is the first of the next walk: written again in place.
+        n -= 1;
+        frame = stuck.frame;
+        at_sp = stuck.sp;
+        fp = guess;
+    }
+    n
+}
+
+/// The frame pointer of a frame-pointer function whose stack pointer is `sp`: the lowest
+/// 8-aligned address at or above `sp` (within 4 KiB) whose next word is an address in a loaded
+/// object (the return address the frame pointer sits below).
+fn guess_frame_pointer(
+    snap: &Snapshot,
+    sp: u64,
+    read: &impl Fn(u64) -> Result<u64, ()>,
+) -> Option<u64> {
+    let base = sp.checked_add(7)? & !7;
+    (0..512u64).map(|i| base + i * 8).find(|&at| {
+        read(at + 8).is_ok_and(|ret| snap.objects.iter().any(|o| o.contains(ret)))
+            && read(at).is_ok()
+    })
+}
 /// How much of the stack above `sp` a walk prefetches: a handler finds the stack cold, and a walk
 /// reads it as a chain of dependent loads (each frame's position comes from the previous one),
 /// so without prefetching every cache miss is paid one after the other. 4 KiB covers a typical

@@ -154,6 +154,8 @@ fn small_stack_child() {
         })
     });
     let sigframe = signal_frame_size();
+    // The profiler's sampling signal (a real-time signal it picked).
+    let sig = guard.as_ref().map_or(libc::SIGPROF, |g| g.stats().signal);
     let h = std::thread::Builder::new()
         .stack_size(16 * 1024)
         .spawn(move || {
@@ -181,7 +183,7 @@ fn small_stack_child() {
             unsafe {
                 let mut set: libc::sigset_t = std::mem::zeroed();
                 libc::sigemptyset(&mut set);
-                libc::sigaddset(&mut set, libc::SIGPROF);
+                libc::sigaddset(&mut set, sig);
                 libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
             }
             // Down to where the allocator's own frames above the profiler's check still fit:
