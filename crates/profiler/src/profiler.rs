@@ -435,6 +435,7 @@ impl ProfilerBuilder {
             }
             if let Err(e) = spawn_threads(&shared) {
                 shared.stopping.store(true, Ordering::SeqCst);
+                shared.sampler_stopped.store(true, Ordering::SeqCst);
                 shared.wake_all();
                 join_threads(&shared);
                 state::deactivate(&shared);
@@ -562,7 +563,13 @@ fn export_loop(sh: &Arc<Shared>) {
             }
         }
     }
-    // The last profile, then give the exporters until the deadline to deliver what they hold.
+    // The last profile once the sampler recorded what it still held (bounded: a sampler that
+    // does not finish in time loses its last samples, never the export).
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while !sh.sampler_stopped.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+        std::thread::park_timeout(Duration::from_millis(5));
+    }
+    // Then give the exporters until the deadline to deliver what they hold.
     let _ = export_once(sh);
     sh.flush_done
         .store(sh.flush_requested.load(Ordering::SeqCst), Ordering::SeqCst);
@@ -726,6 +733,8 @@ impl ProfilerGuard {
             if let Some(h) = sampler {
                 let _ = h.join();
             }
+            sh.sampler_stopped.store(true, Ordering::SeqCst);
+            sh.wake_all();
             alloc::set_interval(0);
             let export = sh.threads.lock().export.take();
             if let Some(h) = export {

@@ -24,7 +24,7 @@
 //!   where its timer last caught it running. Each visit weighs exactly the wall time since the
 //!   previous one, so per-thread totals are exact whatever the visiting rate.
 //! * **Cost follows the threads that ran.** Threads that ran recently are visited every tick;
-//!   the others (idle for a while) a few per tick in turn, each at least about once a second,
+//!   the others (idle for a while) a few per tick in turn, each about every two seconds,
 //!   their samples weighted by the time since their last visit. Threads are listed from
 //!   `/proc/self/task` at a rate bounded by what a listing costs.
 //!
@@ -62,14 +62,14 @@ const CLAIM_TRIES: usize = 64;
 /// How long a thread that ran stays visited at every tick after it was last seen running.
 const HOT_LINGER_NS: u64 = 250_000_000;
 /// Idle threads are visited in turn so that each comes up about this often.
-const COLD_REVISIT_NS: u64 = 1_000_000_000;
+const COLD_REVISIT_NS: u64 = 2_000_000_000;
 /// Least visits of idle threads per second (spread over ticks), so that a few idle threads are
 /// seen often.
 const COLD_VISITS_PER_SEC: u64 = 800;
 /// Wall time an idle thread accumulates on one stack before it is recorded.
 const IDLE_FLUSH_NS: u64 = 100_000_000;
 /// A listing of `/proc/self/task` may take this share of the time between two listings (1/N).
-const LIST_BUDGET: u64 = 200;
+const LIST_BUDGET: u64 = 1000;
 
 struct Slot {
     state: AtomicU32,
@@ -730,6 +730,8 @@ struct ThreadInfo {
     tick_rest: u64,
     /// Visited at every tick until then (it ran recently).
     hot_until: u64,
+    /// Listed in `Sampler::hot`.
+    in_hot: bool,
     /// The listing it was last seen in, and the tick it was last visited.
     listed: u64,
     visited: u64,
@@ -769,6 +771,9 @@ pub(crate) struct Sampler {
     cap_frames: Vec<u64>,
     frames: Vec<Frame<'static>>,
     tick: u64,
+    /// Entries that ran lately (visited every tick), and how many entries are not ours.
+    hot: Vec<usize>,
+    sampled: usize,
     cold_cursor: usize,
     last_refresh: u64,
     maps_wanted: bool,
@@ -813,6 +818,8 @@ impl Sampler {
             cap_frames: Vec::new(),
             frames: Vec::with_capacity(MAX_FRAMES),
             tick: 0,
+            hot: Vec::new(),
+            sampled: 0,
             cold_cursor: 0,
             last_refresh: 0,
             maps_wanted: false,
@@ -875,14 +882,7 @@ impl Sampler {
         }
         // Then the threads that ran recently, and a few idle ones in turn.
         if self.wall_enabled {
-            for idx in 0..self.threads.len() {
-                let due = self.threads[idx]
-                    .as_ref()
-                    .is_some_and(|t| !t.own && t.visited != self.tick && t.hot_until > now);
-                if due {
-                    self.visit(idx, now, &[]);
-                }
-            }
+            self.visit_hot(now);
             self.visit_cold(now, ticks);
         }
         self.refresh_unwinder();
@@ -890,8 +890,8 @@ impl Sampler {
             self.last_names = self.tick;
             let dirfd = self.task_dir();
             // Names of threads that ran lately (an idle thread's name is read when it runs).
-            for t in self.threads.iter_mut().flatten() {
-                if !t.own && t.hot_until > now {
+            for &idx in &self.hot {
+                if let Some(t) = self.threads[idx].as_mut() {
                     refresh_name(dirfd, t.tid, &mut t.name);
                 }
             }
@@ -919,7 +919,11 @@ impl Sampler {
     /// Deletes every timer when another library replaced our signal's handler: their signals
     /// would reach a handler that does not expect them. Warned once, counted.
     fn check_handler(&mut self) {
-        if self.timers_off || handler_in_place(self.signal) {
+        // A sigaction call; ten times a second is soon enough.
+        if self.timers_off
+            || self.tick % (self.cpu_hz / 10).max(1) != 0
+            || handler_in_place(self.signal)
+        {
             return;
         }
         self.timers_off = true;
@@ -1030,6 +1034,7 @@ impl Sampler {
             idle_wall: 0,
             tick_rest: 0,
             hot_until: now + HOT_LINGER_NS,
+            in_hot: !own,
             listed: self.listing,
             visited: 0,
         };
@@ -1052,6 +1057,10 @@ impl Sampler {
                 }
             }
         }
+        if !own {
+            self.hot.push(idx);
+            self.sampled += 1;
+        }
         self.threads[idx] = Some(t);
         self.by_tid.insert(tid, idx);
     }
@@ -1067,6 +1076,10 @@ impl Sampler {
             // SAFETY: a timer this sampler created and has not deleted.
             unsafe { libc::timer_delete(id) };
         }
+        if !t.own {
+            self.sampled -= 1;
+        }
+        // (A gone entry left in `hot` is dropped by the next `visit_hot`.)
         // A thread that turned out to be ferroprof's (it registers from its own start, the
         // listing may come first) leaves nothing in the profile.
         if !t.own && gone {
@@ -1155,6 +1168,35 @@ impl Sampler {
         self.caps.clear();
     }
 
+    /// Visits the threads that ran lately; those idle for HOT_LINGER_NS leave the list.
+    fn visit_hot(&mut self, now: u64) {
+        let mut i = 0;
+        while i < self.hot.len() {
+            let idx = self.hot[i];
+            let state = self.threads[idx]
+                .as_mut()
+                .filter(|t| !t.own && t.in_hot)
+                .map(|t| (t.hot_until > now, t.visited != self.tick));
+            match state {
+                Some((true, due)) => {
+                    if due {
+                        self.visit(idx, now, &[]);
+                    }
+                    i += 1;
+                }
+                Some((false, _)) => {
+                    if let Some(t) = self.threads[idx].as_mut() {
+                        t.in_hot = false;
+                    }
+                    self.hot.swap_remove(i);
+                }
+                None => {
+                    self.hot.swap_remove(i);
+                }
+            }
+        }
+    }
+
     /// Visits idle threads in turn: enough per tick that each comes up about every
     /// COLD_REVISIT_NS, and at least COLD_VISITS_PER_SEC a second in all.
     fn visit_cold(&mut self, now: u64, ticks: u64) {
@@ -1162,12 +1204,7 @@ impl Sampler {
         if n == 0 {
             return;
         }
-        let cold = self
-            .threads
-            .iter()
-            .flatten()
-            .filter(|t| !t.own && t.hot_until <= now)
-            .count() as u64;
+        let cold = self.sampled.saturating_sub(self.hot.len()) as u64;
         if cold == 0 {
             return;
         }
@@ -1273,6 +1310,10 @@ impl Sampler {
         if ran || t.stack.is_empty() {
             if ran {
                 t.hot_until = now + HOT_LINGER_NS;
+                if !t.in_hot {
+                    t.in_hot = true;
+                    self.hot.push(idx);
+                }
             }
             // Runnable now: where it last ran, if it mostly ran since the last visit (else it
             // mostly waited where it was, and has just woken).

@@ -123,6 +123,9 @@ pub(crate) struct Shared {
     pub threads: Mutex<Threads>,
     /// Set when stopping; the sampler and export threads exit.
     pub stopping: AtomicBool,
+    /// Set by `stop()` once the sampler thread finished (it records what it still held): the
+    /// export thread writes the last profile only after that.
+    pub sampler_stopped: AtomicBool,
     /// Kernel ids of the profiler's own threads (not sampled).
     pub own_tids: [AtomicI32; 2],
     /// Flush tickets asked for / served by the export thread.
@@ -144,6 +147,7 @@ impl Shared {
             serialize_lock: Mutex::new(()),
             threads: Mutex::new(Threads::default()),
             stopping: AtomicBool::new(false),
+            sampler_stopped: AtomicBool::new(false),
             own_tids: [AtomicI32::new(0), AtomicI32::new(0)],
             flush_requested: AtomicU64::new(0),
             flush_done: AtomicU64::new(0),

@@ -1,5 +1,5 @@
 //! The sampler's cost follows the threads that ran, not all threads: with many idle threads it
-//! visits each about once a second (its wall samples then weigh the time since the last visit)
+//! visits each about every two seconds (its wall samples then weigh the time since the last visit)
 //! instead of every tick.
 //!
 //! The default test counts visits (deterministic); the ignored one measures the sampler
@@ -78,7 +78,7 @@ fn run(n: usize, hz: u32, measure: Duration) -> (f64, f64, f64) {
 }
 
 #[test]
-fn idle_threads_are_visited_about_once_a_second() {
+fn idle_threads_are_visited_about_every_two_seconds() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let n = 1000;
     let (visits, cpu, wall) = run(n, 100, Duration::from_secs(2));
@@ -86,8 +86,9 @@ fn idle_threads_are_visited_about_once_a_second() {
         "{n} idle threads at 100 Hz: {visits:.0} visits/s, sampler {:.2}% of a core, {wall:.2} s of wall per thread",
         cpu * 100.0
     );
-    // Every tick would be 100,000 visits a second; about once a second per thread is ~1,000.
-    assert!(visits < 3.0 * n as f64, "{visits:.0} visits/s");
+    // Every tick would be 100,000 visits a second; every two seconds per thread, ~500 (and
+    // at least 800 in all).
+    assert!(visits < 2.0 * n as f64, "{visits:.0} visits/s");
     // Each idle thread still gets its whole wall time (profiled for ~3.5 s).
     assert!(wall > 3.0, "{wall:.2} s of wall per idle thread");
 }
