@@ -47,6 +47,14 @@ pub(crate) struct Segment {
 }
 
 impl LoadedObject {
+    /// Whether `addr` is in one of the object's executable segments (past its first byte, so
+    /// that `addr` can be a return address).
+    pub fn executes(&self, addr: u64) -> bool {
+        self.segments
+            .iter()
+            .any(|s| s.flags & libc::PF_X != 0 && s.start < addr && addr <= s.end)
+    }
+
     /// Lowest to highest address covered by the object's segments.
     pub fn range(&self) -> Option<(u64, u64)> {
         let start = self.segments.iter().map(|s| s.start).min()?;

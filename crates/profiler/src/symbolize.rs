@@ -5,7 +5,8 @@
 //! DWARF of its file (or of its separate debug file, found by build id or `.gnu_debuglink`) is
 //! memory-mapped and parsed lazily with `addr2line`, inlined frames are expanded innermost first,
 //! and Rust names are demangled without their hash. Objects without DWARF fall back to their
-//! symbol table (name only); unknown addresses get `object+0xoffset`.
+//! symbol table (name only); unknown addresses get `object+0xoffset`, or their address outside
+//! every object.
 //!
 //! Memory: the mapped files and parsed DWARF live for one *pass* (one serialization) and are
 //! dropped at its end, so no multi-MB context stays resident between profiles. What stays is a
@@ -106,7 +107,14 @@ impl ProcessSymbolizer {
                 .collect()
         });
         let Some(od) = objects.iter_mut().find(|o| o.obj.contains(address)) else {
-            return Box::new([]);
+            // In no loaded object (JIT code, an unloaded library, a bad frame): named by its
+            // address, so that no viewer takes the location for one left to symbolize (`go tool
+            // pprof` would ask the server's /debug/pprof/symbol for it).
+            return Box::new([ResolvedFrame {
+                name: format!("{address:#x}"),
+                filename: String::new(),
+                line: 0,
+            }]);
         };
         let probe = address.wrapping_sub(od.obj.base);
         let debug = od
@@ -193,12 +201,7 @@ impl DebugInfo {
                 maps.push(m);
                 d
             }
-            None => {
-                // The vDSO has no file: parse its in-memory image.
-                let (start, end) = obj.range().ok_or(LoadError)?;
-                // SAFETY: the vDSO is mapped readable for the life of the process.
-                unsafe { std::slice::from_raw_parts(start as *const u8, (end - start) as usize) }
-            }
+            None => vdso_image(obj).ok_or(LoadError)?,
         };
         let file = object::File::parse(data).map_err(|_| LoadError)?;
         let mut symbols: Vec<(u64, &'static str)> = file
@@ -303,6 +306,36 @@ impl DebugInfo {
     }
 }
 
+/// The vDSO's in-memory ELF image (it has no file). Its loadable segment ends before the
+/// section headers, which hold the way to its symbol table: the image runs to the end of the
+/// section header table, within the segment's last page (the kernel maps it whole).
+fn vdso_image(obj: &LoadedObject) -> Option<&'static [u8]> {
+    let (start, end) = obj.range()?;
+    let page_end = end.checked_add(4095)? & !4095;
+    let header_len = 64u64;
+    if page_end - start < header_len {
+        return None;
+    }
+    // SAFETY: the vDSO's first page (its ELF header) is mapped readable for the life of the
+    // process.
+    let header = unsafe { std::slice::from_raw_parts(start as *const u8, header_len as usize) };
+    if &header[..4] != b"\x7fELF" || header[4] != 2 {
+        return None;
+    }
+    let shoff = u64::from_ne_bytes(header[0x28..0x30].try_into().ok()?);
+    let shentsize = u64::from(u16::from_ne_bytes(header[0x3a..0x3c].try_into().ok()?));
+    let shnum = u64::from(u16::from_ne_bytes(header[0x3c..0x3e].try_into().ok()?));
+    let sections_end = start
+        .checked_add(shoff)?
+        .checked_add(shentsize.checked_mul(shnum)?)?;
+    let image_end = end.max(sections_end);
+    if image_end > page_end {
+        return None;
+    }
+    // SAFETY: [start, image_end) lies within the vDSO's pages, mapped for the process's life.
+    Some(unsafe { std::slice::from_raw_parts(start as *const u8, (image_end - start) as usize) })
+}
+
 /// Rust names lose their hash (`{:#}`); other names pass through.
 fn demangle(raw: &str) -> String {
     match rustc_demangle::try_demangle(raw) {
@@ -358,6 +391,26 @@ fn separate_debug_file(file: &object::File<'_>, path: Option<&Path>) -> Option<P
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resolves_addresses_in_the_vdso() {
+        let vdso = loaded_objects()
+            .into_iter()
+            .find(|o| o.path.is_none() && o.name.contains("vdso"))
+            .expect("a vDSO is mapped");
+        let debug = DebugInfo::load(&vdso).expect("the vDSO's symbol table loads");
+        let &(at, name) = debug
+            .symbols
+            .iter()
+            .find(|(_, n)| n.contains("clock_gettime"))
+            .expect("the vDSO has clock_gettime");
+        let mut s = ProcessSymbolizer::new();
+        let frames = s.pass(|s| s.resolve(vdso.base + at + 4));
+        assert!(
+            frames.iter().any(|f| f.name.contains("clock_gettime")),
+            "{name} at {at:#x}: {frames:?}"
+        );
+    }
 
     #[inline(never)]
     fn a_known_function() -> u64 {

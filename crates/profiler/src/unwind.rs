@@ -1134,8 +1134,8 @@ pub(crate) fn unwind_copied(
 }
 
 /// The frame pointer of a frame-pointer function whose stack pointer is `sp`: the lowest
-/// 8-aligned address at or above `sp` (within 4 KiB) whose next word is an address in a loaded
-/// object (the return address the frame pointer sits below).
+/// 8-aligned address at or above `sp` (within 4 KiB) whose next word is a return address: in
+/// an executable segment of a loaded object, right after a call instruction.
 fn guess_frame_pointer(
     snap: &Snapshot,
     sp: u64,
@@ -1143,9 +1143,37 @@ fn guess_frame_pointer(
 ) -> Option<u64> {
     let base = sp.checked_add(7)? & !7;
     (0..512u64).map(|i| base + i * 8).find(|&at| {
-        read(at + 8).is_ok_and(|ret| snap.objects.iter().any(|o| o.contains(ret)))
+        read(at + 8)
+            .is_ok_and(|ret| snap.objects.iter().any(|o| o.executes(ret)) && follows_a_call(ret))
             && read(at).is_ok()
     })
+}
+
+/// Whether the bytes before `ret` end with an x86_64 call: `call rel32`, or `call r/m64`
+/// (opcode FF /2) with its register, displacement and SIB forms. Read with `process_vm_readv`:
+/// the code may be unmapped meanwhile.
+fn follows_a_call(ret: u64) -> bool {
+    let mut b = [0u8; 7];
+    let Some(from) = ret.checked_sub(7) else {
+        return false;
+    };
+    let local = libc::iovec {
+        iov_base: b.as_mut_ptr() as *mut libc::c_void,
+        iov_len: b.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: from as usize as *mut libc::c_void,
+        iov_len: b.len(),
+    };
+    // SAFETY: `local` is our buffer; the kernel checks `remote` and fails instead of faulting.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    if n != b.len() as isize {
+        return false;
+    }
+    // b[7 - k] is the byte k before `ret`.
+    let at = |k: usize| b[7 - k];
+    let ff2 = |k: usize| at(k) == 0xff && at(k - 1) & 0x38 == 0x10;
+    at(5) == 0xe8 || (ff2(2) && at(1) & 0xc0 == 0xc0) || ff2(3) || ff2(4) || ff2(6) || ff2(7)
 }
 /// How much of the stack above `sp` a walk prefetches: a handler finds the stack cold, and a walk
 /// reads it as a chain of dependent loads (each frame's position comes from the previous one),

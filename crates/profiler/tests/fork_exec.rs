@@ -17,6 +17,12 @@ use ferroprof::{Profiler, Profiles};
 /// A child not finished by then hung (it needs milliseconds).
 const CHILD_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// One profiler per process: the tests of this file take turns.
+fn one_profiler_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn children() -> usize {
     std::env::var("FERROPROF_FORK_EXEC_CHILDREN")
         .ok()
@@ -35,6 +41,7 @@ fn spin(stop: &AtomicBool) -> u64 {
 
 #[test]
 fn fork_exec_children_never_die_of_a_profiler_signal() {
+    let _turn = one_profiler_at_a_time();
     let dir = std::env::temp_dir().join(format!("ferroprof-fork-exec-{}", std::process::id()));
     let guard = Profiler::builder()
         .cpu_hz(1000)
@@ -122,6 +129,7 @@ fn fork_exec_children_never_die_of_a_profiler_signal() {
 /// them.) `FERROPROF_FORK_EXEC_CHILDREN` children (default 300).
 #[test]
 fn children_that_resume_profiling_then_exec() {
+    let _turn = one_profiler_at_a_time();
     let dir = std::env::temp_dir().join(format!("ferroprof-resume-exec-{}", std::process::id()));
     let guard = Profiler::builder()
         .cpu_hz(1000)

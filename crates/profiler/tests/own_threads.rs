@@ -65,7 +65,7 @@ fn thread_names(p: &ferroprof_pprof::Profile) -> Vec<String> {
 }
 
 #[test]
-fn ferroprof_threads_are_never_sampled() {
+fn own_threads_are_never_sampled() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let c = Collect::default();
     let guard = Profiler::builder()
@@ -107,7 +107,7 @@ fn ferroprof_threads_are_never_sampled() {
     );
     let ours: Vec<&String> = names
         .iter()
-        .filter(|n| n.starts_with("ferroprof"))
+        .filter(|n| n.starts_with("ferroprof-"))
         .collect();
     assert!(ours.is_empty(), "ferroprof threads sampled: {ours:?}");
 }
