@@ -308,8 +308,8 @@ fn main() {
                 handler_median.push(v["handler_median_ns"]);
                 frames.push(v["frames"]);
                 samples_cpu.push(v["samples"]);
-                // Handlers run for the sampler's signals and for the threads' CPU timers.
-                let handlers = v["signals"] + v["timer_samples"];
+                // Handlers run for the threads' CPU timers only (the sampler sends no signal).
+                let handlers = v["timer_samples"];
                 sampler_cost.push(
                     (v["sampler_cpu_ns"] + v["handler_ns"] * handlers) / v["samples"].max(1.0),
                 );

@@ -252,4 +252,97 @@ mod tests {
         // A garbage position reads nothing and never faults.
         assert_eq!(u.unwind(8, 0x1000, &mut out), 0);
     }
+
+    #[inline(never)]
+    fn std_sleep_inner(stop: &std::sync::atomic::AtomicBool) {
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    #[inline(never)]
+    fn std_sleep_outer(tx: mpsc::Sender<i32>, stop: &std::sync::atomic::AtomicBool) {
+        // SAFETY: gettid has no preconditions.
+        tx.send(unsafe { libc::gettid() }).unwrap();
+        std_sleep_inner(stop);
+        std::hint::black_box(stop);
+    }
+
+    #[inline(never)]
+    fn std_lock_inner(m: &std::sync::Mutex<()>) {
+        drop(std::hint::black_box(m.lock()));
+    }
+
+    #[inline(never)]
+    fn std_lock_outer(tx: mpsc::Sender<i32>, m: &std::sync::Mutex<()>) {
+        // SAFETY: gettid has no preconditions.
+        tx.send(unsafe { libc::gettid() }).unwrap();
+        std_lock_inner(m);
+        std::hint::black_box(m);
+    }
+
+    /// std keeps frame pointers (its frames are found through rbp), glibc's wrappers leave rbp
+    /// alone, and a blocked thread's rbp is not in /proc: without the frame-pointer guess these
+    /// walks ended inside std, before the application's functions.
+    #[test]
+    fn walks_out_of_std_sleep_and_a_contended_mutex() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        crate::unwind::init_pool();
+        let stop = Arc::new(AtomicBool::new(false));
+        let m = Arc::new(std::sync::Mutex::new(()));
+        let held = m.lock().unwrap();
+        let (tx1, rx1) = mpsc::channel();
+        let (tx2, rx2) = mpsc::channel();
+        let (s1, m2) = (stop.clone(), m.clone());
+        let h1 = std::thread::spawn(move || std_sleep_outer(tx1, &s1));
+        let h2 = std::thread::spawn(move || std_lock_outer(tx2, &m2));
+        let tids = [rx1.recv().unwrap(), rx2.recv().unwrap()];
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        crate::unwind::refresh(true);
+        let mut u = RemoteUnwinder::new();
+        let mut sym = crate::symbolize::ProcessSymbolizer::new();
+        for (tid, want) in tids.into_iter().zip([
+            [
+                "thread::functions::sleep",
+                "std_sleep_inner",
+                "std_sleep_outer",
+            ],
+            ["lock_contended", "std_lock_inner", "std_lock_outer"],
+        ]) {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            let (sp, pc) = loop {
+                if let TaskSyscall::InSyscall { sp, pc, .. } = task_syscall(None, tid) {
+                    break (sp, pc);
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "thread {tid} never blocked"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            };
+            let mut out = [0u64; 128];
+            let n = u.unwind(sp, pc, &mut out);
+            let names: Vec<String> = sym.pass(|s| {
+                out[..n]
+                    .iter()
+                    .flat_map(|&a| s.resolve(a))
+                    .map(|f| f.name)
+                    .collect()
+            });
+            let at = want.map(|f| names.iter().position(|n| n.contains(f)));
+            assert!(
+                at[0].is_some() && at[0] < at[1] && at[1] < at[2],
+                "{want:?} at {at:?} in {names:#?}"
+            );
+            assert!(
+                names.last().is_some_and(|n| n == "clone3"),
+                "the walk reaches the thread's start: {names:#?}"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+        drop(held);
+        h1.join().unwrap();
+        h2.join().unwrap();
+    }
 }
