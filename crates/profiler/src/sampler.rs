@@ -780,8 +780,11 @@ pub(crate) struct Sampler {
     tids: Vec<i32>,
     listing: u64,
     last_list_at: u64,
+    last_tick_at: u64,
     next_list_at: u64,
     own_gen: u64,
+    /// `/proc/self/task`'s link count when last looked at.
+    listed_nlink: u64,
     remote: RemoteUnwinder,
     remote_frames: Vec<u64>,
     caps: Vec<Cap>,
@@ -827,8 +830,10 @@ impl Sampler {
             tids: Vec::new(),
             listing: 0,
             last_list_at: 0,
+            last_tick_at: 0,
             next_list_at: 0,
             own_gen: u64::MAX,
+            listed_nlink: 0,
             remote: RemoteUnwinder::new(),
             remote_frames: vec![0; MAX_FRAMES],
             caps: Vec::new(),
@@ -888,13 +893,18 @@ impl Sampler {
     }
 
     pub(crate) fn run_tick(&mut self, now: u64, ticks: u64) {
+        self.run_tick_inner(now, ticks);
+        self.last_tick_at = now;
+    }
+
+    fn run_tick_inner(&mut self, now: u64, ticks: u64) {
         self.tick += ticks;
         self.check_handler();
         self.check_own_threads();
         // Captures first, before a listing finds their thread gone: they are its last CPU.
         self.drain(now);
         self.visit_captured(now);
-        if now >= self.next_list_at || self.listing == 0 {
+        if now >= self.next_list_at || self.listing == 0 || self.thread_count_changed() {
             self.list_threads(now);
         }
         // Then the threads that ran recently, and a few idle ones in turn.
@@ -914,6 +924,26 @@ impl Sampler {
             }
         }
         self.give_back_memory();
+    }
+
+    /// Whether the process's thread count changed since the last look: `/proc/self/task`'s link
+    /// count is 2 + the number of threads, one `fstat` away (a listing costs about a
+    /// microsecond per thread). New threads are then found within a tick.
+    fn thread_count_changed(&mut self) -> bool {
+        let Some(fd) = self.task_dir() else {
+            return false;
+        };
+        // SAFETY: fstat on our open directory into a zeroed struct we own.
+        let nlink = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut st) != 0 {
+                return false;
+            }
+            st.st_nlink as u64
+        };
+        // Compared with the count at the last listing: threads that come and go between two
+        // ticks in equal numbers wait for the next regular listing.
+        std::mem::replace(&mut self.listed_nlink, nlink) != nlink
     }
 
     /// Threads that registered as ferroprof's since the last look stop being sampled.
@@ -1029,12 +1059,14 @@ impl Sampler {
         if !own {
             refresh_name(self.task_dir(), tid, &mut name);
         }
-        // A thread found by a later listing started since the previous one: the CPU it used
-        // so far is in this profile, and its wall time since about half-way between the two.
+        // A thread found by a later listing started since the previous tick (the thread count
+        // is checked every tick): the CPU it used so far is in this profile, and its wall time
+        // since about half-way between the two ticks.
         let (cpu_carry, since) = if first {
             (0, now)
         } else {
-            (cpu, now - now.saturating_sub(self.last_list_at) / 2)
+            let after = self.last_tick_at.max(self.last_list_at);
+            (cpu, now - now.saturating_sub(after) / 2)
         };
         let mut t = ThreadInfo {
             tid,
@@ -1324,6 +1356,16 @@ impl Sampler {
             return;
         }
         let wall = now.saturating_sub(t.last_wall);
+        t.last_wall = t.last_wall.max(now);
+        // The interval's off-CPU time: its wall time less what the captures took.
+        let pay = wall.min(t.wall_debt);
+        t.wall_debt -= pay;
+        let off = wall - pay;
+        // Where it stands now, when it may have moved. When it did, the interval is split half
+        // and half between where it was and where it is: the move happened at an unknown time
+        // in between, and halves are unbiased with a third of the variance of booking the whole
+        // interval to one side.
+        let mut moved_to = None;
         if ran || t.stack.is_empty() {
             if ran {
                 t.hot_until = now + HOT_LINGER_NS;
@@ -1344,31 +1386,27 @@ impl Sampler {
             };
             match where_now {
                 Where::Gone => {
+                    t.idle_wall += off;
                     self.threads[idx] = Some(t);
                     self.finish_thread(idx, true);
                     return;
                 }
-                Where::Read(n) => {
-                    if t.stack[..] != self.remote_frames[..n] {
-                        self.flush_idle(&mut t);
-                        t.stack.clear();
-                        t.stack.extend_from_slice(&self.remote_frames[..n]);
-                    }
+                Where::Read(n) if t.stack[..] != self.remote_frames[..n] => {
+                    moved_to = Some(self.remote_frames[..n].to_vec());
                 }
-                Where::Ran => {
-                    if t.stack != t.ran {
-                        self.flush_idle(&mut t);
-                        t.stack.clone_from(&t.ran);
-                    }
-                }
-                Where::Unchanged => {}
+                Where::Ran if t.stack != t.ran => moved_to = Some(t.ran.clone()),
+                _ => {}
             }
         }
-        // The interval's wall time, less what the captures took, goes where it is now.
-        t.last_wall = t.last_wall.max(now);
-        let pay = wall.min(t.wall_debt);
-        t.wall_debt -= pay;
-        t.idle_wall += wall - pay;
+        match moved_to {
+            Some(next) => {
+                t.idle_wall += off / 2;
+                self.flush_idle(&mut t);
+                t.stack = next;
+                t.idle_wall += off - off / 2;
+            }
+            None => t.idle_wall += off,
+        }
         if ran || t.idle_wall >= IDLE_FLUSH_NS {
             self.flush_idle(&mut t);
         }
