@@ -732,7 +732,8 @@ struct ThreadInfo {
     /// The thread's CPU clock at its last visit, and the wall time accounted up to.
     last_cpu: u64,
     last_wall: u64,
-    /// CPU time used but not given to a capture yet (the next captures carry it).
+    /// CPU time used (by the clock) but not given to a capture yet; a capture takes its
+    /// periods from it (saturating: the clock lags a capture by less than a period).
     cpu_carry: u64,
     /// Wall time the captures took ahead of the visits (on-CPU time the visits had booked
     /// off CPU already): paid back from the next off-CPU time, so totals stay exact.
@@ -1307,14 +1308,19 @@ impl Sampler {
         let used = cpu.saturating_sub(t.last_cpu);
         t.last_cpu = t.last_cpu.max(cpu);
         let ran = used > 0 || !caps.is_empty();
-        if caps.is_empty() {
-            t.cpu_carry += used;
-        } else {
-            // The CPU time since the last captures, spread over these by their weight (each
-            // stands for one or more periods of CPU).
+        t.cpu_carry += used;
+        if !caps.is_empty() {
+            // Each capture stands for its periods of CPU (1 + the timer's overruns): weights
+            // fixed in advance keep the samples unbiased (weighing each by the CPU time since
+            // the one before, as the clock would, favoured code where the timer's signal comes
+            // late). The clock keeps the totals: what it ran ahead of the captures by more than
+            // a period (captures lost to a full pool) is spread over these.
             self.flush_idle(&mut t);
-            let total = used + std::mem::take(&mut t.cpu_carry);
             let weights: u64 = caps.iter().map(|c| c.weight as u64).sum();
+            let base = weights * self.period;
+            let extra = t.cpu_carry.saturating_sub(base).saturating_sub(self.period);
+            let total = base + extra;
+            t.cpu_carry = t.cpu_carry.saturating_sub(total);
             let mut before = 0u64;
             for c in caps {
                 let share = total * (before + c.weight as u64) / weights - total * before / weights;

@@ -102,6 +102,7 @@ fn gt_deep(depth: u32, units: u64) -> u64 {
 #[inline(never)]
 fn gt_block_mutex(m: &Mutex<()>) {
     drop(std::hint::black_box(m.lock()));
+    std::hint::black_box(m);
 }
 
 /// Asks the feeder for an item and waits for it (the feeder answers after 5 ms).
@@ -109,11 +110,15 @@ fn gt_block_mutex(m: &Mutex<()>) {
 fn gt_block_channel(req: &mpsc::Sender<()>, rx: &mpsc::Receiver<()>) {
     let _ = req.send(());
     let _ = std::hint::black_box(rx.recv_timeout(Duration::from_millis(200)));
+    std::hint::black_box(rx);
 }
 
 #[inline(never)]
 fn gt_block_sleep() {
-    std::thread::sleep(Duration::from_millis(3));
+    let d = std::hint::black_box(Duration::from_millis(3));
+    std::thread::sleep(d);
+    // Not a tail call: the frame stays on the stack while it sleeps.
+    std::hint::black_box(d);
 }
 
 #[inline(never)]
@@ -150,26 +155,37 @@ fn cpu_thread(name: String, stop: Arc<AtomicBool>, units: u64) -> Truth {
         ..Default::default()
     };
     let mut acc = 0u64;
-    let mut round = 0u64;
+    // The order and length of the calls are random: a strictly periodic workload (each call
+    // the same length, in a fixed cycle) beats against the kernel's tick, at which CPU timers
+    // fire (threads are also preempted at ticks, so a thread's CPU advances in tick-sized
+    // steps): its samples would all land at the same phases of the cycle.
+    let mut rng = 0x2545_F491_4F6C_DD1Du64 ^ (t.name.len() as u64) ^ cpu0;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
     while !stop.load(Ordering::Relaxed) {
-        // 2 : 1 : 1 by calls; gt_syscalls' units are calibrated apart (see run_once).
-        let (f, c0) = (round % 4, thread_cpu_ns());
-        let name = match f {
+        let r = next();
+        // 2 : 1 : 1 by calls, each 0.5 to 1.5 times its base length.
+        let n = units / 2 + r % units.max(1);
+        let c0 = thread_cpu_ns();
+        let name = match (r >> 32) % 4 {
             0 | 2 => {
-                acc ^= gt_pure(units);
+                acc ^= gt_pure(n);
                 "gt_pure"
             }
             1 => {
-                acc ^= gt_syscalls(units);
+                acc ^= gt_syscalls(n);
                 "gt_syscalls"
             }
             _ => {
-                acc ^= gt_deep(40, units);
+                acc ^= gt_deep(40, n);
                 "gt_deep"
             }
         };
         *t.per.entry(name).or_default() += thread_cpu_ns() - c0;
-        round += 1;
     }
     std::hint::black_box(acc);
     t.cpu_ns = thread_cpu_ns() - cpu0;
