@@ -1352,6 +1352,14 @@ impl Sampler {
                 .fetch_add(caps.len() as u64, Ordering::Relaxed);
         }
         if clock.is_none() {
+            // It exited since the last visit, at an unknown time: half the interval, as for a
+            // thread's start.
+            if self.wall_enabled {
+                let since = now.saturating_sub(t.last_wall);
+                let pay = (since / 2).min(t.wall_debt);
+                t.wall_debt -= pay;
+                t.idle_wall += since / 2 - pay;
+            }
             self.threads[idx] = Some(t);
             self.finish_thread(idx, true);
             return;
@@ -1392,6 +1400,7 @@ impl Sampler {
             };
             match where_now {
                 Where::Gone => {
+                    // Gone between the clock read and now: it lived about the interval.
                     t.idle_wall += off;
                     self.threads[idx] = Some(t);
                     self.finish_thread(idx, true);

@@ -105,6 +105,7 @@ fn zero_and_negative_rates_are_errors_at_start() {
         ("FERROPROF_PERIOD_SECS", "NaN"),
         ("FERROPROF_PERIOD_SECS", "inf"),
         ("FERROPROF_PROFILES", "gpu"),
+        ("FERROPROF_SIGNAL", "usr1"),
     ] {
         let get = move |k: &str| (k == var).then(|| value.to_owned());
         let e = start_err(b().from_vars(get), var);
@@ -117,6 +118,11 @@ fn zero_and_negative_rates_are_errors_at_start() {
         let e = start_err(b().signal(sig), &sig.to_string());
         assert!(matches!(e, ProfilerError::InvalidSignal { .. }), "{e:?}");
     }
+    let e = start_err(b().from_vars(vars(&[("FERROPROF_SIGNAL", "11")])), "11");
+    assert!(
+        matches!(e, ProfilerError::InvalidSignal { value: 11 }),
+        "{e:?}"
+    );
     start_err(
         b().profiles(Profiles {
             cpu: false,
