@@ -423,7 +423,7 @@ unsafe fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_
     };
     let h = PREV_HANDLER[i].load(Ordering::Relaxed);
     if h == libc::SIG_DFL || h == libc::SIG_IGN || h == on_signal as *const () as usize {
-        // The default action of SIGPROF would kill the process: a stray signal is dropped.
+        // The sampling signal's default action would kill the process: a stray one is dropped.
         return;
     }
     let flags = PREV_FLAGS[i].load(Ordering::Relaxed) as libc::c_int;
