@@ -26,39 +26,11 @@ pub(crate) enum TaskSyscall {
 /// Reads `/proc/self/task/<tid>/syscall`, relative to the open `/proc/self/task` directory
 /// when given. Allocates nothing.
 pub(crate) fn task_syscall(task_dir: Option<libc::c_int>, tid: i32) -> TaskSyscall {
-    use std::io::Write;
-    let mut path = [0u8; 48];
-    let mut w = &mut path[..];
-    let (base, written) = match task_dir {
-        Some(fd) => (fd, write!(w, "{tid}/syscall")),
-        None => (libc::AT_FDCWD, write!(w, "/proc/self/task/{tid}/syscall")),
-    };
-    if written.is_err() {
-        return TaskSyscall::Gone;
-    }
-    // SAFETY: `path` is NUL-terminated (zero-filled beyond what was written); `base` is an open
-    // directory or AT_FDCWD with an absolute path.
-    let fd = unsafe {
-        libc::openat(
-            base,
-            path.as_ptr() as *const libc::c_char,
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return TaskSyscall::Gone;
-    }
     let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; we own fd and close it once.
-    let n = unsafe {
-        let n = libc::read(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len());
-        libc::close(fd);
-        n
-    };
-    let Ok(n) = usize::try_from(n) else {
-        return TaskSyscall::Gone;
-    };
-    parse(&buf[..n])
+    match crate::sampler::read_task_file(task_dir, tid, "syscall", &mut buf) {
+        Some(n) => parse(&buf[..n]),
+        None => TaskSyscall::Gone,
+    }
 }
 
 /// Parses the file's one line: `running`, `<nr> <sp> <pc>` for nr = -1, or `<nr> <6 args> <sp>
@@ -125,28 +97,12 @@ impl RemoteUnwinder {
         if sp == 0 || pc == 0 {
             return 0;
         }
-        let n = copy_own_memory(sp, &mut self.copy);
+        let n = unwind::read_own_memory(sp, &mut self.copy);
         if n < 8 {
             return 0;
         }
         unwind::unwind_copied(pc, sp, &self.copy[..n], &mut self.cache, out)
     }
-}
-
-/// Copies this process's memory from `addr` into `buf` as far as it is mapped; bytes copied.
-fn copy_own_memory(addr: u64, buf: &mut [u8]) -> usize {
-    let local = libc::iovec {
-        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    let remote = libc::iovec {
-        iov_base: addr as usize as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    // SAFETY: `local` describes our own buffer; the kernel checks `remote` and stops at the
-    // first unmapped page (a partial count) instead of faulting.
-    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-    usize::try_from(n).unwrap_or(0)
 }
 
 #[cfg(test)]

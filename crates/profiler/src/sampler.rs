@@ -662,20 +662,26 @@ impl Drop for TaskLister {
     }
 }
 
-/// Thread `tid`'s name (kernel `comm`, at most 15 bytes) into `buf`; empty when unreadable.
-/// Opened relative to the sampler's open `/proc/self/task` when there is one: a path walk from
-/// the root and a `String` per read were most of the cost of name checks.
-fn read_comm(dirfd: Option<libc::c_int>, tid: i32, buf: &mut [u8; 64]) -> &str {
+/// Reads `/proc/self/task/<tid>/<file>` into `buf`, relative to the sampler's open
+/// `/proc/self/task` when there is one (a path walk from the root and a `String` per read were
+/// most of the cost of name checks). The bytes read; None when the file cannot be read (the
+/// thread is gone). Allocates nothing.
+pub(crate) fn read_task_file(
+    dirfd: Option<libc::c_int>,
+    tid: i32,
+    file: &str,
+    buf: &mut [u8],
+) -> Option<usize> {
     use std::io::Write;
     let mut path = [0u8; 48];
     let mut w = &mut path[..];
-    // Leaves at least one zero byte: the longest, "/proc/self/task/<tid>/comm", is 31 bytes.
+    // Leaves at least one zero byte: the longest, "/proc/self/task/<tid>/syscall", is 34 bytes.
     let (base, written) = match dirfd {
-        Some(fd) => (fd, write!(w, "{tid}/comm")),
-        None => (libc::AT_FDCWD, write!(w, "/proc/self/task/{tid}/comm")),
+        Some(fd) => (fd, write!(w, "{tid}/{file}")),
+        None => (libc::AT_FDCWD, write!(w, "/proc/self/task/{tid}/{file}")),
     };
-    if written.is_err() {
-        return "";
+    if written.is_err() || w.is_empty() {
+        return None;
     }
     // SAFETY: `path` is NUL-terminated (zero-filled beyond what was written); `base` is the
     // open task directory or AT_FDCWD (the path is absolute then).
@@ -687,7 +693,7 @@ fn read_comm(dirfd: Option<libc::c_int>, tid: i32, buf: &mut [u8; 64]) -> &str {
         )
     };
     if fd < 0 {
-        return "";
+        return None;
     }
     // SAFETY: the buffer is valid for its length; we own fd and close it once.
     let n = unsafe {
@@ -695,7 +701,12 @@ fn read_comm(dirfd: Option<libc::c_int>, tid: i32, buf: &mut [u8; 64]) -> &str {
         libc::close(fd);
         n
     };
-    let n = usize::try_from(n).unwrap_or(0);
+    usize::try_from(n).ok()
+}
+
+/// Thread `tid`'s name (kernel `comm`, at most 15 bytes) into `buf`; empty when unreadable.
+fn read_comm(dirfd: Option<libc::c_int>, tid: i32, buf: &mut [u8; 64]) -> &str {
+    let n = read_task_file(dirfd, tid, "comm", buf).unwrap_or(0);
     let name = buf[..n].strip_suffix(b"\n").unwrap_or(&buf[..n]);
     std::str::from_utf8(name).unwrap_or("")
 }
@@ -894,16 +905,11 @@ impl Sampler {
     }
 
     pub(crate) fn run_tick(&mut self, now: u64, ticks: u64) {
-        self.run_tick_inner(now, ticks);
-        self.last_tick_at = now;
-    }
-
-    fn run_tick_inner(&mut self, now: u64, ticks: u64) {
         self.tick += ticks;
         self.check_handler();
         self.check_own_threads();
         // Captures first, before a listing finds their thread gone: they are its last CPU.
-        self.drain(now);
+        self.drain();
         self.visit_captured(now);
         if now >= self.next_list_at || self.listing == 0 || self.thread_count_changed() {
             self.list_threads(now);
@@ -925,6 +931,7 @@ impl Sampler {
             }
         }
         self.give_back_memory();
+        self.last_tick_at = now;
     }
 
     /// Whether the process's thread count changed since the last look: `/proc/self/task`'s link
@@ -1151,7 +1158,7 @@ impl Sampler {
     }
 
     /// Takes the timers' captures out of the pool, sorted by thread and time.
-    fn drain(&mut self, _now: u64) {
+    fn drain(&mut self) {
         self.caps.clear();
         self.cap_frames.clear();
         let len = POOL_LEN.load(Ordering::Acquire);
@@ -1379,7 +1386,7 @@ impl Sampler {
         // and half between where it was and where it is: the move happened at an unknown time
         // in between, and halves are unbiased with a third of the variance of booking the whole
         // interval to one side.
-        let mut moved_to = None;
+        let mut moved_to = Moved::Nowhere;
         if ran || t.stack.is_empty() {
             if ran {
                 t.hot_until = now + HOT_LINGER_NS;
@@ -1407,20 +1414,25 @@ impl Sampler {
                     return;
                 }
                 Where::Read(n) if t.stack[..] != self.remote_frames[..n] => {
-                    moved_to = Some(self.remote_frames[..n].to_vec());
+                    moved_to = Moved::Read(n);
                 }
-                Where::Ran if t.stack != t.ran => moved_to = Some(t.ran.clone()),
+                Where::Ran if t.stack != t.ran => moved_to = Moved::Ran,
                 _ => {}
             }
         }
-        match moved_to {
-            Some(next) => {
-                t.idle_wall += off / 2;
-                self.flush_idle(&mut t);
-                t.stack = next;
-                t.idle_wall += off - off / 2;
+        if moved_to == Moved::Nowhere {
+            t.idle_wall += off;
+        } else {
+            t.idle_wall += off / 2;
+            self.flush_idle(&mut t);
+            match moved_to {
+                Moved::Read(n) => {
+                    t.stack.clear();
+                    t.stack.extend_from_slice(&self.remote_frames[..n]);
+                }
+                _ => t.stack.clone_from(&t.ran),
             }
-            None => t.idle_wall += off,
+            t.idle_wall += off - off / 2;
         }
         if ran || t.idle_wall >= IDLE_FLUSH_NS {
             self.flush_idle(&mut t);
@@ -1506,7 +1518,7 @@ impl Sampler {
         self.stamps.update();
         let now = monotonic_ns();
         self.tick += 1;
-        self.drain(now);
+        self.drain();
         self.visit_captured(now);
         if self.wall_enabled {
             for idx in 0..self.threads.len() {
@@ -1522,6 +1534,15 @@ impl Sampler {
             self.finish_thread(idx, true);
         }
     }
+}
+
+/// Where a visit found a thread that is not where it was: its stack read into
+/// `remote_frames[..n]`, or where its timer last caught it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Moved {
+    Nowhere,
+    Read(usize),
+    Ran,
 }
 
 enum Where {

@@ -665,19 +665,7 @@ pub(crate) fn probe_room(sp: u64, need: u64) -> Option<u64> {
     let Some(addr) = sp.checked_sub(need) else {
         return Some(0);
     };
-    let mut word = 0u64;
-    let local = libc::iovec {
-        iov_base: (&mut word as *mut u64).cast(),
-        iov_len: 8,
-    };
-    let remote = libc::iovec {
-        iov_base: addr as *mut libc::c_void,
-        iov_len: 8,
-    };
-    // SAFETY: the kernel writes at most 8 bytes into `word`; `remote` is only read by the
-    // kernel, which reports an unreadable address instead of faulting.
-    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-    if n == 8 {
+    if read_own_memory(addr, &mut [0u8; 8]) == 8 {
         return Some(need);
     }
     // SAFETY: errno is thread-local (the handler restores it).
@@ -1149,6 +1137,23 @@ fn guess_frame_pointer(
     })
 }
 
+/// Copies this process's memory from `addr` into `buf` as far as it is mapped; the bytes
+/// copied. `process_vm_readv` on ourselves: an unmapped page ends the copy (the kernel checks),
+/// where a plain read would fault. Async-signal-safe: one system call.
+pub(crate) fn read_own_memory(addr: u64, buf: &mut [u8]) -> usize {
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as usize as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: `local` describes our own buffer; the kernel checks `remote`.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    usize::try_from(n).unwrap_or(0)
+}
+
 /// Whether the bytes before `ret` end with an x86_64 call: `call rel32`, or `call r/m64`
 /// (opcode FF /2) with its register, displacement and SIB forms. Read with `process_vm_readv`:
 /// the code may be unmapped meanwhile.
@@ -1157,17 +1162,7 @@ fn follows_a_call(ret: u64) -> bool {
     let Some(from) = ret.checked_sub(7) else {
         return false;
     };
-    let local = libc::iovec {
-        iov_base: b.as_mut_ptr() as *mut libc::c_void,
-        iov_len: b.len(),
-    };
-    let remote = libc::iovec {
-        iov_base: from as usize as *mut libc::c_void,
-        iov_len: b.len(),
-    };
-    // SAFETY: `local` is our buffer; the kernel checks `remote` and fails instead of faulting.
-    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-    if n != b.len() as isize {
+    if read_own_memory(from, &mut b) != b.len() {
         return false;
     }
     // b[7 - k] is the byte k before `ret`.

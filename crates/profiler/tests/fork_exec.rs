@@ -23,6 +23,22 @@ fn one_profiler_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     TURN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// CPU and wall profiling at 1 kHz, written to `dir`.
+fn start(dir: &std::path::Path) -> ferroprof::ProfilerGuard {
+    Profiler::builder()
+        .cpu_hz(1000)
+        .profiles(Profiles {
+            cpu: true,
+            wall: true,
+            alloc: false,
+            heap: false,
+        })
+        .period(Duration::from_secs(600))
+        .output_dir(dir)
+        .start()
+        .expect("profiler starts")
+}
+
 fn children() -> usize {
     std::env::var("FERROPROF_FORK_EXEC_CHILDREN")
         .ok()
@@ -43,18 +59,7 @@ fn spin(stop: &AtomicBool) -> u64 {
 fn fork_exec_children_never_die_of_a_profiler_signal() {
     let _turn = one_profiler_at_a_time();
     let dir = std::env::temp_dir().join(format!("ferroprof-fork-exec-{}", std::process::id()));
-    let guard = Profiler::builder()
-        .cpu_hz(1000)
-        .profiles(Profiles {
-            cpu: true,
-            wall: true,
-            alloc: false,
-            heap: false,
-        })
-        .period(Duration::from_secs(600))
-        .output_dir(&dir)
-        .start()
-        .expect("profiler starts");
+    let guard = start(&dir);
     // A busy thread keeps the parent's sampler signalling while the children come and go.
     let stop = Arc::new(AtomicBool::new(false));
     let busy = {
@@ -131,18 +136,7 @@ fn fork_exec_children_never_die_of_a_profiler_signal() {
 fn children_that_resume_profiling_then_exec() {
     let _turn = one_profiler_at_a_time();
     let dir = std::env::temp_dir().join(format!("ferroprof-resume-exec-{}", std::process::id()));
-    let guard = Profiler::builder()
-        .cpu_hz(1000)
-        .profiles(Profiles {
-            cpu: true,
-            wall: true,
-            alloc: false,
-            heap: false,
-        })
-        .period(Duration::from_secs(600))
-        .output_dir(&dir)
-        .start()
-        .expect("profiler starts");
+    let guard = start(&dir);
     let n = children();
     let mut died = 0;
     for i in 0..n {

@@ -11,7 +11,6 @@ mod profiler_support;
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferroprof::{Profiler, Profiles};
 use profiler_support::*;
 
 static LOCK: Mutex<()> = Mutex::new(());
@@ -38,19 +37,7 @@ fn idle_threads(n: usize) -> (Vec<mpsc::Sender<()>>, Vec<std::thread::JoinHandle
 fn run(n: usize, hz: u32, measure: Duration) -> (f64, f64, f64) {
     let (senders, handles) = idle_threads(n);
     let c = Collect::default();
-    let guard = Profiler::builder()
-        .service("idle-threads-test")
-        .cpu_hz(hz)
-        .profiles(Profiles {
-            cpu: true,
-            wall: true,
-            alloc: false,
-            heap: false,
-        })
-        .period(Duration::from_secs(600))
-        .exporter(Box::new(c.clone()))
-        .start()
-        .expect("profiler starts");
+    let guard = start_cpu_wall("idle-threads-test", hz, &c);
     // New threads are visited every tick at first (they may be about to run).
     std::thread::sleep(Duration::from_millis(1500));
     let a = guard.stats();

@@ -11,20 +11,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferroprof::{Profiler, Profiles};
+use ferroprof::Profiler;
 use profiler_support::*;
 
 /// One profiler per process: the tests of this file take turns.
 static LOCK: Mutex<()> = Mutex::new(());
-
-fn cpu_wall() -> Profiles {
-    Profiles {
-        cpu: true,
-        wall: true,
-        alloc: false,
-        heap: false,
-    }
-}
 
 #[inline(never)]
 fn spin_until(stop: &AtomicBool) -> u64 {
@@ -68,14 +59,7 @@ fn thread_names(p: &ferroprof_pprof::Profile) -> Vec<String> {
 fn own_threads_are_never_sampled() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let c = Collect::default();
-    let guard = Profiler::builder()
-        .service("own-threads-test")
-        .cpu_hz(250)
-        .profiles(cpu_wall())
-        .period(Duration::from_secs(600))
-        .exporter(Box::new(c.clone()))
-        .start()
-        .expect("profiler starts");
+    let guard = start_cpu_wall("own-threads-test", 250, &c);
     let server = ferroprof::http::serve("127.0.0.1:0", guard.profile_source()).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let burner = {

@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use ferroprof::export::{ExportError, ExportedProfile, Exporter};
+use ferroprof::{Profiler, ProfilerGuard, Profiles};
 use ferroprof_pprof::{decode, Profile, Sample};
 
 /// Keeps every exported profile.
@@ -32,6 +33,28 @@ impl Collect {
             .map(|p| decode(&p.encoded.bytes).expect("exported profile decodes"))
             .collect()
     }
+}
+
+/// CPU and wall profiles only.
+pub fn cpu_wall() -> Profiles {
+    Profiles {
+        cpu: true,
+        wall: true,
+        alloc: false,
+        heap: false,
+    }
+}
+
+/// A CPU and wall profiler at `hz` exporting into `c` (one profile, at stop).
+pub fn start_cpu_wall(service: &str, hz: u32, c: &Collect) -> ProfilerGuard {
+    Profiler::builder()
+        .service(service)
+        .cpu_hz(hz)
+        .profiles(cpu_wall())
+        .period(std::time::Duration::from_secs(3600))
+        .exporter(Box::new(c.clone()))
+        .start()
+        .expect("profiler starts")
 }
 
 /// Sum of `value` over the samples of `p` for which `pred` holds.
