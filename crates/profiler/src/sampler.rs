@@ -872,8 +872,18 @@ impl Sampler {
         unwind::refresh(false);
         let period = self.period;
         let mut next = monotonic_ns() + period;
+        let mut rng = next | 1;
         loop {
-            sleep_until(next);
+            // Each tick at a random point of its period: visits on a fixed grid alias with
+            // threads that block and wake on a cycle of their own (a 10 ms poll, a 5 ms feeder),
+            // and book a whole run's wall time by a few phases of that cycle. One uniform point
+            // per period keeps one visit per period; a visit books half of the time since the
+            // previous visit and half of the time until the next one to what it sees (see
+            // `visit`), a weight that does not depend on where in its period the visit fell.
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            sleep_until(next + rng % period);
             if self.shared.stopping.load(Ordering::SeqCst) {
                 break;
             }
@@ -1296,6 +1306,10 @@ impl Sampler {
         t.visited = self.tick;
         self.shared.stats.cpu_ticks.fetch_add(1, Ordering::Relaxed);
         let clock = thread_cpu_ns(t.tid);
+        // The time of this look, not of the tick: the sampler may have waited for a CPU since
+        // the tick began (it competes with the threads it samples), and a look booked at an
+        // earlier time than it was taken shifts wall time toward what threads do later.
+        let now = monotonic_ns().max(now);
         // Gone: its last captures still get their CPU (a period each, as the timer counted).
         let cpu = clock.unwrap_or_else(|| {
             let periods: u64 = caps.iter().map(|c| c.weight as u64).sum();
