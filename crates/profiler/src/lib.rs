@@ -72,4 +72,6 @@ pub use profiler::{
 };
 pub use settings::Profiles;
 pub use symbolize::ProcessSymbolizer;
+#[doc(hidden)]
+pub use tls::__late_own_thread;
 pub use unwind::MAX_FRAMES;

@@ -68,6 +68,11 @@ const COLD_REVISIT_NS: u64 = 2_000_000_000;
 const COLD_VISITS_PER_SEC: u64 = 800;
 /// Wall time an idle thread accumulates on one stack before it is recorded.
 const IDLE_FLUSH_NS: u64 = 100_000_000;
+/// A thread is on probation (nothing of it recorded) until it used this much CPU or lived
+/// PROBATION_MAX_NS: ferroprof's own threads register from the first lines they run, and one
+/// listed before that must leave nothing in the profile.
+const PROBATION_CPU_NS: u64 = 200_000;
+const PROBATION_MAX_NS: u64 = 1_000_000_000;
 /// A listing of `/proc/self/task` may take this share of the time between two listings (1/N).
 const LIST_BUDGET: u64 = 1000;
 
@@ -761,6 +766,10 @@ struct ThreadInfo {
     hot_until: u64,
     /// Listed in `Sampler::hot`.
     in_hot: bool,
+    /// Not known yet not to be one of ferroprof's threads (see PROBATION_CPU_NS): its time
+    /// is accumulated, not recorded. Since when it was first seen.
+    probation: bool,
+    born: u64,
     /// The listing it was last seen in, and the tick it was last visited.
     listed: u64,
     visited: u64,
@@ -1102,6 +1111,8 @@ impl Sampler {
             tick_rest: 0,
             hot_until: now + HOT_LINGER_NS,
             in_hot: !own,
+            probation: !own,
+            born: now,
             listed: self.listing,
             visited: 0,
         };
@@ -1326,11 +1337,28 @@ impl Sampler {
                 t.name_checks_left = 0;
             }
         }
+        if t.probation {
+            if crate::state::is_own_tid(t.tid) {
+                // One of ours that registered after the listing found it: nothing recorded.
+                self.threads[idx] = Some(t);
+                self.finish_thread(idx, false);
+                return;
+            }
+            // Registration comes before a thread of ours has used a few microseconds of CPU.
+            t.probation = cpu < PROBATION_CPU_NS && now.saturating_sub(t.born) < PROBATION_MAX_NS;
+        }
         let used = cpu.saturating_sub(t.last_cpu);
         t.last_cpu = t.last_cpu.max(cpu);
         let ran = used > 0 || !caps.is_empty();
         t.cpu_carry += used;
-        if !caps.is_empty() {
+        if t.probation {
+            // Its CPU stays in the carry, its last capture is where it ran.
+            if let Some(c) = caps.last() {
+                t.ran.clear();
+                t.ran
+                    .extend_from_slice(&self.cap_frames[c.start..c.start + c.len]);
+            }
+        } else if !caps.is_empty() {
             // Each capture stands for its periods of CPU (1 + the timer's overruns): weights
             // fixed in advance keep the samples unbiased (weighing each by the CPU time since
             // the one before, as the clock would, favoured code where the timer's signal comes
@@ -1438,7 +1466,9 @@ impl Sampler {
             t.idle_wall += off;
         } else {
             t.idle_wall += off / 2;
-            self.flush_idle(&mut t);
+            if !t.probation {
+                self.flush_idle(&mut t);
+            }
             match moved_to {
                 Moved::Read(n) => {
                     t.stack.clear();
@@ -1448,7 +1478,7 @@ impl Sampler {
             }
             t.idle_wall += off - off / 2;
         }
-        if ran || t.idle_wall >= IDLE_FLUSH_NS {
+        if (ran || t.idle_wall >= IDLE_FLUSH_NS) && !t.probation {
             self.flush_idle(&mut t);
         }
         self.threads[idx] = Some(t);

@@ -86,6 +86,28 @@ pub(crate) fn enter_profiler_thread() {
     crate::state::register_own_thread();
 }
 
+/// Test support, not API: a thread named `name` that, like one of ferroprof's threads the
+/// scheduler did not run right after its creation, waits `delay` before it registers as a
+/// profiler thread, then uses CPU for `busy`.
+#[doc(hidden)]
+pub fn __late_own_thread(
+    name: &str,
+    delay: std::time::Duration,
+    busy: std::time::Duration,
+) -> std::thread::JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            std::thread::sleep(delay);
+            enter_profiler_thread();
+            let end = std::time::Instant::now() + busy;
+            while std::time::Instant::now() < end {
+                std::hint::black_box(0u64);
+            }
+        })
+        .expect("spawn a thread")
+}
+
 /// The calling thread's stack bounds, computed once per thread (not async-signal-safe: may
 /// allocate through libc and read /proc for the main thread).
 pub(crate) fn current_stack_bounds() -> Option<(usize, usize)> {

@@ -155,3 +155,30 @@ fn a_replaced_signal_handler_stops_our_signals_and_is_counted() {
     // SAFETY: back to the default disposition (nothing raises the signal any more).
     unsafe { libc::signal(sig, libc::SIG_DFL) };
 }
+
+/// A thread of ours that the listing finds before it ran its first lines (where it registers):
+/// here it waits 400 ms before registering, as if the scheduler had not run it. Its wall time
+/// was recorded before the registration was seen (the visits book an idle thread's wall every
+/// 100 ms); nothing of it may be in the profile.
+#[test]
+fn a_thread_of_ours_found_before_it_registered_leaves_nothing() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Collect::default();
+    let guard = start_cpu_wall("late-own-thread", 100, &c);
+    std::thread::sleep(Duration::from_millis(50));
+    let late = ferroprof::__late_own_thread(
+        "ferroprof-late",
+        Duration::from_millis(400),
+        Duration::from_millis(200),
+    );
+    late.join().unwrap();
+    guard.stop().unwrap();
+    let mut names: Vec<String> = c.decoded().iter().flat_map(thread_names).collect();
+    names.sort();
+    names.dedup();
+    println!("threads in the profiles: {names:?}");
+    assert!(
+        !names.iter().any(|n| n == "ferroprof-late"),
+        "a ferroprof thread was sampled before it registered: {names:?}"
+    );
+}
