@@ -40,6 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use ferroprof_recorder::{Frame, Label, SampleValues};
 
+use crate::arena;
 use crate::filter::FILTER;
 use crate::fork;
 use crate::state::{self, Shared, TapKind};
@@ -119,6 +120,9 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if arena::owns(ptr) {
+            return arena::free(ptr, layout);
+        }
         if FILTER.maybe_tracked(ptr as usize) {
             // SAFETY: forwarded contract.
             return unsafe { self.dealloc_tracked(ptr, layout) };
@@ -129,6 +133,10 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
 
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if arena::owns(ptr) {
+            // SAFETY: forwarded contract (a block of ours, moved by hand).
+            return unsafe { self.realloc_arena(ptr, layout, new_size) };
+        }
         // The old block may be freed by the inner realloc: untrack it first.
         if FILTER.maybe_tracked(ptr as usize) {
             on_free_slow(ptr);
@@ -158,6 +166,20 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         interval: u64,
         entry_sp: u64,
     ) -> *mut u8 {
+        if arena::in_mode() {
+            if let Some(p) = arena::alloc(layout, zeroed) {
+                return p;
+            }
+            // Out of arena: the heap, and the countdown stays as arena mode set it.
+            // SAFETY: forwarded contract.
+            return unsafe {
+                if zeroed {
+                    self.inner.alloc_zeroed(layout)
+                } else {
+                    self.inner.alloc(layout)
+                }
+            };
+        }
         // SAFETY: forwarded contract.
         let p = unsafe {
             if zeroed {
@@ -168,6 +190,26 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         };
         if !p.is_null() {
             on_alloc_slow(p, layout.size(), interval, entry_sp);
+        }
+        p
+    }
+
+    /// A realloc of an arena block: a new block (from the arena in arena mode, else from the
+    /// heap), the contents copied, the old block freed.
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::realloc`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn realloc_arena(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller guarantees a valid layout for new_size with the old alignment.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        // SAFETY: forwarded contract (non-zero size: realloc's new_size is non-zero).
+        let p = unsafe { self.alloc(new_layout) };
+        if !p.is_null() {
+            // SAFETY: both blocks are valid for the smaller size and do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size)) };
+            arena::free(ptr, layout);
         }
         p
     }

@@ -44,6 +44,7 @@ pub mod export;
 pub mod http;
 
 mod alloc;
+mod arena;
 mod error;
 mod filter;
 mod fork;

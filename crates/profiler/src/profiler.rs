@@ -596,8 +596,20 @@ fn export_once(sh: &Shared) -> Option<u64> {
         // shared with application threads half-way, and waits for one such step at most, never
         // for symbolizing and encoding (see `fork::SerializeSteps`).
         let steps = fork::SerializeSteps::new();
+        let (t0, c0) = (std::time::Instant::now(), sampler::own_cpu_ns());
         let serialized =
             tls::in_recorder(|| sym.pass(|sym| sh.recorder.serialize_gated(Some(sym), &steps)));
+        let st = &sh.stats;
+        st.last_export_ns
+            .store(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        st.last_export_cpu_ns
+            .store(sampler::own_cpu_ns().saturating_sub(c0), Ordering::Relaxed);
+        st.symbolized_addresses
+            .store(sym.resolved_from_debug_info(), Ordering::Relaxed);
+        st.symbolizer_cached
+            .store(sym.cached_addresses() as u64, Ordering::Relaxed);
+        st.symbolizer_arena_bytes
+            .store(crate::arena::last_pass_bytes(), Ordering::Relaxed);
         match serialized {
             Ok(p) => ExportedProfile {
                 encoded: p.encoded,
@@ -698,6 +710,18 @@ pub struct ProfilerStats {
     /// Samples folded into the `[stacks dropped: over memory cap]` frame because the profile
     /// being recorded was at its memory cap (see [`ProfilerBuilder::max_profile_bytes`]).
     pub dropped_stacks: u64,
+    /// The last periodic export's serialization (symbolizing and encoding), wall and CPU time
+    /// of the export thread.
+    pub last_export_ns: u64,
+    pub last_export_cpu_ns: u64,
+    /// Addresses symbolized from debug info so far (the others came from the symbolizer's
+    /// cache of resolved addresses), and the cache's size.
+    pub symbolized_addresses: u64,
+    pub symbolizer_cached_addresses: u64,
+    /// Private memory the last symbolization used while it ran (its debug info), handed back
+    /// to the system at its end; 0 when the sampling allocator is not the global allocator or
+    /// allocation profiling is off (the debug info is then parsed on the heap).
+    pub symbolizer_arena_bytes: u64,
 }
 
 /// The running profiler. Dropping it (or [`Self::stop`]) stops profiling and exports a last
@@ -856,6 +880,11 @@ impl ProfilerGuard {
             export_dropped: l(&self.deliveries.dropped),
             export_abandoned: l(&self.deliveries.abandoned),
             dropped_stacks: self.shared.recorder.dropped_stacks(),
+            last_export_ns: l(&s.last_export_ns),
+            last_export_cpu_ns: l(&s.last_export_cpu_ns),
+            symbolized_addresses: l(&s.symbolized_addresses),
+            symbolizer_cached_addresses: l(&s.symbolizer_cached),
+            symbolizer_arena_bytes: l(&s.symbolizer_arena_bytes),
         }
     }
 

@@ -554,6 +554,11 @@ fn clock_ns(clock: libc::clockid_t) -> Option<u64> {
 }
 
 /// CPU time consumed by thread `tid` of this process.
+/// The calling thread's CPU time.
+pub(crate) fn own_cpu_ns() -> u64 {
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0)
+}
+
 pub(crate) fn thread_cpu_ns(tid: i32) -> Option<u64> {
     // The kernel's clock id for another thread's CPU clock: CPUCLOCK_SCHED | PERTHREAD, tid
     // stored inverted above the low three bits.

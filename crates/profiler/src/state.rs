@@ -51,6 +51,14 @@ pub(crate) struct Stats {
     pub handler_hist: HandlerHist,
     pub handler_frames_total: AtomicU64,
     pub handler_count: AtomicU64,
+    /// The last export's serialization (symbolizing and encoding): wall and CPU time.
+    pub last_export_ns: AtomicU64,
+    pub last_export_cpu_ns: AtomicU64,
+    /// Addresses the symbolizer resolved from debug info (not from its cache), and the cache's
+    /// size and the arena's high-water mark after the last pass.
+    pub symbolized_addresses: AtomicU64,
+    pub symbolizer_cached: AtomicU64,
+    pub symbolizer_arena_bytes: AtomicU64,
 }
 
 /// (std implements `Default` for arrays of up to 32 elements only.)

@@ -8,10 +8,11 @@
 //! symbol table (name only); unknown addresses get `object+0xoffset`, or their address outside
 //! every object.
 //!
-//! Memory: the mapped files and parsed DWARF live for one *pass* (one serialization) and are
-//! dropped at its end, so no multi-MB context stays resident between profiles. What stays is a
-//! per-address cache of resolved frames, bounded in entries and aged: entries not used during
-//! the last two passes are dropped.
+//! Memory: the mapped files and parsed DWARF live for one *pass* (one serialization), in the
+//! profiler's private arena when it can (see `crate::arena`), and are dropped at its end, so no
+//! multi-MB context stays resident between profiles. What stays is a per-address cache of
+//! resolved frames, bounded in entries and aged (CACHE_PASSES), emptied when an object was
+//! unloaded (another may take its addresses).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -28,6 +29,11 @@ type Reader = gimli::EndianSlice<'static, gimli::RunTimeEndian>;
 
 /// Most addresses kept in the cache between passes.
 const MAX_CACHED_ADDRESSES: usize = 16 * 1024;
+/// Passes an address stays cached without being used. A pass that meets one uncached address
+/// loads the debug info of its object (for a large service binary about 100 ms of CPU and
+/// 100 MB of transient memory), so addresses that come back now and then must stay: with an
+/// aging of two passes a service resolved some 70 addresses again at every export.
+const CACHE_PASSES: u64 = 120;
 
 /// A [`Symbolizer`] for the current process. See the module docs.
 pub struct ProcessSymbolizer {
@@ -35,6 +41,12 @@ pub struct ProcessSymbolizer {
     pass: u64,
     objects: Option<Vec<ObjectDebug>>,
     max_entries: usize,
+    /// Addresses resolved from debug info (cache misses), ever.
+    resolved: u64,
+    /// The loader's unload count when the cache was last checked.
+    unloads: u64,
+    /// This symbolizer's name as an owner of the private arena.
+    arena_owner: u64,
 }
 
 struct CacheEntry {
@@ -55,11 +67,19 @@ impl ProcessSymbolizer {
             pass: 0,
             objects: None,
             max_entries: MAX_CACHED_ADDRESSES,
+            resolved: 0,
+            unloads: 0,
+            arena_owner: crate::arena::new_owner(),
         }
     }
 
     /// Runs `f` as one pass: debug info loaded during it is released when it returns.
     pub fn pass<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let unloads = crate::modules::objects_generation().1;
+        if unloads != self.unloads {
+            self.unloads = unloads;
+            self.cache.clear();
+        }
         self.pass += 1;
         let r = f(self);
         self.end_pass();
@@ -67,14 +87,19 @@ impl ProcessSymbolizer {
     }
 
     fn end_pass(&mut self) {
+        // Arena memory (see `lookup`): dropped, then its pages handed back.
         self.objects = None;
+        crate::arena::release(self.arena_owner);
         let pass = self.pass;
-        self.cache.retain(|_, e| e.last_pass + 2 > pass);
+        self.cache.retain(|_, e| e.last_pass + CACHE_PASSES > pass);
         if self.cache.len() > self.max_entries {
-            // Over budget even after aging: keep only this pass's addresses, or nothing.
-            self.cache.retain(|_, e| e.last_pass == pass);
+            // Over budget: the least recently used go (the oldest passes first).
+            let mut ages: Vec<u64> = self.cache.values().map(|e| e.last_pass).collect();
+            let cut = ages.len() - self.max_entries;
+            let (_, &mut oldest_kept, _) = ages.select_nth_unstable(cut);
+            self.cache.retain(|_, e| e.last_pass >= oldest_kept);
             if self.cache.len() > self.max_entries {
-                self.cache.clear();
+                self.cache.retain(|_, e| e.last_pass == pass);
             }
         }
         if self.cache.capacity() > 4 * self.cache.len().max(64) {
@@ -85,6 +110,11 @@ impl ProcessSymbolizer {
     /// Number of cached addresses (for tests and stats).
     pub fn cached_addresses(&self) -> usize {
         self.cache.len()
+    }
+
+    /// Addresses resolved from debug info so far (not from the cache).
+    pub fn resolved_from_debug_info(&self) -> u64 {
+        self.resolved
     }
 
     /// Whether debug info is currently loaded (only during a pass).
@@ -99,7 +129,30 @@ impl ProcessSymbolizer {
         out
     }
 
+    /// Resolves an address not in the cache. The debug info it loads and everything it
+    /// allocates meanwhile live in the arena (released at the end of the pass, see
+    /// `crate::arena`); the frames are copied out to the heap.
     fn lookup(&mut self, address: u64) -> Box<[ResolvedFrame]> {
+        self.resolved += 1;
+        let owner = self.arena_owner;
+        let frames = crate::arena::with(owner, || self.lookup_in_arena(address));
+        let owned: Box<[ResolvedFrame]> = frames
+            .iter()
+            .map(|f| ResolvedFrame {
+                name: f.name.as_str().to_owned(),
+                filename: f.filename.as_str().to_owned(),
+                line: f.line,
+            })
+            .collect();
+        drop(frames);
+        debug_assert!(owned
+            .iter()
+            .all(|f| !crate::arena::owns(f.name.as_ptr() as *mut u8)
+                && !crate::arena::owns(f.filename.as_ptr() as *mut u8)));
+        owned
+    }
+
+    fn lookup_in_arena(&mut self, address: u64) -> Box<[ResolvedFrame]> {
         let objects = self.objects.get_or_insert_with(|| {
             loaded_objects()
                 .into_iter()
@@ -144,6 +197,14 @@ impl ProcessSymbolizer {
             });
         }
         frames.into_boxed_slice()
+    }
+}
+
+impl Drop for ProcessSymbolizer {
+    fn drop(&mut self) {
+        // A symbolizer dropped in the middle of a pass hands the arena on.
+        self.objects = None;
+        crate::arena::release(self.arena_owner);
     }
 }
 
@@ -432,8 +493,11 @@ mod tests {
             "debug info must be released after the pass"
         );
         assert_eq!(s.cached_addresses(), 1);
-        // Aging: two passes without a hit drop the entry.
-        s.pass(|_| ());
+        // Aging: CACHE_PASSES passes without a hit drop the entry.
+        for _ in 0..CACHE_PASSES - 1 {
+            s.pass(|_| ());
+        }
+        assert_eq!(s.cached_addresses(), 1);
         s.pass(|_| ());
         assert_eq!(s.cached_addresses(), 0);
     }

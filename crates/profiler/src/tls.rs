@@ -32,6 +32,8 @@ pub(crate) struct ThreadState {
     pub name_age: Cell<u8>,
     /// This thread's shard of the sharded counters plus one (see `crate::sharded`); 0 = none yet.
     pub reader_shard: Cell<u8>,
+    /// In arena mode: allocations come from the symbolizer's private arena (see `crate::arena`).
+    pub arena: Cell<bool>,
 }
 
 thread_local! {
@@ -48,6 +50,7 @@ thread_local! {
             name_len: Cell::new(0xff),
             name_age: Cell::new(0),
             reader_shard: Cell::new(0),
+            arena: Cell::new(false),
         }
     };
 }

@@ -14,8 +14,12 @@ fn rss_bytes() -> u64 {
     pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64
 }
 
+/// The tests of this file measure the whole process: one at a time.
+static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn starting_the_profiler_adds_less_than_10_mb_of_rss() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let before = rss_bytes();
     let dir = std::env::temp_dir().join(format!("ferroprof-rss-{}", std::process::id()));
     let guard = Profiler::builder()
@@ -34,4 +38,65 @@ fn starting_the_profiler_adds_less_than_10_mb_of_rss() {
     guard.stop().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(added < 10_000_000, "profiler added {added} bytes of RSS");
+}
+
+#[inline(never)]
+fn spread_work(round: u64) -> u64 {
+    // Many call sites, so that each export has addresses to symbolize.
+    let mut v: Vec<String> = (0..2000).map(|i| format!("{round}-{i}")).collect();
+    v.sort();
+    let m: std::collections::BTreeMap<String, usize> = v.iter().cloned().zip(0..).collect();
+    let s: u64 = m.keys().map(|k| k.len() as u64).sum();
+    std::hint::black_box(s)
+}
+
+/// An export parses the debug info of this binary (tens of MB of tables) and frees it. That
+/// memory used to stay resident in the C allocator after every export; it now lives in the
+/// profiler's private arena and goes back to the system at the end of the export.
+#[test]
+fn exports_leave_their_symbolization_memory_behind_no_more() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("ferroprof-rss-export-{}", std::process::id()));
+    let guard = Profiler::builder()
+        .profiles(Profiles::all())
+        .alloc_interval_bytes(4096)
+        .output_dir(&dir)
+        .start()
+        .unwrap();
+    let work = |round| {
+        let end = std::time::Instant::now() + Duration::from_millis(300);
+        while std::time::Instant::now() < end {
+            spread_work(round);
+        }
+    };
+    work(0);
+    let before = rss_bytes();
+    for round in 1..4 {
+        guard.flush().unwrap();
+        work(round);
+    }
+    guard.flush().unwrap();
+    let after = rss_bytes();
+    let st = guard.stats();
+    guard.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!(
+        "RSS before the first export {:.1} MB, after four {:.1} MB; arena {:.1} MB, \
+         {} addresses symbolized",
+        before as f64 / 1e6,
+        after as f64 / 1e6,
+        st.symbolizer_arena_bytes as f64 / 1e6,
+        st.symbolized_addresses
+    );
+    assert!(st.symbolized_addresses > 0, "{st:?}");
+    assert!(
+        st.symbolizer_arena_bytes > 0,
+        "the arena was not used: {st:?}"
+    );
+    let grown = after.saturating_sub(before);
+    assert!(
+        grown < 8_000_000,
+        "four exports left {:.1} MB more resident",
+        grown as f64 / 1e6
+    );
 }

@@ -1,0 +1,227 @@
+//! Private memory for what symbolization needs only while it runs.
+//!
+//! Parsing an object's DWARF allocates tens of megabytes of short-lived tables. Through the
+//! application's allocator that memory stays resident after it is freed (glibc keeps it in the
+//! export thread's arena, jemalloc until its decay runs), so every export left the process larger.
+//! While a thread is in arena mode ([`with`]), the [`crate::SamplingAllocator`] serves its
+//! allocations from a region of address space reserved once (`MAP_NORESERVE`: pages exist only
+//! once touched), and [`release`] hands every touched page back to the kernel at the end of the
+//! pass. Frees of arena blocks (recognized by address) go to per-size free lists, large ones
+//! return their pages at once.
+//!
+//! Invariants: the arena belongs to one owner at a time (a symbolizer, from its first lookup
+//! of a pass to the end of the pass); others run on the heap meanwhile. Arena memory is
+//! allocated, freed and released only through the owner, which is used by one thread at a time,
+//! so the arena's state needs no lock. Nothing allocated in arena mode outlives the pass
+//! (results are copied out with arena mode off).
+//! Arena mode needs the sampling allocator as the global allocator with allocation sampling on
+//! (its slow path is where arena mode is checked); otherwise allocations simply go to the heap.
+
+use std::alloc::Layout;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use crate::tls::STATE;
+
+/// Address space reserved for the arena (only touched pages cost memory).
+const RESERVE: usize = 1 << 30;
+/// Size classes: powers of two from 16 bytes.
+const MIN_SHIFT: u32 = 4;
+const CLASSES: usize = 31 - MIN_SHIFT as usize;
+/// Freed blocks at least this large give their pages back right away.
+const RETURN_PAGES_AT: usize = 256 * 1024;
+const PAGE: usize = 4096;
+
+static BASE: AtomicUsize = AtomicUsize::new(0);
+static LEN: AtomicUsize = AtomicUsize::new(0);
+/// Bump offset from BASE: everything below was handed out at some point of this pass.
+static USED: AtomicUsize = AtomicUsize::new(0);
+/// Highest USED of the last pass (for stats).
+static LAST_PASS_BYTES: AtomicUsize = AtomicUsize::new(0);
+/// Heads of the free lists (addresses; 0 = empty). The first word of a free block is the next.
+static FREE: [AtomicUsize; CLASSES] = [const { AtomicUsize::new(0) }; CLASSES];
+
+/// Whether `ptr` is arena memory.
+#[inline(always)]
+pub(crate) fn owns(ptr: *mut u8) -> bool {
+    (ptr as usize).wrapping_sub(BASE.load(Ordering::Relaxed)) < LEN.load(Ordering::Relaxed)
+}
+
+/// Whether the calling thread is in arena mode.
+#[inline]
+pub(crate) fn in_mode() -> bool {
+    STATE.with(|s| s.arena.get())
+}
+
+/// The arena's owner (see the module docs); 0 = none.
+static OWNER: AtomicU64 = AtomicU64::new(0);
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+
+/// A new owner id.
+pub(crate) fn new_owner() -> u64 {
+    NEXT_OWNER.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Runs `f` in arena mode when `owner` has the arena or can take it, else on the heap.
+/// Whatever `f` allocates must be dropped before `owner` calls [`release`].
+pub(crate) fn with<R>(owner: u64, f: impl FnOnce() -> R) -> R {
+    let taken = OWNER.load(Ordering::Acquire) == owner
+        || OWNER
+            .compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok();
+    if !taken || !reserve() {
+        return f();
+    }
+    struct Exit(i64);
+    impl Drop for Exit {
+        fn drop(&mut self) {
+            STATE.with(|s| {
+                s.arena.set(false);
+                s.countdown.set(self.0);
+            });
+        }
+    }
+    let saved = STATE.with(|s| {
+        let saved = s.countdown.get();
+        s.arena.set(true);
+        // Every allocation of this thread then takes the sampling allocator's slow path, where
+        // arena mode is looked at (the fast path stays one countdown check for everyone).
+        s.countdown.set(i64::MIN / 4);
+        saved
+    });
+    let _exit = Exit(saved);
+    f()
+}
+
+/// Reserves the address space once. False when the kernel refuses.
+fn reserve() -> bool {
+    if BASE.load(Ordering::Relaxed) != 0 {
+        return true;
+    }
+    // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            RESERVE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return false;
+    }
+    LEN.store(RESERVE, Ordering::Relaxed);
+    BASE.store(p as usize, Ordering::Release);
+    true
+}
+
+fn class_of(layout: Layout) -> Option<usize> {
+    let size = layout.size().max(layout.align()).max(1 << MIN_SHIFT);
+    let shift = size.next_power_of_two().trailing_zeros();
+    let c = (shift - MIN_SHIFT) as usize;
+    (c < CLASSES).then_some(c)
+}
+
+/// A block for `layout`, or None (the caller uses the heap).
+pub(crate) fn alloc(layout: Layout, zeroed: bool) -> Option<*mut u8> {
+    if layout.align() > PAGE {
+        return None;
+    }
+    let c = class_of(layout)?;
+    let size = 1usize << (c + MIN_SHIFT as usize);
+    let base = BASE.load(Ordering::Relaxed);
+    let head = FREE[c].load(Ordering::Relaxed);
+    if head != 0 {
+        // SAFETY: `head` is a free block of this class in the arena; its first word is the
+        // next free block.
+        let next = unsafe { *(head as *const usize) };
+        FREE[c].store(next, Ordering::Relaxed);
+        if zeroed {
+            // SAFETY: the block is `size` bytes of arena memory, now ours.
+            unsafe { std::ptr::write_bytes(head as *mut u8, 0, size) };
+        }
+        return Some(head as *mut u8);
+    }
+    // Fresh blocks are aligned to their size up to a page (every class's alignment need).
+    let align = size.min(PAGE);
+    let used = USED.load(Ordering::Relaxed);
+    let start = (used + align - 1) & !(align - 1);
+    let end = start.checked_add(size)?;
+    if end > LEN.load(Ordering::Relaxed) {
+        return None;
+    }
+    USED.store(end, Ordering::Relaxed);
+    // Never handed out since the last release: the kernel's zero pages.
+    Some((base + start) as *mut u8)
+}
+
+/// Frees an arena block.
+pub(crate) fn free(ptr: *mut u8, layout: Layout) {
+    let Some(c) = class_of(layout) else {
+        return;
+    };
+    let size = 1usize << (c + MIN_SHIFT as usize);
+    if size >= RETURN_PAGES_AT {
+        // SAFETY: whole pages inside this free arena block (sizes this large are page-aligned
+        // multiples of a page).
+        unsafe { libc::madvise(ptr as *mut libc::c_void, size, libc::MADV_DONTNEED) };
+    }
+    // SAFETY: the block is at least 16 bytes and no longer used by anyone.
+    unsafe { *(ptr as *mut usize) = FREE[c].load(Ordering::Relaxed) };
+    FREE[c].store(ptr as usize, Ordering::Relaxed);
+}
+
+/// When `owner` has the arena: returns every page the pass touched to the kernel, starts
+/// afresh and frees the arena for the next owner. Nothing `owner` allocated in arena mode may be
+/// used afterwards.
+pub(crate) fn release(owner: u64) {
+    if OWNER.load(Ordering::Acquire) != owner {
+        return;
+    }
+    forget_blocks();
+    OWNER.store(0, Ordering::Release);
+}
+
+fn forget_blocks() {
+    let used = USED.swap(0, Ordering::Relaxed);
+    LAST_PASS_BYTES.store(used, Ordering::Relaxed);
+    for f in &FREE {
+        f.store(0, Ordering::Relaxed);
+    }
+    let base = BASE.load(Ordering::Relaxed);
+    if used != 0 && base != 0 {
+        let len = (used + PAGE - 1) & !(PAGE - 1);
+        // SAFETY: the arena's own pages, no longer in use (see the module's invariants).
+        unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+    }
+}
+
+/// Bytes of arena the last pass used (its address-space high-water mark).
+pub(crate) fn last_pass_bytes() -> u64 {
+    LAST_PASS_BYTES.load(Ordering::Relaxed) as u64
+}
+
+/// In a forked child: a pass the parent had under way is gone with its thread; its blocks are
+/// never freed (the child's symbolizer starts afresh), so the arena starts afresh too, its pages
+/// zeroed again (fresh blocks are handed out as zeroed). Async-signal-safe.
+pub(crate) fn after_fork_in_child() {
+    forget_blocks();
+    OWNER.store(0, Ordering::Release);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_classes_cover_size_and_alignment() {
+        let l = |s, a| Layout::from_size_align(s, a).unwrap();
+        assert_eq!(class_of(l(1, 1)), Some(0));
+        assert_eq!(class_of(l(16, 8)), Some(0));
+        assert_eq!(class_of(l(17, 8)), Some(1));
+        assert_eq!(class_of(l(8, 64)), Some(2));
+        assert_eq!(class_of(l(1 << 30, 8)), Some(26));
+        assert_eq!(class_of(l(1 << 31, 8)), None);
+    }
+}
