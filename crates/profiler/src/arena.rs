@@ -92,6 +92,26 @@ pub(crate) fn with<R>(owner: u64, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f` on the heap when called in arena mode (for what must outlive the pass).
+pub(crate) fn outside<R>(f: impl FnOnce() -> R) -> R {
+    if !STATE.with(|s| s.arena.replace(false)) {
+        return f();
+    }
+    struct Back(i64);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            STATE.with(|s| {
+                s.arena.set(true);
+                s.countdown.set(self.0);
+            });
+        }
+    }
+    // The fast path (the heap) for what `f` allocates.
+    let saved = STATE.with(|s| s.countdown.replace(i64::MAX / 4));
+    let _back = Back(saved);
+    f()
+}
+
 /// Reserves the address space once. False when the kernel refuses.
 fn reserve() -> bool {
     if BASE.load(Ordering::Relaxed) != 0 {

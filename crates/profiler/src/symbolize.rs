@@ -47,6 +47,9 @@ pub struct ProcessSymbolizer {
     unloads: u64,
     /// This symbolizer's name as an owner of the private arena.
     arena_owner: u64,
+    /// Where each object's compilation units are, kept across passes (by base and file): an
+    /// uncached address then costs the parse of its own unit, not of the whole object.
+    indexes: HashMap<(u64, String), Option<UnitIndex>>,
 }
 
 struct CacheEntry {
@@ -70,6 +73,7 @@ impl ProcessSymbolizer {
             resolved: 0,
             unloads: 0,
             arena_owner: crate::arena::new_owner(),
+            indexes: HashMap::new(),
         }
     }
 
@@ -79,6 +83,7 @@ impl ProcessSymbolizer {
         if unloads != self.unloads {
             self.unloads = unloads;
             self.cache.clear();
+            self.indexes.clear();
         }
         self.pass += 1;
         let r = f(self);
@@ -174,8 +179,23 @@ impl ProcessSymbolizer {
             .debug
             .get_or_insert_with(|| DebugInfo::load(&od.obj).ok());
         let mut frames = Vec::new();
-        if let Some(d) = debug.as_ref() {
-            d.frames(probe, &mut frames);
+        if let Some(d) = debug.as_mut() {
+            let file = match &od.obj.path {
+                Some(p) => p.to_string_lossy().into_owned(),
+                None => od.obj.name.clone(),
+            };
+            let key = (od.obj.base, file);
+            if !self.indexes.contains_key(&key) {
+                let built = d.unit_index();
+                // Kept across passes: on the heap, not in the arena.
+                crate::arena::outside(|| {
+                    let index = built.map(|b| b.to_heap());
+                    self.indexes
+                        .insert((key.0, key.1.as_str().to_owned()), index);
+                });
+            }
+            let index = self.indexes.get(&key).and_then(Option::as_ref);
+            d.frames(probe, index, &mut frames);
         }
         if frames.is_empty() {
             let module = od
@@ -236,14 +256,55 @@ struct ObjectDebug {
     debug: Option<Option<DebugInfo>>,
 }
 
-/// Parsed debug info of one object. Field order matters: the borrowers (`ctx`, `symbols`) are
-/// declared, hence dropped, before the memory they borrow (`_owned`, `_maps`).
+/// Parsed debug info of one object. Field order matters: the borrowers (the contexts,
+/// `sections`, `symbols`) are declared, hence dropped, before the memory they borrow (`_owned`,
+/// `_maps`).
 struct DebugInfo {
-    ctx: Option<addr2line::Context<Reader>>,
+    /// addr2line contexts over single compilation units (by `.debug_info` offset), made as
+    /// addresses need them during the pass; `None`: that unit did not parse.
+    unit_ctx: HashMap<usize, Option<addr2line::Context<Reader>>>,
+    /// The whole object's context, for units that refer into other units.
+    full_ctx: Option<Option<addr2line::Context<Reader>>>,
+    /// The DWARF sections (empty when the object has none).
+    sections: Vec<(gimli::SectionId, &'static [u8])>,
+    endian: gimli::RunTimeEndian,
     /// (address, name), sorted by address.
     symbols: Vec<(u64, &'static str)>,
     _owned: Vec<Box<[u8]>>,
     _maps: Vec<Mmap>,
+}
+
+/// Where an object's compilation units are: built once per object (walking every unit's
+/// header and root entry), kept across passes, a few bytes per unit and code range.
+struct UnitIndex {
+    /// (start, end, index into `units`), sorted by start, adjacent ranges of a unit merged.
+    ranges: Vec<(u64, u64, u32)>,
+    units: Vec<UnitSpan>,
+}
+
+#[derive(Clone, Copy)]
+struct UnitSpan {
+    /// The unit's bytes in `.debug_info`, header included.
+    offset: usize,
+    len: usize,
+    /// It refers to entries of other units (DW_FORM_ref_addr and kin): only a context over the
+    /// whole object resolves it.
+    whole: bool,
+}
+
+impl UnitIndex {
+    fn to_heap(&self) -> UnitIndex {
+        UnitIndex {
+            ranges: self.ranges.to_vec(),
+            units: self.units.to_vec(),
+        }
+    }
+
+    fn unit_of(&self, probe: u64) -> Option<UnitSpan> {
+        let i = self.ranges.partition_point(|r| r.0 <= probe);
+        let &(_, end, u) = self.ranges.get(i.checked_sub(1)?)?;
+        (probe < end).then(|| self.units[u as usize])
+    }
 }
 
 #[derive(Debug)]
@@ -285,49 +346,151 @@ impl DebugInfo {
             }
         }
         let src = dwarf_file.as_ref().unwrap_or(&file);
-        let ctx = if src.section_by_name(".debug_info").is_some() {
-            let endian = if src.is_little_endian() {
-                gimli::RunTimeEndian::Little
-            } else {
-                gimli::RunTimeEndian::Big
-            };
-            let dwarf = gimli::Dwarf::load(|id| -> Result<Reader, gimli::Error> {
-                let data: &'static [u8] = match src.section_by_name(id.name()) {
-                    Some(section) => match section.uncompressed_data() {
+        let endian = if src.is_little_endian() {
+            gimli::RunTimeEndian::Little
+        } else {
+            gimli::RunTimeEndian::Big
+        };
+        let mut sections = Vec::new();
+        if src.section_by_name(".debug_info").is_some() {
+            // Every section gimli may read, found once (compressed ones inflated once).
+            let _ = gimli::DwarfSections::load(|id| -> Result<(), ()> {
+                if let Some(section) = src.section_by_name(id.name()) {
+                    let data: &'static [u8] = match section.uncompressed_data() {
                         Ok(Cow::Borrowed(b)) => b,
                         Ok(Cow::Owned(v)) => {
                             let b = v.into_boxed_slice();
-                            // SAFETY: the box is kept in `_owned` (dropped after `ctx`), and
-                            // its heap bytes do not move when the box is moved into the vector.
+                            // SAFETY: the box is kept in `_owned` (dropped after every
+                            // borrower), and its heap bytes do not move when the box moves.
                             let r = unsafe { extend(&b[..]) };
                             owned.push(b);
                             r
                         }
                         Err(_) => &[],
-                    },
-                    None => &[],
-                };
-                Ok(gimli::EndianSlice::new(data, endian))
+                    };
+                    sections.push((id, data));
+                }
+                Ok(())
             });
-            dwarf
-                .ok()
-                .and_then(|d| addr2line::Context::from_dwarf(d).ok())
-        } else {
-            None
-        };
-        if ctx.is_none() && symbols.is_empty() {
+        }
+        if sections.is_empty() && symbols.is_empty() {
             return Err(LoadError);
         }
         Ok(DebugInfo {
-            ctx,
+            unit_ctx: HashMap::new(),
+            full_ctx: None,
+            sections,
+            endian,
             symbols,
             _owned: owned,
             _maps: maps,
         })
     }
 
-    fn frames(&self, probe: u64, out: &mut Vec<ResolvedFrame>) {
-        if let Some(ctx) = &self.ctx {
+    fn section(&self, id: gimli::SectionId) -> &'static [u8] {
+        self.sections
+            .iter()
+            .find(|(s, _)| *s == id)
+            .map_or(&[], |(_, d)| *d)
+    }
+
+    /// The object's DWARF; with `info`, `.debug_info` is that slice alone (one unit, which
+    /// must not refer into others) and `.debug_aranges` is left out (its offsets are the whole
+    /// section's).
+    fn dwarf(&self, info: Option<&'static [u8]>) -> gimli::Dwarf<Reader> {
+        let endian = self.endian;
+        let loaded = gimli::Dwarf::load(|id| -> Result<Reader, ()> {
+            let data = match (id, info) {
+                (gimli::SectionId::DebugInfo, Some(unit)) => unit,
+                (gimli::SectionId::DebugAranges, Some(_)) => &[],
+                _ => self.section(id),
+            };
+            Ok(gimli::EndianSlice::new(data, endian))
+        });
+        loaded.unwrap_or_default()
+    }
+
+    /// Walks every unit once: its code ranges and whether it refers into other units.
+    fn unit_index(&self) -> Option<UnitIndex> {
+        if self.sections.is_empty() {
+            return None;
+        }
+        let dwarf = self.dwarf(None);
+        let abbrev = self.section(gimli::SectionId::DebugAbbrev);
+        let mut units = Vec::new();
+        let mut ranges = Vec::new();
+        let mut headers = dwarf.units();
+        while let Ok(Some(header)) = headers.next() {
+            let Some(offset) = header.debug_info_offset() else {
+                continue;
+            };
+            let len = header.unit_length() + header.format().initial_length_size() as usize;
+            let whole = refers_to_other_units(abbrev, header.debug_abbrev_offset().0);
+            let Ok(unit) = dwarf.unit(header) else {
+                continue;
+            };
+            let Ok(mut rs) = dwarf.unit_ranges(&unit) else {
+                continue;
+            };
+            let u = units.len() as u32;
+            units.push(UnitSpan {
+                offset: offset.0,
+                len,
+                whole,
+            });
+            while let Ok(Some(r)) = rs.next() {
+                if r.begin < r.end {
+                    ranges.push((r.begin, r.end, u));
+                }
+            }
+        }
+        ranges.sort_unstable_by_key(|r| r.0);
+        let mut merged: Vec<(u64, u64, u32)> = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            match merged.last_mut() {
+                Some(last) if last.2 == r.2 && last.1 >= r.0 => last.1 = last.1.max(r.1),
+                _ => merged.push(r),
+            }
+        }
+        Some(UnitIndex {
+            ranges: merged,
+            units,
+        })
+    }
+
+    /// The context that resolves `probe`: its unit's alone when it can, else the object's.
+    fn context(
+        &mut self,
+        probe: u64,
+        index: Option<&UnitIndex>,
+    ) -> Option<&addr2line::Context<Reader>> {
+        if self.sections.is_empty() {
+            return None;
+        }
+        let span = index.and_then(|i| i.unit_of(probe));
+        match span {
+            Some(u) if !u.whole => {
+                let info = self.section(gimli::SectionId::DebugInfo);
+                let slice = info.get(u.offset..u.offset + u.len)?;
+                if !self.unit_ctx.contains_key(&u.offset) {
+                    let ctx = addr2line::Context::from_dwarf(self.dwarf(Some(slice))).ok();
+                    self.unit_ctx.insert(u.offset, ctx);
+                }
+                self.unit_ctx.get(&u.offset)?.as_ref()
+            }
+            _ => {
+                if self.full_ctx.is_none() {
+                    let ctx = addr2line::Context::from_dwarf(self.dwarf(None)).ok();
+                    self.full_ctx = Some(ctx);
+                }
+                self.full_ctx.as_ref()?.as_ref()
+            }
+        }
+    }
+
+    fn frames(&mut self, probe: u64, index: Option<&UnitIndex>, out: &mut Vec<ResolvedFrame>) {
+        let symbol = self.symbol(probe);
+        if let Some(ctx) = self.context(probe, index) {
             if let Ok(mut iter) = ctx.find_frames(probe).skip_all_loads() {
                 while let Ok(Some(frame)) = iter.next() {
                     let name = frame
@@ -335,7 +498,7 @@ impl DebugInfo {
                         .as_ref()
                         .and_then(|f| f.raw_name().ok())
                         .map(|n| demangle(&n))
-                        .or_else(|| self.symbol(probe).map(demangle))
+                        .or_else(|| symbol.map(demangle))
                         .unwrap_or_default();
                     let (filename, line) = frame
                         .location
@@ -351,7 +514,7 @@ impl DebugInfo {
             }
         }
         if out.is_empty() {
-            if let Some(name) = self.symbol(probe) {
+            if let Some(name) = symbol {
                 out.push(ResolvedFrame {
                     name: demangle(name),
                     filename: String::new(),
@@ -365,6 +528,56 @@ impl DebugInfo {
         let i = self.symbols.partition_point(|s| s.0 <= probe);
         (i > 0).then(|| self.symbols[i - 1].1)
     }
+}
+
+/// Whether the abbreviation table at `offset` of `.debug_abbrev` declares a function's name
+/// source (`DW_AT_abstract_origin`, `DW_AT_specification`) in a form that refers outside its
+/// unit (`DW_FORM_ref_addr`, supplementary files): symbolization follows those. (Types refer out
+/// too, often; symbolization never reads them.) Unreadable tables count as referring out (the
+/// whole object's context then resolves the unit).
+fn refers_to_other_units(abbrev: &[u8], offset: usize) -> bool {
+    fn uleb(b: &[u8], i: &mut usize) -> Option<u64> {
+        let mut v = 0u64;
+        let mut shift = 0;
+        loop {
+            let byte = *b.get(*i)?;
+            *i += 1;
+            if shift < 64 {
+                v |= u64::from(byte & 0x7f) << shift;
+            }
+            shift += 7;
+            if byte & 0x80 == 0 {
+                return Some(v);
+            }
+        }
+    }
+    const OUTSIDE: [u64; 5] = [0x10, 0x1c, 0x20, 0x24, 0x1f20];
+    const NAME_SOURCES: [u64; 2] = [0x31, 0x47];
+    const IMPLICIT_CONST: u64 = 0x21;
+    let scan = || -> Option<bool> {
+        let mut i = offset;
+        loop {
+            if uleb(abbrev, &mut i)? == 0 {
+                return Some(false);
+            }
+            uleb(abbrev, &mut i)?; // tag
+            i += 1; // children
+            loop {
+                let attr = uleb(abbrev, &mut i)?;
+                let form = uleb(abbrev, &mut i)?;
+                if attr == 0 && form == 0 {
+                    break;
+                }
+                if OUTSIDE.contains(&form) && NAME_SOURCES.contains(&attr) {
+                    return Some(true);
+                }
+                if form == IMPLICIT_CONST {
+                    uleb(abbrev, &mut i)?; // (an sleb128: same length rule)
+                }
+            }
+        }
+    };
+    scan().unwrap_or(true)
 }
 
 /// The vDSO's in-memory ELF image (it has no file). Its loadable segment ends before the
@@ -500,6 +713,46 @@ mod tests {
         assert_eq!(s.cached_addresses(), 1);
         s.pass(|_| ());
         assert_eq!(s.cached_addresses(), 0);
+    }
+
+    /// Addresses resolved through their unit's context alone read exactly as through the
+    /// whole object's context (names, files, lines, inlined frames).
+    #[test]
+    fn single_unit_contexts_resolve_like_the_whole_objects() {
+        let me = a_known_function();
+        let obj = loaded_objects()
+            .into_iter()
+            .find(|o| o.contains(me))
+            .expect("this binary is loaded");
+        let mut unit_side = DebugInfo::load(&obj).expect("debug info");
+        let mut whole_side = DebugInfo::load(&obj).expect("debug info");
+        let index = unit_side.unit_index().expect("a unit index");
+        assert!(index.units.len() > 10, "{} units", index.units.len());
+        let symbols: Vec<u64> = unit_side.symbols.iter().map(|s| s.0).collect();
+        let (mut compared, mut resolved, mut through_units) = (0, 0, 0);
+        for (k, &at) in symbols.iter().enumerate().step_by(7).take(3000) {
+            for probe in [at, at + 1 + (k as u64 % 13)] {
+                let mut a = Vec::new();
+                let mut b = Vec::new();
+                unit_side.frames(probe, Some(&index), &mut a);
+                whole_side.frames(probe, None, &mut b);
+                assert_eq!(a, b, "at {probe:#x}");
+                compared += 1;
+                resolved += usize::from(a.iter().any(|f| f.line > 0));
+                through_units += usize::from(index.unit_of(probe).is_some_and(|u| !u.whole));
+            }
+        }
+        eprintln!(
+            "{compared} addresses, {resolved} with lines, {through_units} through a single unit; \
+             {} units, {} ranges",
+            index.units.len(),
+            index.ranges.len()
+        );
+        assert!(resolved > compared / 4, "{resolved} of {compared}");
+        assert!(
+            through_units > compared / 4,
+            "{through_units} of {compared}"
+        );
     }
 
     #[test]
