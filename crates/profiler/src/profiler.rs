@@ -718,9 +718,10 @@ pub struct ProfilerStats {
     /// cache of resolved addresses), and the cache's size.
     pub symbolized_addresses: u64,
     pub symbolizer_cached_addresses: u64,
-    /// Private memory the last symbolization used while it ran (its debug info), handed back
-    /// to the system at its end; 0 when the sampling allocator is not the global allocator or
-    /// allocation profiling is off (the debug info is then parsed on the heap).
+    /// Address space the last symbolization's private memory spanned while it ran (its debug
+    /// info; only pages written were resident), handed back to the system at its end; 0 when
+    /// the sampling allocator is not the global allocator or allocation profiling is off (the
+    /// debug info is then parsed on the heap).
     pub symbolizer_arena_bytes: u64,
 }
 
