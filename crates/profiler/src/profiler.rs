@@ -65,6 +65,8 @@ pub struct ProfilerBuilder {
     signal: Option<i32>,
     restart_after_fork: bool,
     max_profile_bytes: u64,
+    keep_files: usize,
+    keep_bytes: u64,
     deferred: Option<ProfilerError>,
 }
 
@@ -84,6 +86,8 @@ impl Default for ProfilerBuilder {
             signal: None,
             restart_after_fork: true,
             max_profile_bytes: DEFAULT_MAX_PROFILE_BYTES,
+            keep_files: crate::export::dir::DEFAULT_KEEP_FILES,
+            keep_bytes: crate::export::dir::DEFAULT_KEEP_BYTES,
             deferred: None,
         }
     }
@@ -152,6 +156,16 @@ impl ProfilerBuilder {
         self
     }
 
+    /// How many of the service's profiles the output directory keeps: at most `files` and
+    /// `bytes` in all, the oldest deleted after each write (0: no limit of that kind). Default
+    /// 1,440 files (a day at the default period) and 1 GiB. Only files named as ferroprof names
+    /// this service's profiles are deleted.
+    pub fn keep_profiles(mut self, files: usize, bytes: u64) -> Self {
+        self.keep_files = files;
+        self.keep_bytes = bytes;
+        self
+    }
+
     /// Adds an exporter. With exporters and no `output_dir`, no directory is written.
     pub fn exporter(mut self, exporter: Box<dyn Exporter>) -> Self {
         self.exporters.push(exporter);
@@ -192,7 +206,8 @@ impl ProfilerBuilder {
 
     /// Reads `FERROPROF_SERVICE`, `FERROPROF_ENV`, `FERROPROF_VERSION`, `FERROPROF_TAGS`
     /// (`k:v,k:v`), `FERROPROF_PERIOD_SECS`, `FERROPROF_CPU_HZ`, `FERROPROF_ALLOC_INTERVAL`
-    /// (bytes), `FERROPROF_OUTPUT_DIR`, `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`),
+    /// (bytes), `FERROPROF_OUTPUT_DIR`, `FERROPROF_KEEP_FILES` and `FERROPROF_KEEP_MB` (the
+    /// directory's retention, see [`Self::keep_profiles`]), `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`),
     /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap) and `FERROPROF_SIGNAL` (signal number).
     /// Unset variables keep the builder's values; a bad value is reported by `start()`.
     pub fn from_env(self) -> Self {
@@ -290,6 +305,30 @@ impl ProfilerBuilder {
                 }
             }
         }
+        if let Some(v) = get("FERROPROF_KEEP_FILES") {
+            match v.trim().parse::<usize>() {
+                Ok(n) => self.keep_files = n,
+                Err(_) => {
+                    err.get_or_insert(bad(
+                        "FERROPROF_KEEP_FILES",
+                        &v,
+                        "expected a non-negative number of files (0 = no limit)",
+                    ));
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_KEEP_MB") {
+            match v.trim().parse::<u64>() {
+                Ok(mb) if mb <= u64::MAX >> 20 => self.keep_bytes = mb << 20,
+                _ => {
+                    err.get_or_insert(bad(
+                        "FERROPROF_KEEP_MB",
+                        &v,
+                        "expected a non-negative number of MiB (0 = no limit)",
+                    ));
+                }
+            }
+        }
         if let Some(v) = get("FERROPROF_OUTPUT_DIR") {
             self.output_dir = Some(PathBuf::from(v));
         }
@@ -382,6 +421,8 @@ impl ProfilerBuilder {
             compression: self.compression,
             signal,
             restart_after_fork: self.restart_after_fork,
+            keep_files: self.keep_files,
+            keep_bytes: self.keep_bytes,
             max_profile_bytes: (self.max_profile_bytes > 0).then_some(self.max_profile_bytes),
         })
     }
@@ -411,7 +452,9 @@ impl ProfilerBuilder {
             })?;
             let mut exporters = std::mem::take(&mut self.exporters);
             if let Some(d) = &settings.output_dir {
-                exporters.insert(0, Box::new(DirExporter::new(d.clone())?));
+                let dir =
+                    DirExporter::new(d.clone())?.keep(settings.keep_files, settings.keep_bytes);
+                exporters.insert(0, Box::new(dir));
             }
             let (outbox, deliveries) =
                 Outbox::new(exporters).map_err(|source| ProfilerError::Spawn {

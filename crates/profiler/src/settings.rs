@@ -102,6 +102,9 @@ pub(crate) struct Settings {
     pub compression: Compression,
     pub signal: i32,
     pub restart_after_fork: bool,
+    /// The output directory's retention (0: no limit of that kind).
+    pub keep_files: usize,
+    pub keep_bytes: u64,
     /// Cap on each in-flight profile's tables; `None`: no cap.
     pub max_profile_bytes: Option<u64>,
 }
