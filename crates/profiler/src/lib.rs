@@ -56,6 +56,7 @@ mod settings;
 mod sharded;
 mod state;
 mod symbolize;
+mod termination;
 mod tls;
 mod unwind;
 #[cfg(target_arch = "x86_64")]

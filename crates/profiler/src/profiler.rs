@@ -67,6 +67,7 @@ pub struct ProfilerBuilder {
     max_profile_bytes: u64,
     keep_files: usize,
     keep_bytes: u64,
+    flush_on_termination: bool,
     deferred: Option<ProfilerError>,
 }
 
@@ -88,6 +89,7 @@ impl Default for ProfilerBuilder {
             max_profile_bytes: DEFAULT_MAX_PROFILE_BYTES,
             keep_files: crate::export::dir::DEFAULT_KEEP_FILES,
             keep_bytes: crate::export::dir::DEFAULT_KEEP_BYTES,
+            flush_on_termination: false,
             deferred: None,
         }
     }
@@ -163,6 +165,16 @@ impl ProfilerBuilder {
     pub fn keep_profiles(mut self, files: usize, bytes: u64) -> Self {
         self.keep_files = files;
         self.keep_bytes = bytes;
+        self
+    }
+
+    /// Writes the last profile when the process gets `SIGTERM` or `SIGINT` (default off):
+    /// ferroprof handles both, flushes (within the stop timeout), puts back the handler that was
+    /// there before `start()` (the application's, or the default) and raises the signal again.
+    /// A handler the application installs after `start()` replaces ferroprof's: call
+    /// [`ProfilerGuard::stop`] from it instead.
+    pub fn flush_on_termination(mut self, yes: bool) -> Self {
+        self.flush_on_termination = yes;
         self
     }
 
@@ -301,6 +313,19 @@ impl ProfilerBuilder {
                         "FERROPROF_MAX_PROFILE_MB",
                         &v,
                         "expected a non-negative number of MiB (0 = no cap)",
+                    ));
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_FLUSH_ON_SIGTERM") {
+            match v.trim() {
+                "1" | "true" | "yes" | "on" => self.flush_on_termination = true,
+                "0" | "false" | "no" | "off" | "" => self.flush_on_termination = false,
+                _ => {
+                    err.get_or_insert(bad(
+                        "FERROPROF_FLUSH_ON_SIGTERM",
+                        &v,
+                        "expected 1 or 0 (true/false, yes/no, on/off)",
                     ));
                 }
             }
@@ -487,6 +512,20 @@ impl ProfilerBuilder {
             if p.needs_allocator() {
                 alloc::set_interval(shared.settings.alloc_interval);
                 probe_allocator();
+            }
+            if self.flush_on_termination {
+                let (sh, dl) = (shared.clone(), deliveries.clone());
+                let flush = move || {
+                    if let Err(e) = flush_with(&sh, &dl) {
+                        log::warn!("ferroprof: the last profile before exiting: {e}");
+                    }
+                };
+                match crate::termination::arm(&shared, flush) {
+                    Ok(t) => shared.threads.lock().termination = Some(t),
+                    Err(e) => log::warn!(
+                        "ferroprof: cannot flush on SIGTERM/SIGINT ({e}); profiling goes on"
+                    ),
+                }
             }
             Ok(ProfilerGuard {
                 shared,
@@ -791,6 +830,10 @@ impl ProfilerGuard {
         self.stopped = true;
         tls::with_guard(|| {
             let sh = &self.shared;
+            let term = sh.threads.lock().termination.take();
+            if let Some(t) = term {
+                crate::termination::disarm(t);
+            }
             sh.stopping.store(true, Ordering::SeqCst);
             // A forked child's pending restart is dropped (or one under way finishes first).
             fork::settle_restart();
@@ -835,49 +878,10 @@ impl ProfilerGuard {
     /// serialization and, up to the stop timeout, for the exporters' delivery.
     pub fn flush(&self) -> Result<(), ProfilerError> {
         fork::resume_if_pending();
-        if self.stopped || self.shared.stopping.load(Ordering::SeqCst) {
+        if self.stopped {
             return Err(ProfilerError::Stopped);
         }
-        let errors_before = self.shared.stats.export_errors.load(Ordering::SeqCst)
-            + self.shared.stats.serialize_errors.load(Ordering::SeqCst);
-        let ticket = self.shared.flush_requested.fetch_add(1, Ordering::SeqCst) + 1;
-        self.shared.wake_all();
-        while self.shared.flush_done.load(Ordering::SeqCst) < ticket {
-            if self.shared.stopping.load(Ordering::SeqCst) {
-                return Err(ProfilerError::Stopped);
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let round = self.deliveries.flush_round.load(Ordering::SeqCst);
-        let timeout = self.shared.settings.stop_timeout;
-        match self
-            .deliveries
-            .wait_round(round, std::time::Instant::now() + timeout)
-        {
-            // Round 0: serializing failed, nothing was handed over (counted below).
-            _ if round == 0 => {}
-            Ok(true) => {}
-            Ok(false) => {
-                return Err(ProfilerError::Export(ExportError::Config(
-                    "the flushed profile was dropped or refused by an exporter; see ProfilerStats"
-                        .into(),
-                )))
-            }
-            Err(()) => {
-                return Err(ProfilerError::Export(ExportError::Timeout {
-                    backend: "flush".into(),
-                    after: timeout,
-                }))
-            }
-        }
-        let errors_after = self.shared.stats.export_errors.load(Ordering::SeqCst)
-            + self.shared.stats.serialize_errors.load(Ordering::SeqCst);
-        if errors_after > errors_before {
-            return Err(ProfilerError::Export(crate::export::ExportError::Config(
-                "the flushed profile could not be serialized or exported; see ProfilerStats".into(),
-            )));
-        }
-        Ok(())
+        flush_with(&self.shared, &self.deliveries)
     }
 
     /// On-demand profiles for `/debug/pprof` (see [`ProfileSource`]).
@@ -1068,4 +1072,49 @@ impl ProfileSource for Source {
     fn allocs_profile(&self, duration: Duration) -> Result<Vec<u8>, String> {
         self.capture(TapKind::Alloc, duration)
     }
+}
+
+/// Asks the export thread for a profile now and waits for its delivery (bounded by the stop
+/// timeout): [`ProfilerGuard::flush`], and the flush on termination.
+fn flush_with(shared: &Shared, deliveries: &Deliveries) -> Result<(), ProfilerError> {
+    if shared.stopping.load(Ordering::SeqCst) {
+        return Err(ProfilerError::Stopped);
+    }
+    let errors_before = shared.stats.export_errors.load(Ordering::SeqCst)
+        + shared.stats.serialize_errors.load(Ordering::SeqCst);
+    let ticket = shared.flush_requested.fetch_add(1, Ordering::SeqCst) + 1;
+    shared.wake_all();
+    while shared.flush_done.load(Ordering::SeqCst) < ticket {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return Err(ProfilerError::Stopped);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let round = deliveries.flush_round.load(Ordering::SeqCst);
+    let timeout = shared.settings.stop_timeout;
+    match deliveries.wait_round(round, std::time::Instant::now() + timeout) {
+        // Round 0: serializing failed, nothing was handed over (counted below).
+        _ if round == 0 => {}
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(ProfilerError::Export(ExportError::Config(
+                "the flushed profile was dropped or refused by an exporter; see ProfilerStats"
+                    .into(),
+            )))
+        }
+        Err(()) => {
+            return Err(ProfilerError::Export(ExportError::Timeout {
+                backend: "flush".into(),
+                after: timeout,
+            }))
+        }
+    }
+    let errors_after = shared.stats.export_errors.load(Ordering::SeqCst)
+        + shared.stats.serialize_errors.load(Ordering::SeqCst);
+    if errors_after > errors_before {
+        return Err(ProfilerError::Export(crate::export::ExportError::Config(
+            "the flushed profile could not be serialized or exported; see ProfilerStats".into(),
+        )));
+    }
+    Ok(())
 }

@@ -115,6 +115,8 @@ pub(crate) struct Tap {
 pub(crate) struct Threads {
     pub sampler: Option<std::thread::JoinHandle<()>>,
     pub export: Option<std::thread::JoinHandle<()>>,
+    /// The thread that flushes on SIGTERM/SIGINT (opt-in, see `crate::termination`).
+    pub termination: Option<std::thread::JoinHandle<()>>,
 }
 
 pub(crate) struct Shared {
