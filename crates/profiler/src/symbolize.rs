@@ -29,6 +29,9 @@ type Reader = gimli::EndianSlice<'static, gimli::RunTimeEndian>;
 
 /// Most addresses kept in the cache between passes.
 const MAX_CACHED_ADDRESSES: usize = 16 * 1024;
+/// Units resolved through contexts of their own in one pass before the whole object's context
+/// takes over (see `DebugInfo::context`).
+const UNITS_PER_PASS: usize = 24;
 /// Passes an address stays cached without being used. A pass that meets one uncached address
 /// loads the debug info of its object (for a large service binary about 100 ms of CPU and
 /// 100 MB of transient memory), so addresses that come back now and then must stay: with an
@@ -265,6 +268,8 @@ struct DebugInfo {
     unit_ctx: HashMap<usize, Option<addr2line::Context<Reader>>>,
     /// The whole object's context, for units that refer into other units.
     full_ctx: Option<Option<addr2line::Context<Reader>>>,
+    /// Unit contexts allowed in a pass before the whole object's context takes over.
+    unit_budget: usize,
     /// The DWARF sections (empty when the object has none).
     sections: Vec<(gimli::SectionId, &'static [u8])>,
     endian: gimli::RunTimeEndian,
@@ -386,6 +391,7 @@ impl DebugInfo {
         Ok(DebugInfo {
             unit_ctx: HashMap::new(),
             full_ctx: None,
+            unit_budget: UNITS_PER_PASS,
             sections,
             endian,
             symbols,
@@ -474,7 +480,10 @@ impl DebugInfo {
         if self.sections.is_empty() {
             return None;
         }
-        let span = index.and_then(|i| i.unit_of(probe));
+        // Past this many units in one pass (a first export, a burst of new code) the whole
+        // object's context is cheaper than more contexts of a unit each.
+        let many = self.unit_ctx.len() >= self.unit_budget || self.full_ctx.is_some();
+        let span = index.and_then(|i| i.unit_of(probe)).filter(|_| !many);
         let partial = match (span, index) {
             (Some(u), Some(index)) if !self.unit_ctx.contains_key(&u.offset) => {
                 let info = if u.whole {
@@ -834,6 +843,7 @@ mod tests {
     /// (addresses compared, with lines, through a single unit, through units in place).
     fn compare_with_whole_context(obj: &LoadedObject, all_in_place: bool) -> [usize; 4] {
         let mut unit_side = DebugInfo::load(obj).expect("debug info");
+        unit_side.unit_budget = usize::MAX;
         let mut whole_side = DebugInfo::load(obj).expect("debug info");
         let mut index = unit_side.unit_index().expect("a unit index");
         if all_in_place {
