@@ -12,6 +12,8 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
 cargo test --workspace
+echo "== soak (short): memory after exports, with and without the profiler"
+./scripts/soak.sh ci
 
 # >>> reliability (issue 6): loom model of the slot protocol and a short run of each fuzz target
 # (cargo-fuzz is installed when missing). Conservation, soak, signal and corpus-replay short

@@ -250,6 +250,11 @@ fn on_alloc_slow(p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
 }
 
 fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
+    if s.arena.get() {
+        // A realloc in arena mode that stayed on the heap: the countdown stays as arena mode
+        // holds it (negative), and nothing of a profiler thread is sampled.
+        return;
+    }
     // Looked at first: a store on every sample would pull the line from other cores each time.
     if !SEEN.load(Ordering::Relaxed) {
         SEEN.store(true, Ordering::Relaxed);

@@ -158,8 +158,15 @@ pub(crate) fn alloc(layout: Layout, zeroed: bool) -> Option<*mut u8> {
         let next = unsafe { *(head as *const usize) };
         FREE[c].store(next, Ordering::Relaxed);
         if zeroed {
+            // Blocks this large had their pages handed back when freed and read as zeros,
+            // but for the free list's link in their first word.
+            let dirty = if size >= RETURN_PAGES_AT {
+                std::mem::size_of::<usize>()
+            } else {
+                size
+            };
             // SAFETY: the block is `size` bytes of arena memory, now ours.
-            unsafe { std::ptr::write_bytes(head as *mut u8, 0, size) };
+            unsafe { std::ptr::write_bytes(head as *mut u8, 0, dirty) };
         }
         return Some(head as *mut u8);
     }
@@ -233,6 +240,44 @@ pub(crate) fn after_fork_in_child() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks_come_back_zeroed_and_pages_go_back() {
+        let owner = new_owner();
+        // Other tests' symbolizers may hold the arena for a pass: wait for it.
+        let mut owned = false;
+        for _ in 0..5000 {
+            if OWNER
+                .compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                owned = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(owned, "the arena stayed taken");
+        with(owner, || {
+            for size in [24usize, 4096, 1 << 20] {
+                let layout = Layout::from_size_align(size, 8).unwrap();
+                let a = alloc(layout, true).expect("an arena block");
+                assert!(owns(a));
+                // SAFETY: `a` is `size` bytes of arena memory we own.
+                let block = unsafe { std::slice::from_raw_parts_mut(a, size) };
+                assert!(block.iter().all(|&b| b == 0), "fresh {size}");
+                block.fill(0xa5);
+                free(a, layout);
+                let b = alloc(layout, true).expect("the freed block again");
+                assert_eq!(a, b, "{size}: reused from its free list");
+                // SAFETY: as above.
+                let block = unsafe { std::slice::from_raw_parts(b, size) };
+                assert!(block.iter().all(|&b| b == 0), "reused {size}");
+                free(b, layout);
+            }
+        });
+        release(owner);
+        assert!(last_pass_bytes() >= 1 << 20);
+    }
 
     #[test]
     fn size_classes_cover_size_and_alignment() {
