@@ -692,6 +692,12 @@ fn export_once(sh: &Shared) -> Option<u64> {
             .store(sym.cached_addresses() as u64, Ordering::Relaxed);
         st.symbolizer_arena_bytes
             .store(crate::arena::last_pass_bytes(), Ordering::Relaxed);
+        st.symbolizer_bytes
+            .store(sym.kept_bytes() as u64, Ordering::Relaxed);
+        if let Ok(p) = &serialized {
+            st.last_profile_bytes
+                .store(p.stats.profile_bytes, Ordering::Relaxed);
+        }
         match serialized {
             Ok(p) => ExportedProfile {
                 encoded: p.encoded,
@@ -800,6 +806,14 @@ pub struct ProfilerStats {
     /// cache of resolved addresses), and the cache's size.
     pub symbolized_addresses: u64,
     pub symbolizer_cached_addresses: u64,
+    /// Memory the profiler keeps between exports, in bytes (estimates from capacities): the
+    /// symbolizer's cache of resolved addresses and its unit indexes; the tables of the last
+    /// exported profile when it was serialized (the profile being recorded grows to about as
+    /// much, and there are two: the one recorded and the one exported); the live-heap records
+    /// the heap profile tracks (`heap_tracked_objects`, each a few dozen bytes plus its stack).
+    pub symbolizer_bytes: u64,
+    pub last_profile_bytes: u64,
+    pub heap_tracked_objects: u64,
     /// Address space the last symbolization's private memory spanned while it ran (its debug
     /// info; only pages written were resident), handed back to the system at its end; 0 when
     /// the sampling allocator is not the global allocator or allocation profiling is off (the
@@ -933,6 +947,16 @@ impl ProfilerGuard {
             symbolized_addresses: l(&s.symbolized_addresses),
             symbolizer_cached_addresses: l(&s.symbolizer_cached),
             symbolizer_arena_bytes: l(&s.symbolizer_arena_bytes),
+            symbolizer_bytes: l(&s.symbolizer_bytes),
+            last_profile_bytes: l(&s.last_profile_bytes),
+            // The heap recorder's shard locks, briefly: inside the fork gate, as every lock a
+            // fork must not catch.
+            heap_tracked_objects: tls::with_guard(|| {
+                fork::outside_fork(|| {
+                    let heap = self.shared.recorder.stats().heap;
+                    heap.map_or(0, |h| h.num_object_records)
+                })
+            }),
         }
     }
 

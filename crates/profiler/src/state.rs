@@ -59,6 +59,9 @@ pub(crate) struct Stats {
     pub symbolized_addresses: AtomicU64,
     pub symbolizer_cached: AtomicU64,
     pub symbolizer_arena_bytes: AtomicU64,
+    /// The symbolizer's cache and indexes, and the last exported profile's tables (bytes).
+    pub symbolizer_bytes: AtomicU64,
+    pub last_profile_bytes: AtomicU64,
 }
 
 /// (std implements `Default` for arrays of up to 32 elements only.)

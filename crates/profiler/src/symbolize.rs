@@ -50,6 +50,8 @@ pub struct ProcessSymbolizer {
     unloads: u64,
     /// This symbolizer's name as an owner of the private arena.
     arena_owner: u64,
+    /// What the cache and the unit indexes held at the end of the last pass, in bytes.
+    kept_bytes: usize,
     /// Where each object's compilation units are, kept across passes (by base and file): an
     /// uncached address then costs the parse of its own unit, not of the whole object.
     indexes: HashMap<(u64, String), Option<UnitIndex>>,
@@ -77,6 +79,7 @@ impl ProcessSymbolizer {
             unloads: 0,
             arena_owner: crate::arena::new_owner(),
             indexes: HashMap::new(),
+            kept_bytes: 0,
         }
     }
 
@@ -113,11 +116,40 @@ impl ProcessSymbolizer {
         if self.cache.capacity() > 4 * self.cache.len().max(64) {
             self.cache.shrink_to_fit();
         }
+        self.kept_bytes = self.estimate_kept_bytes();
     }
 
     /// Number of cached addresses (for tests and stats).
     pub fn cached_addresses(&self) -> usize {
         self.cache.len()
+    }
+
+    /// Bytes the symbolizer keeps between passes (its cache of resolved addresses and the
+    /// objects' unit indexes), as of the end of the last pass; an estimate from capacities.
+    pub fn kept_bytes(&self) -> usize {
+        self.kept_bytes
+    }
+
+    fn estimate_kept_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let slot = size_of::<u64>() + size_of::<CacheEntry>() + 1;
+        let mut n = self.cache.capacity() * slot;
+        for e in self.cache.values() {
+            n += e.frames.len() * size_of::<ResolvedFrame>();
+            n += e
+                .frames
+                .iter()
+                .map(|f| f.name.capacity() + f.filename.capacity())
+                .sum::<usize>();
+        }
+        for ((_, file), index) in &self.indexes {
+            n += file.capacity() + size_of::<(u64, String)>() + size_of::<Option<UnitIndex>>();
+            if let Some(i) = index {
+                n += i.ranges.capacity() * size_of::<(u64, u64, u32)>();
+                n += i.units.capacity() * size_of::<UnitSpan>();
+            }
+        }
+        n
     }
 
     /// Addresses resolved from debug info so far (not from the cache).

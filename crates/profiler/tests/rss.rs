@@ -89,6 +89,15 @@ fn exports_leave_their_symbolization_memory_behind_no_more() {
         st.symbolized_addresses
     );
     assert!(st.symbolized_addresses > 0, "{st:?}");
+    // The memory the profiler keeps is reported, and plausible.
+    assert!(
+        st.symbolizer_bytes > 10_000 && st.symbolizer_bytes < 50_000_000,
+        "{st:?}"
+    );
+    assert!(
+        st.last_profile_bytes > 1_000 && st.last_profile_bytes < 100_000_000,
+        "{st:?}"
+    );
     assert!(
         st.symbolizer_arena_bytes > 0,
         "the arena was not used: {st:?}"

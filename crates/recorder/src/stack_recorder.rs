@@ -127,6 +127,8 @@ pub struct ProfileStats {
     /// Samples (heap objects included) folded into the dropped-stacks frame because the
     /// profile was at its memory cap.
     pub dropped_stacks: u64,
+    /// Bytes the profile's tables held when it was serialized (freed right after).
+    pub profile_bytes: u64,
 }
 
 /// Stats over the recorder's lifetime.
@@ -468,6 +470,7 @@ impl StackRecorder {
             heap_iteration_prep_time_ns,
             heap_profile_build_time_ns,
             dropped_stacks: data.profile.dropped_samples(),
+            profile_bytes: data.profile.memory_bytes() as u64,
         };
         let start = data.profile.start();
         // Free the profile's memory now rather than when the slot becomes active again; what

@@ -364,6 +364,16 @@ fn main() {
         let _ = c.join();
     }
     let _ = monitor.join();
+    if let Some(g) = &guard {
+        let st = g.stats();
+        println!(
+            "kept: symbolizer {:.1} MB ({} addresses), last profile's tables {:.1} MB, {} live-heap records",
+            st.symbolizer_bytes as f64 / 1048576.0,
+            st.symbolizer_cached_addresses,
+            st.last_profile_bytes as f64 / 1048576.0,
+            st.heap_tracked_objects
+        );
+    }
     let t = Instant::now();
     if let Some(g) = guard {
         if let Err(e) = g.stop() {

@@ -58,6 +58,7 @@ pub fn exported_profile() -> ExportedProfile {
             heap_iteration_prep_time_ns: 5,
             heap_profile_build_time_ns: 6,
             dropped_stacks: 0,
+            profile_bytes: 0,
         },
         service: "checkout".into(),
         tags: vec![
