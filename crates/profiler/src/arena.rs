@@ -71,45 +71,44 @@ pub(crate) fn with<R>(owner: u64, f: impl FnOnce() -> R) -> R {
     if !taken || !reserve() {
         return f();
     }
-    struct Exit(i64);
-    impl Drop for Exit {
-        fn drop(&mut self) {
-            STATE.with(|s| {
-                s.arena.set(false);
-                s.countdown.set(self.0);
-            });
-        }
-    }
-    let saved = STATE.with(|s| {
-        let saved = s.countdown.get();
-        s.arena.set(true);
-        // Every allocation of this thread then takes the sampling allocator's slow path, where
-        // arena mode is looked at (the fast path stays one countdown check for everyone).
-        s.countdown.set(i64::MIN / 4);
-        saved
-    });
-    let _exit = Exit(saved);
+    // Every allocation of this thread then takes the sampling allocator's slow path, where
+    // arena mode is looked at (the fast path stays one countdown check for everyone).
+    let _mode = Mode::set(true, i64::MIN / 4);
     f()
 }
 
 /// Runs `f` on the heap when called in arena mode (for what must outlive the pass).
 pub(crate) fn outside<R>(f: impl FnOnce() -> R) -> R {
-    if !STATE.with(|s| s.arena.replace(false)) {
+    if !in_mode() {
         return f();
     }
-    struct Back(i64);
-    impl Drop for Back {
-        fn drop(&mut self) {
-            STATE.with(|s| {
-                s.arena.set(true);
-                s.countdown.set(self.0);
-            });
-        }
-    }
     // The fast path (the heap) for what `f` allocates.
-    let saved = STATE.with(|s| s.countdown.replace(i64::MAX / 4));
-    let _back = Back(saved);
+    let _mode = Mode::set(false, i64::MAX / 4);
     f()
+}
+
+/// The calling thread's arena mode and allocation countdown, put back as they were on drop.
+struct Mode {
+    arena: bool,
+    countdown: i64,
+}
+
+impl Mode {
+    fn set(arena: bool, countdown: i64) -> Mode {
+        STATE.with(|s| Mode {
+            arena: s.arena.replace(arena),
+            countdown: s.countdown.replace(countdown),
+        })
+    }
+}
+
+impl Drop for Mode {
+    fn drop(&mut self) {
+        STATE.with(|s| {
+            s.arena.set(self.arena);
+            s.countdown.set(self.countdown);
+        });
+    }
 }
 
 /// Reserves the address space once. False when the kernel refuses.

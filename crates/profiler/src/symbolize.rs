@@ -691,35 +691,21 @@ impl DebugInfo {
 /// too, often; symbolization never reads them.) Unreadable tables count as referring out (the
 /// whole object's context then resolves the unit).
 fn refers_to_other_units(abbrev: &[u8], offset: usize) -> bool {
-    fn uleb(b: &[u8], i: &mut usize) -> Option<u64> {
-        let mut v = 0u64;
-        let mut shift = 0;
-        loop {
-            let byte = *b.get(*i)?;
-            *i += 1;
-            if shift < 64 {
-                v |= u64::from(byte & 0x7f) << shift;
-            }
-            shift += 7;
-            if byte & 0x80 == 0 {
-                return Some(v);
-            }
-        }
-    }
     const OUTSIDE: [u64; 5] = [0x10, 0x1c, 0x20, 0x24, 0x1f20];
     const NAME_SOURCES: [u64; 2] = [0x31, 0x47];
     const IMPLICIT_CONST: u64 = 0x21;
+    use gimli::Reader as _;
     let scan = || -> Option<bool> {
-        let mut i = offset;
+        let mut r = gimli::EndianSlice::new(abbrev.get(offset..)?, gimli::LittleEndian);
         loop {
-            if uleb(abbrev, &mut i)? == 0 {
+            if r.read_uleb128().ok()? == 0 {
                 return Some(false);
             }
-            uleb(abbrev, &mut i)?; // tag
-            i += 1; // children
+            r.read_uleb128().ok()?; // tag
+            r.read_u8().ok()?; // children
             loop {
-                let attr = uleb(abbrev, &mut i)?;
-                let form = uleb(abbrev, &mut i)?;
+                let attr = r.read_uleb128().ok()?;
+                let form = r.read_uleb128().ok()?;
                 if attr == 0 && form == 0 {
                     break;
                 }
@@ -727,7 +713,7 @@ fn refers_to_other_units(abbrev: &[u8], offset: usize) -> bool {
                     return Some(true);
                 }
                 if form == IMPLICIT_CONST {
-                    uleb(abbrev, &mut i)?; // (an sleb128: same length rule)
+                    r.read_sleb128().ok()?;
                 }
             }
         }
