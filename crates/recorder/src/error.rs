@@ -40,6 +40,10 @@ pub enum ProfileError {
     ReservedLabelKey(String),
     #[error("compression {0:?} is not available in this build (enable the `zstd` feature)")]
     CompressionUnavailable(crate::pprof::Compression),
+    #[error("default sample type {0:?} is not one of the profile's sample types")]
+    DefaultTypeNotInProfile(&'static str),
+    #[error("period {0} is negative")]
+    NegativePeriod(i64),
 }
 
 /// Errors of the [`crate::heap::HeapRecorder`].
@@ -124,6 +128,11 @@ mod tests {
             ),
             (ProfileError::NegativeTimestamp(-9).to_string(), "-9"),
             (ProfileError::NoStringStorage(11).to_string(), "11"),
+            (
+                ProfileError::DefaultTypeNotInProfile("alloc-space").to_string(),
+                "\"alloc-space\"",
+            ),
+            (ProfileError::NegativePeriod(-5).to_string(), "-5"),
             (
                 ProfileError::CompressionUnavailable(Compression::Zstd).to_string(),
                 "Zstd",

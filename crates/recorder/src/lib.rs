@@ -21,10 +21,14 @@ mod sync;
 pub use error::{HeapError, ProfileError, RecorderError, StringError};
 pub use heap::{HeapConfig, HeapRecorder, HeapStats, Liveness, LivenessSource};
 pub use pprof::{Compression, EncodedProfile, ResolvedFrame, Symbolizer};
-pub use profile::{Frame, Label, LabelValue, Profile, Sample, Str, DROPPED_STACKS_FRAME};
-pub use sample_types::{SampleLayout, SampleType, SampleTypeConfig, SampleValues};
+pub use profile::{
+    Frame, Label, LabelValue, Profile, ProfileMetadata, Sample, Str, DROPPED_STACKS_FRAME,
+};
+pub use sample_types::{
+    ExtraValues, SampleLayout, SampleType, SampleTypeConfig, SampleTypeExtras, SampleValues,
+};
 pub use stack_recorder::{
-    LifetimeStats, ProfileStats, RecorderConfig, RecorderStats, SerializedProfile, SharedStateGate,
-    StackRecorder,
+    LifetimeStats, ProfileStats, RecorderConfig, RecorderExtras, RecorderStats, SerializedProfile,
+    SharedStateGate, StackRecorder,
 };
 pub use strings::{StringId, StringStorage};

@@ -251,6 +251,9 @@ pub(crate) mod field {
     pub const PROFILE_STRING_TABLE: u8 = 6;
     pub const PROFILE_TIME_NANOS: u8 = 9;
     pub const PROFILE_DURATION_NANOS: u8 = 10;
+    pub const PROFILE_PERIOD_TYPE: u8 = 11;
+    pub const PROFILE_PERIOD: u8 = 12;
+    pub const PROFILE_DEFAULT_SAMPLE_TYPE: u8 = 14;
 
     pub const VALUE_TYPE_TYPE: u8 = 1;
     pub const VALUE_TYPE_UNIT: u8 = 2;

@@ -1516,11 +1516,23 @@ impl BulkBuffers {
     }
 }
 
+/// What a profile says about itself besides its samples: pprof's `default_sample_type`,
+/// `period_type` and `period`. Nothing is written for what is `None` (the default).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProfileMetadata {
+    /// The type a viewer shows unless told otherwise; one of the profile's sample types.
+    pub default_sample_type: Option<SampleType>,
+    /// What one sampling event stands for: a type (written as its name and unit, need not be
+    /// one of the profile's) and how much of it (nanoseconds of CPU, bytes allocated, ...).
+    pub period: Option<(SampleType, i64)>,
+}
+
 /// A profile being recorded.
 pub struct Profile {
     types: Box<[SampleType]>,
     storage: Option<Arc<StringStorage>>,
     start: SystemTime,
+    metadata: ProfileMetadata,
     t: Tables,
     /// Most bytes the tables may hold ([`Profile::set_max_bytes`]); `usize::MAX`: no cap.
     cap: usize,
@@ -1538,9 +1550,32 @@ impl Profile {
             types: types.into(),
             storage: strings,
             start,
+            metadata: ProfileMetadata::default(),
             t: Tables::new(types, generation),
             cap: usize::MAX,
         }
+    }
+
+    /// Sets what the encoded profile says about itself; kept across resets. A default type that
+    /// is not one of the profile's types, or a negative period, is an error and changes nothing.
+    pub fn set_metadata(&mut self, metadata: ProfileMetadata) -> Result<(), ProfileError> {
+        if let Some(t) = metadata.default_sample_type {
+            if !self.types.contains(&t) {
+                return Err(ProfileError::DefaultTypeNotInProfile(t.name()));
+            }
+        }
+        if let Some((_, period)) = metadata.period {
+            if period < 0 {
+                return Err(ProfileError::NegativePeriod(period));
+            }
+        }
+        self.metadata = metadata;
+        Ok(())
+    }
+
+    /// The metadata set by [`Profile::set_metadata`].
+    pub fn metadata(&self) -> ProfileMetadata {
+        self.metadata
     }
 
     /// Caps the memory of the profile's tables at `max_bytes` (`None`: no cap, the default).
@@ -2325,7 +2360,21 @@ impl Profile {
     ) -> Result<EncodedProfile, ProfileError> {
         let mut w = PbWriter::new(opts.compression)?;
         let t = &self.t;
-        let extras = Extras::build(t, symbolizer)?;
+        let mut extras = Extras::build(t, symbolizer)?;
+        // Interned before the string table is written: the period type may be a type the
+        // profile does not carry.
+        let default_type = match self.metadata.default_sample_type {
+            Some(ty) => extras.string(t, ty.name())?,
+            None => 0,
+        };
+        let period = match self.metadata.period {
+            Some((ty, period)) => Some((
+                extras.string(t, ty.name())?,
+                extras.string(t, ty.unit())?,
+                period,
+            )),
+            None => None,
+        };
         let label_bytes = encode_label_sets(t);
 
         for &(ty, unit) in &t.preset.types {
@@ -2409,6 +2458,14 @@ impl Profile {
         let duration = end.duration_since(self.start).unwrap_or(Duration::ZERO);
         w.int_field(field::PROFILE_TIME_NANOS, saturating_nanos(time_nanos));
         w.int_field(field::PROFILE_DURATION_NANOS, saturating_nanos(duration));
+        if let Some((ty, unit, period)) = period {
+            let len = varint_field_len(ty as u64) + varint_field_len(unit as u64);
+            w.len_header(field::PROFILE_PERIOD_TYPE, len);
+            w.uint_field(field::VALUE_TYPE_TYPE, ty as u64);
+            w.uint_field(field::VALUE_TYPE_UNIT, unit as u64);
+            w.int_field(field::PROFILE_PERIOD, period);
+        }
+        w.uint_field(field::PROFILE_DEFAULT_SAMPLE_TYPE, default_type as u64);
 
         let bytes = w.finish()?;
         let mut endpoint_counts: Vec<(String, i64)> = t

@@ -1,9 +1,13 @@
-//! The eight sample (value) types and how the enabled ones are laid out in a profile.
+//! The sample (value) types and how the enabled ones are laid out in a profile.
 //!
-//! With everything enabled the layout is the declared order. Otherwise `cpu-samples` and
-//! `wall-time` come first (they are always on), followed by the enabled rest in declared order;
-//! disabled types are parked after the enabled ones so writing them is harmless and they are
-//! never encoded.
+//! The seed's eight types ([`SampleType::ALL`]), configured by [`SampleTypeConfig`]: with all of
+//! them enabled the layout is the declared order. Otherwise `cpu-samples` and `wall-time` come
+//! first (they are always on), followed by the enabled rest in declared order; disabled types
+//! are parked after the enabled ones so writing them is harmless and they are never encoded.
+//!
+//! Types added since ([`SampleType::ADDED`]: `alloc-space`) and turning the always-on pair off
+//! are opt-in through [`SampleTypeExtras`], whose default leaves the seed's layout unchanged.
+//! Added types follow the seed's types, so they never move a seed type's position.
 
 /// One of the value types a sample can carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -17,10 +21,12 @@ pub enum SampleType {
     HeapLiveSamples = 5,
     HeapLiveSize = 6,
     Timeline = 7,
+    /// Added after the seed: estimated bytes allocated.
+    AllocSpace = 8,
 }
 
 impl SampleType {
-    /// All types in declared order.
+    /// The seed's eight types in declared order (the layout of [`SampleTypeConfig::all`]).
     pub const ALL: [SampleType; 8] = [
         SampleType::CpuTime,
         SampleType::CpuSamples,
@@ -31,7 +37,15 @@ impl SampleType {
         SampleType::HeapLiveSize,
         SampleType::Timeline,
     ];
-    pub const COUNT: usize = 8;
+    /// Types added after the seed, in declared order; off unless [`SampleTypeExtras`] asks.
+    pub const ADDED: [SampleType; 1] = [SampleType::AllocSpace];
+    /// Number of types, seed and added.
+    pub const COUNT: usize = 9;
+
+    /// Every type, seed then added, in declared order.
+    pub fn every() -> impl Iterator<Item = SampleType> {
+        SampleType::ALL.into_iter().chain(SampleType::ADDED)
+    }
 
     /// The pprof `type` string.
     pub fn name(self) -> &'static str {
@@ -44,6 +58,7 @@ impl SampleType {
             SampleType::HeapLiveSamples => "heap-live-samples",
             SampleType::HeapLiveSize => "heap-live-size",
             SampleType::Timeline => "timeline",
+            SampleType::AllocSpace => "alloc-space",
         }
     }
 
@@ -51,14 +66,14 @@ impl SampleType {
     pub fn unit(self) -> &'static str {
         match self {
             SampleType::CpuTime | SampleType::WallTime | SampleType::Timeline => "nanoseconds",
-            SampleType::HeapLiveSize => "bytes",
+            SampleType::HeapLiveSize | SampleType::AllocSpace => "bytes",
             _ => "count",
         }
     }
 
     /// Looks a type up by its pprof name.
     pub fn from_name(name: &str) -> Option<SampleType> {
-        SampleType::ALL.into_iter().find(|t| t.name() == name)
+        SampleType::every().find(|t| t.name() == name)
     }
 }
 
@@ -107,14 +122,35 @@ impl SampleTypeConfig {
         self.heap_samples || self.heap_size
     }
 
-    fn is_enabled(&self, t: SampleType) -> bool {
+    fn is_enabled(&self, t: SampleType, extras: &SampleTypeExtras) -> bool {
         match t {
-            SampleType::CpuSamples | SampleType::WallTime => true,
+            SampleType::CpuSamples | SampleType::WallTime => extras.cpu_and_wall,
             SampleType::CpuTime => self.cpu_time,
             SampleType::AllocSamples | SampleType::AllocSamplesUnscaled => self.alloc_samples,
             SampleType::HeapLiveSamples => self.heap_samples,
             SampleType::HeapLiveSize => self.heap_size,
             SampleType::Timeline => self.timeline,
+            SampleType::AllocSpace => extras.alloc_space,
+        }
+    }
+}
+
+/// What a configuration changes in the seed's layout. The default changes nothing (the seed's
+/// configuration); the Rust profiler turns `alloc-space` on, and the always-on pair off in
+/// profiles that have no CPU or wall data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleTypeExtras {
+    /// `alloc-space` (bytes), placed after the seed's types. Off by default.
+    pub alloc_space: bool,
+    /// `cpu-samples` and `wall-time`, which the seed always records. On by default.
+    pub cpu_and_wall: bool,
+}
+
+impl Default for SampleTypeExtras {
+    fn default() -> Self {
+        SampleTypeExtras {
+            alloc_space: false,
+            cpu_and_wall: true,
         }
     }
 }
@@ -127,9 +163,17 @@ pub struct SampleLayout {
 }
 
 impl SampleLayout {
+    /// The seed's layout of `config`.
     pub fn new(config: &SampleTypeConfig) -> Self {
-        let all_on = SampleType::ALL.iter().all(|t| config.is_enabled(*t));
-        let order: Vec<SampleType> = if all_on {
+        Self::with_extras(config, &SampleTypeExtras::default())
+    }
+
+    /// The layout of `config` changed by `extras` (seed types by the seed's rules, then the
+    /// enabled added types).
+    pub fn with_extras(config: &SampleTypeConfig, extras: &SampleTypeExtras) -> Self {
+        let on = |t: SampleType| config.is_enabled(t, extras);
+        let all_on = SampleType::ALL.iter().all(|t| on(*t));
+        let mut order: Vec<SampleType> = if all_on {
             SampleType::ALL.to_vec()
         } else {
             let mut v = vec![SampleType::CpuSamples, SampleType::WallTime];
@@ -141,17 +185,14 @@ impl SampleLayout {
             );
             v
         };
-        let enabled: Vec<SampleType> = order
-            .iter()
-            .copied()
-            .filter(|t| config.is_enabled(*t))
-            .collect();
+        order.extend(SampleType::ADDED);
+        let enabled: Vec<SampleType> = order.iter().copied().filter(|t| on(*t)).collect();
         let mut position_for = [0u8; SampleType::COUNT];
         let mut next_disabled = enabled.len();
         for (pos, t) in enabled.iter().enumerate() {
             position_for[*t as usize] = pos as u8;
         }
-        for t in order.iter().filter(|t| !config.is_enabled(**t)) {
+        for t in order.iter().filter(|t| !on(**t)) {
             position_for[*t as usize] = next_disabled as u8;
             next_disabled += 1;
         }
@@ -184,6 +225,15 @@ impl SampleLayout {
     /// Lays `values` out into a full-width array; the first [`Self::len`] entries are the enabled
     /// ones, values of disabled types land past them and are dropped by the caller.
     pub fn place(&self, values: &SampleValues) -> [i64; SampleType::COUNT] {
+        self.place_with(values, &ExtraValues::default())
+    }
+
+    /// [`Self::place`] with the values of the added types.
+    pub fn place_with(
+        &self,
+        values: &SampleValues,
+        extra: &ExtraValues,
+    ) -> [i64; SampleType::COUNT] {
         let mut out = [0i64; SampleType::COUNT];
         let p = &self.position_for;
         out[p[SampleType::CpuTime as usize] as usize] = values.cpu_time_ns;
@@ -194,8 +244,17 @@ impl SampleLayout {
         out[p[SampleType::HeapLiveSamples as usize] as usize] = values.heap_live_samples;
         out[p[SampleType::HeapLiveSize as usize] as usize] = values.heap_live_size;
         out[p[SampleType::Timeline as usize] as usize] = values.timeline_wall_time_ns;
+        out[p[SampleType::AllocSpace as usize] as usize] = extra.alloc_space;
         out
     }
+}
+
+/// The values of the types added after the seed ([`SampleType::ADDED`]), next to a sample's
+/// [`SampleValues`] (which keeps the seed's fields only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExtraValues {
+    /// `alloc-space`: estimated bytes allocated (the sample's size times its weight).
+    pub alloc_space: i64,
 }
 
 /// The values a sampler reports for one sample, by meaning rather than position.
@@ -265,6 +324,100 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(&placed[..l.len()], &[1, 7]);
+    }
+
+    #[test]
+    fn default_extras_keep_the_seed_layout() {
+        let cfgs = [
+            SampleTypeConfig::all(),
+            SampleTypeConfig::minimal(),
+            SampleTypeConfig {
+                alloc_samples: false,
+                ..SampleTypeConfig::all()
+            },
+        ];
+        for cfg in cfgs {
+            let seed = SampleLayout::new(&cfg);
+            assert_eq!(
+                SampleLayout::with_extras(&cfg, &SampleTypeExtras::default()),
+                seed
+            );
+            assert_eq!(seed.position(SampleType::AllocSpace), None);
+        }
+    }
+
+    #[test]
+    fn alloc_space_follows_the_seed_types() {
+        let extras = SampleTypeExtras {
+            alloc_space: true,
+            ..SampleTypeExtras::default()
+        };
+        let l = SampleLayout::with_extras(&SampleTypeConfig::all(), &extras);
+        assert_eq!(&l.types()[..8], &SampleType::ALL);
+        assert_eq!(l.types()[8], SampleType::AllocSpace);
+        let placed = l.place_with(
+            &SampleValues {
+                alloc_samples: 3,
+                ..Default::default()
+            },
+            &ExtraValues { alloc_space: 4096 },
+        );
+        assert_eq!(placed[3], 3);
+        assert_eq!(placed[8], 4096);
+    }
+
+    #[test]
+    fn the_always_on_pair_can_be_turned_off() {
+        let cfg = SampleTypeConfig {
+            alloc_samples: true,
+            ..SampleTypeConfig::minimal()
+        };
+        let extras = SampleTypeExtras {
+            alloc_space: true,
+            cpu_and_wall: false,
+        };
+        let l = SampleLayout::with_extras(&cfg, &extras);
+        assert_eq!(
+            l.types(),
+            &[
+                SampleType::AllocSamples,
+                SampleType::AllocSamplesUnscaled,
+                SampleType::AllocSpace
+            ]
+        );
+        assert_eq!(l.position(SampleType::CpuSamples), None);
+        let placed = l.place_with(
+            &SampleValues {
+                cpu_or_wall_samples: 9,
+                wall_time_ns: 9,
+                alloc_samples: 2,
+                alloc_samples_unscaled: 1,
+                ..Default::default()
+            },
+            &ExtraValues { alloc_space: 64 },
+        );
+        assert_eq!(&placed[..l.len()], &[2, 1, 64]);
+        // Everything off is an empty layout, not an out-of-bounds write.
+        let none = SampleLayout::with_extras(
+            &SampleTypeConfig::minimal(),
+            &SampleTypeExtras {
+                alloc_space: false,
+                cpu_and_wall: false,
+            },
+        );
+        assert!(none.is_empty());
+        let _ = none.place(&SampleValues::default());
+    }
+
+    #[test]
+    fn added_types_are_named() {
+        assert_eq!(SampleType::AllocSpace.name(), "alloc-space");
+        assert_eq!(SampleType::AllocSpace.unit(), "bytes");
+        assert_eq!(
+            SampleType::from_name("alloc-space"),
+            Some(SampleType::AllocSpace)
+        );
+        assert_eq!(SampleType::every().count(), SampleType::COUNT);
     }
 
     #[test]

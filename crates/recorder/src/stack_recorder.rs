@@ -20,10 +20,12 @@ use crate::gate::Gate;
 use crate::heap::{HeapConfig, HeapRecorder, HeapStats, LiveObject};
 use crate::pprof::{Compression, EncodeOptions, EncodedProfile, Symbolizer};
 use crate::profile::{
-    BulkBuffers, Frame, Label, LabelSetId, LabelValue, PrefetchedStack, Profile, RowId, Sample,
-    StackId, Str,
+    BulkBuffers, Frame, Label, LabelSetId, LabelValue, PrefetchedStack, Profile, ProfileMetadata,
+    RowId, Sample, StackId, Str,
 };
-use crate::sample_types::{SampleLayout, SampleTypeConfig, SampleValues};
+use crate::sample_types::{
+    ExtraValues, SampleLayout, SampleTypeConfig, SampleTypeExtras, SampleValues,
+};
 use crate::spin::{SpinGuard, SpinLock};
 use crate::strings::{StringId, StringStorage};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -114,6 +116,17 @@ pub struct RecorderConfig {
     /// past it, samples of new stacks fold into a `[stacks dropped: over memory cap]` frame
     /// and are counted ([`ProfileStats::dropped_stacks`]). `None` (the default): no cap.
     pub max_profile_bytes: Option<u64>,
+}
+
+/// What [`StackRecorder::with_extras`] adds to a seed [`RecorderConfig`]. The default adds
+/// nothing: [`StackRecorder::new`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecorderExtras {
+    /// Changes to the seed's layout (added types, the always-on pair).
+    pub sample_types: SampleTypeExtras,
+    /// What every serialized profile says about itself (default type, period). A default
+    /// type the layout lacks is a configuration error.
+    pub metadata: ProfileMetadata,
 }
 
 /// Stats of one serialized profile.
@@ -213,6 +226,7 @@ impl Drop for Entered<'_> {
 /// The recorder. `Send + Sync`: share it in an `Arc`.
 pub struct StackRecorder {
     config: RecorderConfig,
+    extras: RecorderExtras,
     layout: SampleLayout,
     strings: Arc<StringStorage>,
     heap: Option<HeapRecorder>,
@@ -227,14 +241,26 @@ pub struct StackRecorder {
 
 impl StackRecorder {
     pub fn new(config: RecorderConfig) -> Result<Self, RecorderError> {
+        Self::with_extras(config, RecorderExtras::default())
+    }
+
+    /// A recorder of `config` changed by `extras`.
+    pub fn with_extras(
+        config: RecorderConfig,
+        extras: RecorderExtras,
+    ) -> Result<Self, RecorderError> {
         if !config.compression.is_available() {
             return Err(RecorderError::Config(format!(
                 "compression {:?} is not available in this build (enable the `zstd` feature)",
                 config.compression
             )));
         }
-        let layout = SampleLayout::new(&config.sample_types);
+        let layout = SampleLayout::with_extras(&config.sample_types, &extras.sample_types);
         let strings = Arc::new(StringStorage::new());
+        // Checked once here: every slot's profile gets the same metadata.
+        Profile::new(layout.types(), None, SystemTime::UNIX_EPOCH)
+            .set_metadata(extras.metadata)
+            .map_err(|e| RecorderError::Config(e.to_string()))?;
         let heap = if config.sample_types.heap_enabled() {
             let mut heap_config = config.heap.clone();
             heap_config.size_enabled = config.sample_types.heap_size;
@@ -246,8 +272,7 @@ impl StackRecorder {
         let slot = |open: bool| Slot {
             gate: Gate::new(open),
             data: SpinLock::new(SlotData {
-                profile: Profile::new(layout.types(), Some(strings.clone()), start)
-                    .with_max_bytes(config.max_profile_bytes),
+                profile: slot_profile(&layout, &strings, &config, &extras, start),
                 recorded_samples: 0,
             }),
         };
@@ -255,6 +280,7 @@ impl StackRecorder {
         let slots = [slot(true), slot(false)];
         Ok(StackRecorder {
             config,
+            extras,
             layout,
             strings,
             heap,
@@ -288,6 +314,11 @@ impl StackRecorder {
         &self.config
     }
 
+    /// The extras this recorder was built with (none for [`Self::new`]).
+    pub fn extras(&self) -> &RecorderExtras {
+        &self.extras
+    }
+
     /// Enters the active slot's gate: two rounds over both slots, never waiting.
     #[inline]
     fn enter(&self) -> Result<Entered<'_>, RecorderError> {
@@ -311,7 +342,25 @@ impl StackRecorder {
         labels: &[Label<'_>],
         end_timestamp_ns: i64,
     ) -> Result<(), RecorderError> {
-        let placed = self.layout.place(values);
+        self.record_sample_with(
+            frames,
+            values,
+            &ExtraValues::default(),
+            labels,
+            end_timestamp_ns,
+        )
+    }
+
+    /// [`Self::record_sample`] with the values of the added types (`alloc-space`).
+    pub fn record_sample_with(
+        &self,
+        frames: &[Frame<'_>],
+        values: &SampleValues,
+        extra: &ExtraValues,
+        labels: &[Label<'_>],
+        end_timestamp_ns: i64,
+    ) -> Result<(), RecorderError> {
+        let placed = self.layout.place_with(values, extra);
         let sample = Sample {
             frames,
             values: &placed[..self.layout.len()],
@@ -717,8 +766,13 @@ impl StackRecorder {
             if abandoned {
                 // The profile may be half-way through an add: never walk or drop it, leak it.
                 let fresh = SlotData {
-                    profile: Profile::new(self.layout.types(), Some(self.strings.clone()), start)
-                        .with_max_bytes(self.config.max_profile_bytes),
+                    profile: slot_profile(
+                        &self.layout,
+                        &self.strings,
+                        &self.config,
+                        &self.extras,
+                        start,
+                    ),
                     recorded_samples: 0,
                 };
                 std::mem::forget(std::mem::replace(&mut *data, fresh));
@@ -815,6 +869,21 @@ impl LifetimeStats {
         let count = self.serialization_successes + self.serialization_failures + 1;
         self.serialization_time_ns_avg = Some(total as f64 / count as f64);
     }
+}
+
+/// An empty slot profile of the configuration (whose metadata `with_extras` checked).
+fn slot_profile(
+    layout: &SampleLayout,
+    strings: &Arc<StringStorage>,
+    config: &RecorderConfig,
+    extras: &RecorderExtras,
+    start: SystemTime,
+) -> Profile {
+    let mut p = Profile::new(layout.types(), Some(strings.clone()), start)
+        .with_max_bytes(config.max_profile_bytes);
+    // Cannot fail: the same metadata was accepted for the same types at construction.
+    let _ = p.set_metadata(extras.metadata);
+    p
 }
 
 fn elapsed_ns(since: Instant) -> u64 {

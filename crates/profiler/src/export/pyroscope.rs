@@ -226,6 +226,7 @@ impl PyroscopeBackend {
                     Some(SampleType::HeapLiveSamples) => ("objects", "average", "inuse_objects"),
                     Some(SampleType::HeapLiveSize) => ("bytes", "average", "inuse_space"),
                     Some(SampleType::Timeline) => ("nanoseconds", "sum", "timeline"),
+                    Some(SampleType::AllocSpace) => ("bytes", "sum", "alloc_space"),
                     None => ("samples", "sum", name.as_str()),
                 };
                 format!(
