@@ -46,6 +46,7 @@ pub mod http;
 mod alloc;
 mod arena;
 mod error;
+mod dwarf_walk;
 mod filter;
 mod fork;
 mod modules;

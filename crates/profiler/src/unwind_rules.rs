@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use framehop::x86_64::UnwindRegsX86_64;
 // gimli as re-exported by addr2line: the same version framehop uses, no new dependency.
-use addr2line::gimli::{
+use gimli::{
     BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, RegisterRule, UnwindContext,
     UnwindSection, X86_64,
 };

@@ -63,6 +63,12 @@ pub trait Symbolizer {
     /// Pushes the frames at `address`, innermost (most inlined) first and the physical function
     /// last. Pushes nothing when the address is unknown.
     fn symbolize(&mut self, address: u64, out: &mut Vec<ResolvedFrame>);
+
+    /// Called once per profile, before any `symbolize`, with every address about to be asked
+    /// for (in no order, possibly repeated), so that a symbolizer can resolve them together.
+    fn prepare(&mut self, addresses: &[u64]) {
+        let _ = addresses;
+    }
 }
 
 /// gzip level 2: on profiles (measured on 1k-sample and 100k-stack ones) about 10-15% smaller

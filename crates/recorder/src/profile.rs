@@ -2691,6 +2691,17 @@ impl Extras {
         let Some(sym) = symbolizer else {
             return Ok(x);
         };
+        let addresses: Vec<u64> = t
+            .locations
+            .items
+            .iter()
+            .filter_map(|l| match *l {
+                Location::Address(a) => Some(a),
+                _ => None,
+            })
+            .collect();
+        sym.prepare(&addresses);
+        drop(addresses);
         let mut out: Vec<ResolvedFrame> = Vec::new();
         x.spans = vec![(0, 0); t.locations.items.len()];
         for (i, loc) in t.locations.items.iter().enumerate() {

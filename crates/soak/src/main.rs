@@ -210,6 +210,20 @@ fn client(addr: SocketAddr, paths: Vec<String>, stop: Arc<AtomicBool>) {
     }
 }
 
+/// Resident anonymous and file-backed bytes (`RssAnon`, `RssFile` of /proc/self/status): mapped
+/// debug info counts as file, the profiler's and the allocator's memory as anonymous.
+fn rss_split() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        s.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (field("RssAnon:"), field("RssFile:"))
+}
+
 fn rss_bytes() -> u64 {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
     let pages: u64 = s
@@ -311,16 +325,28 @@ fn main() {
         .collect();
     // RSS every 5 ms: the peak of each period (an export's transient memory) and its end.
     let peak = Arc::new(AtomicU64::new(0));
+    let peak_anon = Arc::new(AtomicU64::new(0));
+    let peak_file = Arc::new(AtomicU64::new(0));
     let monitor = {
-        let (peak, stop) = (peak.clone(), stop.clone());
+        let (peak, peak_anon, peak_file, stop) = (
+            peak.clone(),
+            peak_anon.clone(),
+            peak_file.clone(),
+            stop.clone(),
+        );
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 peak.fetch_max(rss_bytes(), Ordering::Relaxed);
+                let (anon, file) = rss_split();
+                peak_anon.fetch_max(anon, Ordering::Relaxed);
+                peak_file.fetch_max(file, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_millis(5));
             }
         })
     };
-    println!("period  rss_mb  peak_mb  export_cpu_ms  requests  symbolized  arena_mb  cached");
+    println!(
+        "period  rss_mb  peak_mb  anon_pk  file_pk  export_cpu_ms  requests  symbolized  arena_mb  cached"
+    );
     let mut last_symbolized = 0u64;
     let start = Instant::now();
     let mut rss = Vec::new();
@@ -335,6 +361,8 @@ fn main() {
         std::thread::sleep(args.period / 2);
         let r = rss_bytes() as f64 / 1048576.0;
         let pk = peak.swap(0, Ordering::Relaxed) as f64 / 1048576.0;
+        let anon_pk = peak_anon.swap(0, Ordering::Relaxed) as f64 / 1048576.0;
+        let file_pk = peak_file.swap(0, Ordering::Relaxed) as f64 / 1048576.0;
         let cpu = thread_cpu_ns_by_name("ferroprof-export").unwrap_or(0);
         let ms = cpu.saturating_sub(last_cpu) as f64 / 1e6;
         last_cpu = cpu;
@@ -352,7 +380,7 @@ fn main() {
             None => (0, 0.0, 0),
         };
         println!(
-            "{p:>6}  {r:>6.1}  {pk:>7.1}  {ms:>13.1}  {:>8}  {symbolized:>10}  {arena_mb:>8.1}  {cached:>6}",
+            "{p:>6}  {r:>6.1}  {pk:>7.1}  {anon_pk:>7.1}  {file_pk:>7.1}  {ms:>13.1}  {:>8}  {symbolized:>10}  {arena_mb:>8.1}  {cached:>6}",
             app.requests.load(Ordering::Relaxed)
         );
         rss.push(r);
@@ -381,6 +409,14 @@ fn main() {
         }
     }
     let stop_ms = t.elapsed().as_secs_f64() * 1e3;
+    if std::env::var_os("FERROPROF_SOAK_MALLOC_STATS").is_some() {
+        // glibc's per-arena totals (system bytes vs in use) on stderr: where kept memory is.
+        extern "C" {
+            fn malloc_stats();
+        }
+        // SAFETY: glibc's malloc_stats only reads the allocator's state and writes to stderr.
+        unsafe { malloc_stats() };
+    }
     let half = rss.len() / 2;
     let first_export = export_ms.first().copied().unwrap_or(0.0);
     let steady_rss = median(&mut rss[half..].to_vec());
