@@ -344,6 +344,11 @@ struct DebugInfo {
     elf: object::File<'static, &'static [u8]>,
     /// The DWARF sections (empty when the object has none).
     sections: Vec<(gimli::SectionId, &'static [u8])>,
+    /// Compressed sections of which only the parts a pass needs are inflated (see `inflate`);
+    /// their entries in `sections` are empty until then.
+    lazy: Vec<(gimli::SectionId, object::CompressedData<'static>)>,
+    /// The units `lazy` sections were last inflated for (`Some(None)`: all of them).
+    inflated_for: Option<Option<Vec<usize>>>,
     endian: gimli::RunTimeEndian,
     /// Function symbols (address, name), sorted by address; read when a frame first needs
     /// one.
@@ -365,6 +370,9 @@ struct UnitSpan {
     /// The unit's bytes in `.debug_info`, header included.
     offset: usize,
     len: usize,
+    /// Where its abbreviations and its line program start.
+    abbrev: usize,
+    line: Option<usize>,
 }
 
 impl UnitIndex {
@@ -373,6 +381,34 @@ impl UnitIndex {
             ranges: self.ranges.to_vec(),
             units: self.units.to_vec(),
         }
+    }
+
+    /// The byte ranges of section `id` that the units starting at `units` read.
+    fn parts(&self, id: gimli::SectionId, units: &[usize], size: usize) -> Vec<(usize, usize)> {
+        // A table or program runs to the next one's start (or the section's end).
+        let until_next = |starts: &mut Vec<usize>, from: usize| {
+            starts.sort_unstable();
+            starts.dedup();
+            let i = starts.partition_point(|&s| s <= from);
+            (from, starts.get(i).copied().unwrap_or(size).min(size))
+        };
+        let spans = units.iter().filter_map(|&o| self.unit_at(o));
+        let mut out: Vec<(usize, usize)> = match id {
+            gimli::SectionId::DebugInfo => spans.map(|u| (u.offset, u.offset + u.len)).collect(),
+            gimli::SectionId::DebugAbbrev => {
+                let mut starts: Vec<usize> = self.units.iter().map(|u| u.abbrev).collect();
+                spans.map(|u| until_next(&mut starts, u.abbrev)).collect()
+            }
+            gimli::SectionId::DebugLine => {
+                let mut starts: Vec<usize> = self.units.iter().filter_map(|u| u.line).collect();
+                spans
+                    .filter_map(|u| Some(until_next(&mut starts, u.line?)))
+                    .collect()
+            }
+            _ => vec![(0, size)],
+        };
+        out.sort_unstable();
+        out
     }
 
     /// The unit holding `.debug_info` offset `offset`.
@@ -391,6 +427,15 @@ impl UnitIndex {
 
 #[derive(Debug)]
 struct LoadError;
+
+/// Sections of which a pass inflates only the parts its units need, when zlib-compressed: a
+/// unit's entries, its abbreviations, its line program. (libc's Debian debug file holds 8 MB of
+/// them inflated.)
+const SPARSE: [gimli::SectionId; 3] = [
+    gimli::SectionId::DebugInfo,
+    gimli::SectionId::DebugAbbrev,
+    gimli::SectionId::DebugLine,
+];
 
 /// The DWARF sections `dwarf_walk` and the unit index read.
 const READ_SECTIONS: [gimli::SectionId; 9] = [
@@ -439,6 +484,7 @@ impl DebugInfo {
             gimli::RunTimeEndian::Big
         };
         let mut sections = Vec::new();
+        let mut lazy = Vec::new();
         if src.section_by_name(".debug_info").is_some() {
             // The sections symbolization reads, found once (compressed ones inflated once: a
             // distribution's separate debug files are compressed, and location lists or
@@ -448,6 +494,14 @@ impl DebugInfo {
                     return Ok(());
                 }
                 if let Some(section) = src.section_by_name(id.name()) {
+                    if let Ok(c) = section.compressed_data() {
+                        if c.format == object::CompressionFormat::Zlib && SPARSE.contains(&id) {
+                            // Inflated when a pass knows which units it needs.
+                            lazy.push((id, c));
+                            sections.push((id, &[][..]));
+                            return Ok(());
+                        }
+                    }
                     let data: &'static [u8] = match section.uncompressed_data() {
                         Ok(Cow::Borrowed(b)) => b,
                         Ok(Cow::Owned(v)) => {
@@ -471,6 +525,8 @@ impl DebugInfo {
         Ok(DebugInfo {
             elf,
             sections,
+            lazy,
+            inflated_for: None,
             endian,
             symbols: None,
             _owned: owned,
@@ -493,6 +549,44 @@ impl DebugInfo {
         loaded.unwrap_or_default()
     }
 
+    /// Inflates the lazy sections: with an index, only the bytes of the units starting at
+    /// `units` (`.debug_info` offsets) and of their abbreviations and line programs, in buffers
+    /// of the sections' full size of which only those parts are ever written (untouched pages
+    /// cost nothing); without, whole. Units of other units' names (`DW_FORM_ref_addr`) are not
+    /// inflated then: such a name reads as missing and the symbol table names the frame.
+    fn inflate(&mut self, index: Option<&UnitIndex>, units: &[usize]) {
+        if self.lazy.is_empty() {
+            return;
+        }
+        // `None`: whole.
+        let key = index.map(|_| units.to_vec());
+        match &self.inflated_for {
+            Some(None) => return,
+            Some(Some(k)) if Some(k) == key.as_ref() => return,
+            _ if key.as_ref().is_some_and(|k| k.is_empty()) => return,
+            _ => {}
+        }
+        for k in 0..self.lazy.len() {
+            let (id, c) = self.lazy[k];
+            let size = usize::try_from(c.uncompressed_size).unwrap_or(usize::MAX);
+            let wanted: Vec<(usize, usize)> = match index {
+                None => vec![(0, size)],
+                Some(index) => index.parts(id, units, size),
+            };
+            let Some(buf) = inflate_parts(c.data, size, &wanted) else {
+                continue;
+            };
+            // SAFETY: the box is kept in `_owned` (dropped after every borrower) and its bytes
+            // do not move when it is moved there.
+            let data = unsafe { extend(&buf[..]) };
+            self._owned.push(buf);
+            if let Some(e) = self.sections.iter_mut().find(|(s, _)| *s == id) {
+                e.1 = data;
+            }
+        }
+        self.inflated_for = Some(key);
+    }
+
     /// Hands the pages of the mapped files read so far back (they stay in the page cache; a
     /// later read maps them again), so that what a pass reads of a large file never adds up in
     /// the process's resident memory.
@@ -511,10 +605,11 @@ impl DebugInfo {
     }
 
     /// Walks every unit once: its code ranges.
-    fn unit_index(&self) -> Option<UnitIndex> {
+    fn unit_index(&mut self) -> Option<UnitIndex> {
         if self.sections.is_empty() {
             return None;
         }
+        self.inflate(None, &[]);
         let dwarf = self.dwarf();
         let mut units = Vec::new();
         let mut ranges = Vec::new();
@@ -531,6 +626,8 @@ impl DebugInfo {
             units.push(UnitSpan {
                 offset: offset.0,
                 len,
+                abbrev: unit.header.debug_abbrev_offset().0,
+                line: unit.line_program.as_ref().map(|p| p.header().offset().0),
             });
             let Ok(mut rs) = dwarf.unit_ranges(&unit) else {
                 continue;
@@ -573,6 +670,9 @@ impl DebugInfo {
                 .filter_map(|(k, &p)| Some((index.unit_of(p)?.offset, k)))
                 .collect();
             by_unit.sort_unstable();
+            let mut needed: Vec<usize> = by_unit.iter().map(|u| u.0).collect();
+            needed.dedup();
+            self.inflate(Some(index), &needed);
             let dwarf = self.dwarf();
             let unit_start = |o: usize| index.unit_at(o).map(|u| u.offset);
             let mut others = dwarf_walk::OtherUnits::new(&dwarf, &unit_start);
@@ -696,6 +796,40 @@ fn demangle(raw: &str) -> String {
         Ok(d) => format!("{d:#}"),
         Err(_) => raw.to_owned(),
     }
+}
+
+/// Inflates zlib `data` (`size` bytes inflated) into a zeroed buffer, writing only the byte
+/// ranges `wanted` (sorted): the stream is inflated through a small window, so the memory
+/// touched is the window and the wanted parts.
+fn inflate_parts(data: &[u8], size: usize, wanted: &[(usize, usize)]) -> Option<Box<[u8]>> {
+    let mut buf = vec![0u8; size].into_boxed_slice();
+    let end = wanted.iter().map(|w| w.1).max().unwrap_or(0).min(size);
+    let mut window = vec![0u8; 64 * 1024];
+    let mut z = flate2::Decompress::new(true);
+    let mut at = 0usize;
+    while at < end {
+        let read = z.total_in() as usize;
+        let before = z.total_out();
+        let status = z
+            .decompress(
+                data.get(read..)?,
+                &mut window,
+                flate2::FlushDecompress::None,
+            )
+            .ok()?;
+        let n = (z.total_out() - before) as usize;
+        for &(from, to) in wanted {
+            let (lo, hi) = (from.max(at), to.min(at + n));
+            if lo < hi {
+                buf[lo..hi].copy_from_slice(&window[lo - at..hi - at]);
+            }
+        }
+        at += n;
+        if status == flate2::Status::StreamEnd || n == 0 && z.total_in() as usize == read {
+            break;
+        }
+    }
+    Some(buf)
 }
 
 fn map_file(path: &Path) -> Option<Mmap> {
@@ -856,10 +990,13 @@ mod tests {
     /// asserts all read the same, and returns (addresses compared, with lines, with inlined
     /// frames).
     fn compare_with_addr2line(obj: &LoadedObject) -> [usize; 3] {
-        let mut d = DebugInfo::load(obj).expect("debug info");
-        let index = d.unit_index().expect("a unit index");
+        // Three loads: the index (and addr2line) inflate compressed sections whole, the batch
+        // side anew with only the parts its units need.
+        let mut whole = DebugInfo::load(obj).expect("debug info");
+        let index = whole.unit_index().expect("a unit index");
         assert!(index.units.len() > 10, "{} units", index.units.len());
-        let ctx = addr2line::Context::from_dwarf(d.dwarf()).expect("addr2line reads it");
+        let ctx = addr2line::Context::from_dwarf(whole.dwarf()).expect("addr2line reads it");
+        let mut d = DebugInfo::load(obj).expect("debug info");
         let named = symbol_names(&d);
         // Names by address, for symbols sharing one.
         let aliases: Vec<Vec<&str>> = named
@@ -936,6 +1073,35 @@ mod tests {
         assert!(n[1] > n[0] / 4 && n[2] > 0, "{n:?}");
     }
 
+    /// The same on a copy of this binary with its debug sections compressed (as distributions
+    /// ship separate debug files): only the parts of them that the units need are inflated.
+    #[test]
+    fn unit_walks_in_compressed_debug_info_resolve_like_addr2line() {
+        let me = std::env::current_exe().expect("this test's path");
+        let copy = std::env::temp_dir().join(format!("ferroprof-zdebug-{}", std::process::id()));
+        let status = std::process::Command::new("objcopy")
+            .arg("--compress-debug-sections=zlib")
+            .arg(&me)
+            .arg(&copy)
+            .status()
+            .expect("objcopy (binutils) runs");
+        assert!(status.success());
+        let obj = LoadedObject {
+            path: Some(copy.clone()),
+            name: String::new(),
+            base: 0,
+            segments: Vec::new(),
+            eh_frame_hdr: None,
+            unwind_copy: None,
+        };
+        let d = DebugInfo::load(&obj).expect("debug info");
+        assert!(!d.lazy.is_empty(), "objcopy compressed nothing");
+        drop(d);
+        let n = compare_with_addr2line(&obj);
+        let _ = std::fs::remove_file(&copy);
+        assert!(n[1] > n[0] / 4 && n[2] > 0, "{n:?}");
+    }
+
     /// The same on another binary: `FERROPROF_SYMBOLIZE_CHECK=path cargo test -p ferroprof
     /// --lib -- --ignored unit_walks_on_another` (e.g. the soak service, built with full debug
     /// info, whose units often name functions from other units).
@@ -962,5 +1128,29 @@ mod tests {
             "core::ptr::drop_in_place"
         );
         assert_eq!(demangle("memcpy"), "memcpy");
+    }
+}
+#[cfg(test)]
+mod inflate_tests {
+    /// The wanted parts read as the whole stream inflated; the rest stays zero.
+    #[test]
+    fn parts_of_a_stream_inflate_alone() {
+        use std::io::Write;
+        let raw: Vec<u8> = (0..3_000_000u32)
+            .map(|i| (i * 7 % 251) as u8 ^ (i >> 13) as u8)
+            .collect();
+        let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(&raw).unwrap();
+        let z = e.finish().unwrap();
+        for (a, b) in [
+            (0, 10),
+            (0x90d, 0xd55),
+            (100_000, 200_000),
+            (2_999_000, 3_000_000),
+        ] {
+            let got = super::inflate_parts(&z, raw.len(), &[(a, b)]).unwrap();
+            assert!(got[a..b] == raw[a..b], "{a:x}..{b:x}");
+            assert!(got[..a].iter().chain(&got[b..]).all(|&x| x == 0));
+        }
     }
 }
