@@ -46,7 +46,8 @@ enum Command {
     Top {
         /// A pprof file (gzip-compressed or not).
         file: PathBuf,
-        /// Sample type to show, e.g. cpu-time, wall-time, heap-live-size (default: the first).
+        /// Sample type to show, e.g. cpu-time, wall-time, heap-live-size [default: the file's
+        /// default_sample_type; without one, cpu-time or the first type with data].
         #[arg(short = 't', long = "type")]
         sample_type: Option<String>,
         /// Number of functions to show.
@@ -66,7 +67,8 @@ enum Command {
         /// Output SVG file.
         #[arg(short = 'o', long = "output", default_value = "flamegraph.svg")]
         output: PathBuf,
-        /// Sample type to draw (default: the first).
+        /// Sample type to draw [default: the file's default_sample_type; without one,
+        /// cpu-time or the first type with data].
         #[arg(short = 't', long = "type")]
         sample_type: Option<String>,
     },
@@ -74,7 +76,8 @@ enum Command {
     Diff {
         a: PathBuf,
         b: PathBuf,
-        /// Sample type to compare (default: the first of B).
+        /// Sample type to compare [default: B's default_sample_type; without one, cpu-time or
+        /// the first type with data].
         #[arg(short = 't', long = "type")]
         sample_type: Option<String>,
         /// Number of functions to show.

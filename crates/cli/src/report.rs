@@ -113,28 +113,57 @@ pub fn format_size(v: u64) -> String {
     format!("{v} bytes")
 }
 
-/// The sample type to show: `wanted`, else the profile's default, else the first.
+/// Sample types to show when a file names no default, best first: CPU time, then memory.
+/// Not `cpu-samples` or `wall-time`: they count idle and blocked threads as much as busy ones.
+const PREFERRED_TYPES: &[&str] = &[
+    "cpu-time",
+    "alloc-space",
+    "heap-live-size",
+    "alloc-samples",
+    "heap-live-samples",
+];
+
+/// The sample type to show: `wanted`; else the file's `default_sample_type` when it names one
+/// of its types; else the first of [`PREFERRED_TYPES`] with a non-zero value; else the first
+/// type with a non-zero value; else (no data at all) the first preferred type, or the first.
 pub fn pick_type(p: &Profile, wanted: Option<&str>, path: &Path) -> anyhow::Result<usize> {
     let types = p.sample_types();
     if types.is_empty() {
         return Err(err(format!("{} has no sample types", path.display())));
     }
-    match wanted {
-        Some(name) => p.value_index(name).ok_or_else(|| {
+    if let Some(name) = wanted {
+        return p.value_index(name).ok_or_else(|| {
             let names: Vec<&str> = types.iter().map(|(t, _)| t.as_str()).collect();
             err(format!(
                 "{} has no sample type {name:?}; it has: {}",
                 path.display(),
                 names.join(", ")
             ))
-        }),
-        None => {
-            let default = p.str(p.default_sample_type);
-            Ok(p.value_index(default)
-                .filter(|_| !default.is_empty())
-                .unwrap_or(0))
+        });
+    }
+    let default = p.str(p.default_sample_type);
+    if p.default_sample_type != 0 && !default.is_empty() {
+        if let Some(i) = p.value_index(default) {
+            return Ok(i);
         }
     }
+    // A file can carry all-zero columns (an allocation profile with CPU types): showing one
+    // would print an empty report while another type has the data.
+    let mut non_zero = vec![false; types.len()];
+    for s in &p.sample {
+        for (seen, v) in non_zero.iter_mut().zip(&s.value) {
+            *seen |= *v != 0;
+        }
+    }
+    let mut preferred = PREFERRED_TYPES
+        .iter()
+        .filter_map(|name| types.iter().position(|(t, _)| t == name));
+    Ok(preferred
+        .clone()
+        .find(|&i| non_zero[i])
+        .or_else(|| non_zero.iter().position(|&nz| nz))
+        .or_else(|| preferred.next())
+        .unwrap_or(0))
 }
 
 /// A profile's frames, resolved once: each distinct function name stored once (borrowed from
@@ -799,6 +828,37 @@ mod tests {
         assert!((1_000_000..1_100_000).contains(&len), "{len}");
         assert!(folded_with_limit(&p, 0, 1_000_000).is_none());
         assert!(folded_with_limit(&p, 0, 10).is_none());
+    }
+
+    #[test]
+    fn default_type_falls_back_past_a_missing_name_and_idle_counts() {
+        let mut p = ferroprof_pprof::ProfileBuilder::new(&[
+            ("cpu-samples", "count"),
+            ("wall-time", "nanoseconds"),
+            ("cpu-time", "nanoseconds"),
+        ])
+        .sample(&["idle"], &[9, 9, 0], &[])
+        .sample(&["busy"], &[1, 1, 5], &[])
+        .build();
+        let path = Path::new("p");
+        assert_eq!(pick_type(&p, None, path).unwrap(), 2);
+        // A default naming no type of the file (or out of range) is passed over.
+        p.string_table.push("alloc-space".into());
+        p.default_sample_type = p.string_table.len() as i64 - 1;
+        assert_eq!(pick_type(&p, None, path).unwrap(), 2);
+        p.default_sample_type = 1_000;
+        assert_eq!(pick_type(&p, None, path).unwrap(), 2);
+        // A named default wins, even over cpu-time.
+        p.default_sample_type = p
+            .string_table
+            .iter()
+            .position(|s| s == "wall-time")
+            .unwrap() as i64;
+        assert_eq!(pick_type(&p, None, path).unwrap(), 1);
+        // No data at all: cpu-time still, not the first type.
+        p.default_sample_type = 0;
+        p.sample.clear();
+        assert_eq!(pick_type(&p, None, path).unwrap(), 2);
     }
 
     #[test]
