@@ -83,6 +83,11 @@ enum Command {
         /// Number of functions to show.
         #[arg(short = 'n', default_value_t = 20)]
         n: usize,
+        /// Compare rates: divide each profile's values by its duration (duration_nanos), so a
+        /// 10 s profile and a 60 s one compare fairly. Values read per second. Not for
+        /// snapshot types (heap-live-*), which are not summed over the duration.
+        #[arg(long)]
+        per_second: bool,
     },
 }
 
@@ -177,6 +182,7 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
             b,
             sample_type,
             n,
+            per_second,
         } => {
             let pa = load(&a)?;
             let pb = load(&b)?;
@@ -197,8 +203,57 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
                 ))
                 .into());
             }
-            out.write_all(report::diff_text(&ta, &tb, n).as_bytes())?;
+            let rates = if per_second {
+                if report::is_snapshot_type(&name) {
+                    return Err(CliError(format!(
+                        "--per-second does not apply to {name}: it is a snapshot at the end of \
+                         each profile, not a sum over its duration; compare it without"
+                    ))
+                    .into());
+                }
+                Some((duration_secs(&pa, &a)?, duration_secs(&pb, &b)?))
+            } else {
+                if let Some(hint) = duration_hint(&pa, &pb, &name) {
+                    eprintln!("ferroprof: {hint}");
+                }
+                None
+            };
+            out.write_all(report::diff_text_with(&ta, &tb, n, rates).as_bytes())?;
             Ok(())
         }
     }
+}
+
+/// The seconds a profile covers, for `diff --per-second`.
+fn duration_secs(p: &ferroprof_pprof::Profile, path: &std::path::Path) -> anyhow::Result<f64> {
+    if p.duration_nanos <= 0 {
+        return Err(CliError(format!(
+            "{} does not say how long it covers (duration_nanos is {}); --per-second needs it",
+            path.display(),
+            p.duration_nanos
+        ))
+        .into());
+    }
+    Ok(p.duration_nanos as f64 / 1e9)
+}
+
+/// A note when A and B cover clearly different durations and totals are compared as they are:
+/// the change then reads as the ratio of the durations.
+fn duration_hint(
+    a: &ferroprof_pprof::Profile,
+    b: &ferroprof_pprof::Profile,
+    type_name: &str,
+) -> Option<String> {
+    let (da, db) = (a.duration_nanos, b.duration_nanos);
+    if da <= 0 || db <= 0 || report::is_snapshot_type(type_name) {
+        return None;
+    }
+    let ratio = da.max(db) as f64 / da.min(db) as f64;
+    (ratio > 1.1).then(|| {
+        format!(
+            "note: A covers {} and B {}; totals differ by that alone. --per-second compares rates.",
+            report::format_value(da, "nanoseconds"),
+            report::format_value(db, "nanoseconds")
+        )
+    })
 }

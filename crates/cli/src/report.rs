@@ -471,22 +471,56 @@ pub fn top_text(t: &FunctionTable, n: usize, by_cum: bool, label: &str) -> Strin
 }
 
 /// The `diff` report: per-function flat values in A and B and their difference.
+// The binary calls `diff_text_with`; the fuzz harness (fuzz/src/cli_top.rs) calls this one.
+#[allow(dead_code)]
 pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
+    diff_text_with(a, b, n, None)
+}
+
+/// The `diff` report; with `per_second` (the seconds A and B cover), every value is divided by
+/// its profile's duration, so profiles of different lengths compare as rates.
+pub fn diff_text_with(
+    a: &FunctionTable,
+    b: &FunctionTable,
+    n: usize,
+    per_second: Option<(f64, f64)>,
+) -> String {
     let unit = &b.unit;
+    // Values stay exact integers unless divided by a duration.
+    let (secs_a, secs_b) = per_second.unwrap_or((1.0, 1.0));
+    let show = |v: f64| match per_second {
+        Some(_) => format_rate(v, unit),
+        None => format_value(v as i64, unit),
+    };
+    let show_signed = |v: f64| {
+        if v > 0.0 {
+            format!("+{}", show(v))
+        } else {
+            show(v)
+        }
+    };
     let mut out = String::new();
-    let delta_total = b.total.saturating_sub(a.total);
-    let rel = if a.total != 0 {
-        format!(" ({:+.1}%)", delta_total as f64 * 100.0 / a.total as f64)
+    let (total_a, total_b) = (a.total as f64 / secs_a, b.total as f64 / secs_b);
+    let rel = if total_a != 0.0 {
+        format!(" ({:+.1}%)", (total_b - total_a) * 100.0 / total_a)
     } else {
         String::new()
     };
+    let per = match per_second {
+        Some((x, y)) => format!(
+            " per second (A covers {}, B {})",
+            format_value((x * 1e9) as i64, "nanoseconds"),
+            format_value((y * 1e9) as i64, "nanoseconds")
+        ),
+        None => String::new(),
+    };
     let _ = writeln!(
         out,
-        "{} ({unit}): total A {} -> B {}, delta {}{rel}",
+        "{} ({unit}){per}: total A {} -> B {}, delta {}{rel}",
         b.type_name,
-        format_value(a.total, unit),
-        format_value(b.total, unit),
-        signed(delta_total, unit),
+        show(total_a),
+        show(total_b),
+        show_signed(total_b - total_a),
     );
     // Flat values of A and B per name, in one map: linear in the two tables.
     let mut both: HashMap<&str, (i64, i64)> = HashMap::with_capacity(a.rows.len());
@@ -496,13 +530,13 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
     for (f, flat, _) in &b.rows {
         both.entry(f).or_default().1 = *flat;
     }
-    let mut rows: Vec<(&str, i64, i64)> = both
+    let mut rows: Vec<(&str, f64, f64)> = both
         .into_iter()
-        .map(|(f, (x, y))| (f, x, y))
+        .map(|(f, (x, y))| (f, x as f64 / secs_a, y as f64 / secs_b))
         .filter(|(_, x, y)| x != y)
         .collect();
-    let change = |r: &(&str, i64, i64)| r.2.saturating_sub(r.1).unsigned_abs();
-    rows.sort_by(|x, y| change(y).cmp(&change(x)).then(x.0.cmp(y.0)));
+    let change = |r: &(&str, f64, f64)| (r.2 - r.1).abs();
+    rows.sort_by(|x, y| change(y).total_cmp(&change(x)).then(x.0.cmp(y.0)));
     if rows.is_empty() {
         let _ = writeln!(out, "No per-function differences in flat {}.", b.type_name);
         return out;
@@ -521,17 +555,17 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
         "A", "B", "delta", "delta%"
     );
     for (f, x, y) in rows.into_iter().take(shown) {
-        let pct = if x != 0 {
-            format!("{:+.1}%", (y as f64 - x as f64) * 100.0 / x as f64)
+        let pct = if x != 0.0 {
+            format!("{:+.1}%", (y - x) * 100.0 / x)
         } else {
             "new".to_owned()
         };
         let _ = writeln!(
             out,
             "{:>11} {:>11} {:>12} {:>8}  {f}",
-            format_value(x, unit),
-            format_value(y, unit),
-            signed(y.saturating_sub(x), unit),
+            show(x),
+            show(y),
+            show_signed(y - x),
             pct,
             f = display_name(f),
         );
@@ -539,12 +573,29 @@ pub fn diff_text(a: &FunctionTable, b: &FunctionTable, n: usize) -> String {
     out
 }
 
-fn signed(v: i64, unit: &str) -> String {
-    if v > 0 {
-        format!("+{}", format_value(v, unit))
+/// Sample types that are a snapshot at the end of the profile (live memory), not a sum over
+/// its duration: dividing them by the duration means nothing.
+pub fn is_snapshot_type(name: &str) -> bool {
+    name.starts_with("heap-live") || name.starts_with("inuse")
+}
+
+/// A rate in its unit per second: `250.00ms/s` of CPU, `1.50MiB/s`, `0.25/s` for counts.
+pub fn format_rate(v: f64, unit: &str) -> String {
+    let a = v.abs();
+    let body = match unit {
+        // Below one nanosecond or byte per second, fractions are what is left to show.
+        "nanoseconds" | "bytes" if a >= 1.0 || a == 0.0 => format_value(a.round() as i64, unit),
+        "nanoseconds" => format!("{a:.2}ns"),
+        "bytes" => format!("{a:.2}B"),
+        _ if a >= 100.0 || a == 0.0 => format!("{a:.0}"),
+        _ => format!("{a:.2}"),
+    };
+    let sign = if v < 0.0 && body.chars().any(|c| matches!(c, '1'..='9')) {
+        "-"
     } else {
-        format_value(v, unit)
-    }
+        ""
+    };
+    format!("{sign}{body}/s")
 }
 
 /// Folded stacks (`root;...;leaf value`), one line per distinct stack, for flame graphs, within
@@ -859,6 +910,18 @@ mod tests {
         p.default_sample_type = 0;
         p.sample.clear();
         assert_eq!(pick_type(&p, None, path).unwrap(), 2);
+    }
+
+    #[test]
+    fn rates() {
+        assert_eq!(format_rate(0.25e9, "nanoseconds"), "250.00ms/s");
+        assert_eq!(format_rate(-1.5 * 1024.0 * 1024.0, "bytes"), "-1.50MiB/s");
+        assert_eq!(format_rate(0.5, "nanoseconds"), "0.50ns/s");
+        assert_eq!(format_rate(0.0, "nanoseconds"), "0ns/s");
+        assert_eq!(format_rate(0.125, "count"), "0.12/s");
+        assert_eq!(format_rate(-0.001, "count"), "0.00/s");
+        assert_eq!(format_rate(1234.4, "count"), "1234/s");
+        assert_eq!(format_rate(0.0, "count"), "0/s");
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! `ferroprof top`/`flamegraph`/`diff` defaults: the file's default sample type.
+//! `ferroprof top`/`flamegraph`/`diff` defaults: the file's default sample type, and
+//! `diff --per-second`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -151,4 +152,74 @@ fn without_a_default_all_zero_columns_are_passed_over() {
     let text = ok(&["top", &f]);
     assert!(text.contains(": alloc-samples (count), total 11"), "{text}");
     assert_eq!(rows(&text)[0].0, "app::big", "{text}");
+}
+
+/// A profile of `secs` seconds in which `f` and `g` used the given CPU.
+fn timed(secs: i64, f: i64, g: i64) -> Profile {
+    ProfileBuilder::new(&[("cpu-time", "nanoseconds"), ("heap-live-size", "bytes")])
+        .time(1_700_000_000_000_000_000, secs * 1_000_000_000)
+        .sample(&["app::f", "main"], &[f, 1 << 20], &[])
+        .sample(&["app::g", "main"], &[g, 0], &[])
+        .build()
+}
+
+#[test]
+fn diff_per_second_compares_profiles_of_different_durations() {
+    const S: i64 = 1_000_000_000;
+    let d = tempdir("rates");
+    let a = write(&d, "a-10s.pprof", &timed(10, S, 2 * S));
+    // Same rates over 60 s.
+    let same = write(&d, "same-60s.pprof", &timed(60, 6 * S, 12 * S));
+    // f at the same rate, g 50 % faster.
+    let more = write(&d, "more-60s.pprof", &timed(60, 6 * S, 18 * S));
+
+    // Totals: everything reads +500 %, and a note says why.
+    let o = run(&["diff", &a, &same]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("delta +15.00s (+500.0%)"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(stderr(&o).contains("--per-second"), "{}", stderr(&o));
+
+    let text = ok(&["diff", &a, &same, "--per-second"]);
+    assert!(
+        text.starts_with(
+            "cpu-time (nanoseconds) per second (A covers 10.00s, B 60.00s): \
+             total A 300.00ms/s -> B 300.00ms/s, delta 0ns/s (+0.0%)"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("No per-function differences"), "{text}");
+
+    let text = ok(&["diff", &a, &more, "--per-second"]);
+    assert!(text.contains("(+33.3%)"), "{text}");
+    let changed: Vec<&str> = text.lines().filter(|l| l.contains("app::")).collect();
+    assert_eq!(changed.len(), 1, "{text}");
+    assert!(
+        changed[0].ends_with("app::g")
+            && changed[0].contains("200.00ms/s")
+            && changed[0].contains("300.00ms/s")
+            && changed[0].contains("+100.00ms/s")
+            && changed[0].contains("+50.0%"),
+        "{text}"
+    );
+
+    // A profile that does not say how long it covers.
+    let mut p = timed(10, S, S);
+    p.duration_nanos = 0;
+    let undated = write(&d, "undated.pprof", &p);
+    let e = fails(&["diff", &undated, &same, "--per-second"]);
+    assert!(e.contains("undated.pprof") && e.contains("duration"), "{e}");
+    // Live heap is a snapshot: per second means nothing.
+    let e = fails(&[
+        "diff",
+        &a,
+        &same,
+        "--per-second",
+        "--type",
+        "heap-live-size",
+    ]);
+    assert!(e.contains("snapshot"), "{e}");
 }
