@@ -1,6 +1,7 @@
 //! `ferroprof`: run the demo, or read pprof files (top, flamegraph, diff).
 
 mod demo;
+mod filter;
 mod report;
 
 use std::io::Write;
@@ -9,6 +10,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use filter::FilterArgs;
 use report::{CliError, FunctionTable};
 
 /// The demo profiles this very process: allocations go through the sampling allocator, which
@@ -60,6 +62,8 @@ enum Command {
         /// allocator) instead of the allocation site.
         #[arg(long)]
         raw: bool,
+        #[command(flatten)]
+        filter: FilterArgs,
     },
     /// Write an SVG flame graph of one sample type.
     Flamegraph {
@@ -71,6 +75,8 @@ enum Command {
         /// cpu-time or the first type with data].
         #[arg(short = 't', long = "type")]
         sample_type: Option<String>,
+        #[command(flatten)]
+        filter: FilterArgs,
     },
     /// Show per-function changes from profile A to profile B.
     Diff {
@@ -88,6 +94,8 @@ enum Command {
         /// snapshot types (heap-live-*), which are not summed over the duration.
         #[arg(long)]
         per_second: bool,
+        #[command(flatten)]
+        filter: FilterArgs,
     },
 }
 
@@ -115,6 +123,14 @@ fn main() -> ExitCode {
 fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     let load = |path: &PathBuf| report::load_with_limit(path, max_size);
+    // Loads a file and applies the filters; with filters, a line saying what they kept.
+    let load_filtered = |path: &PathBuf, filter: &FilterArgs| {
+        let mut p = load(path)?;
+        let note = filter
+            .apply(&mut p, path)?
+            .map(|k| format!("{}: {} {}", path.display(), filter.describe(), k.summary()));
+        anyhow::Ok((p, note))
+    };
     match cmd {
         Command::Demo(args) => demo::run(args),
         Command::Top {
@@ -123,14 +139,18 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
             n,
             cum,
             raw,
+            filter,
         } => {
-            let p = load(&file)?;
+            let (p, note) = load_filtered(&file, &filter)?;
             let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
             let table = if raw {
                 FunctionTable::build(&p, idx)
             } else {
                 FunctionTable::build_sites(&p, idx)
             };
+            if let Some(note) = note {
+                writeln!(out, "{note}")?;
+            }
             out.write_all(
                 report::top_text(&table, n, cum, &file.display().to_string()).as_bytes(),
             )?;
@@ -140,8 +160,9 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
             file,
             output,
             sample_type,
+            filter,
         } => {
-            let p = load(&file)?;
+            let (p, note) = load_filtered(&file, &filter)?;
             let idx = report::pick_type(&p, sample_type.as_deref(), &file)?;
             let (type_name, unit) = p.sample_types().swap_remove(idx);
             let budget = report::folded_budget(max_size);
@@ -155,20 +176,28 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
                 .into());
             };
             if lines.is_empty() {
+                let filtered = match &note {
+                    Some(note) => format!(" ({note})"),
+                    None => String::new(),
+                };
                 return Err(CliError(format!(
-                    "{} has no samples with a positive {type_name} value; nothing to draw",
+                    "{} has no samples with a positive {type_name} value{filtered}; nothing to draw",
                     file.display()
                 ))
                 .into());
             }
             let mut opts = inferno::flamegraph::Options::default();
             opts.title = format!("{type_name} — {}", file.display());
+            opts.subtitle = filter.is_active().then(|| filter.describe());
             opts.count_name = unit;
             let mut svg = Vec::new();
             inferno::flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut svg)
                 .map_err(|e| CliError(format!("cannot draw the flame graph: {e}")))?;
             std::fs::write(&output, svg)
                 .map_err(|e| CliError(format!("cannot write {}: {e}", output.display())))?;
+            if let Some(note) = note {
+                writeln!(out, "{note}")?;
+            }
             writeln!(
                 out,
                 "wrote {} ({} stacks of {type_name})",
@@ -183,9 +212,10 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
             sample_type,
             n,
             per_second,
+            filter,
         } => {
-            let pa = load(&a)?;
-            let pb = load(&b)?;
+            let (pa, note_a) = load_filtered(&a, &filter)?;
+            let (pb, note_b) = load_filtered(&b, &filter)?;
             let ib = report::pick_type(&pb, sample_type.as_deref(), &b)?;
             let name = pb.sample_types().swap_remove(ib).0;
             let ia = report::pick_type(&pa, Some(&name), &a)?;
@@ -218,6 +248,9 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
                 }
                 None
             };
+            for note in [note_a, note_b].into_iter().flatten() {
+                writeln!(out, "{note}")?;
+            }
             out.write_all(report::diff_text_with(&ta, &tb, n, rates).as_bytes())?;
             Ok(())
         }

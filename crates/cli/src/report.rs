@@ -169,8 +169,8 @@ pub fn pick_type(p: &Profile, wanted: Option<&str>, path: &Path) -> anyhow::Resu
 /// A profile's frames, resolved once: each distinct function name stored once (borrowed from
 /// the string table where it can be) and each location's frames as indices into them. A
 /// sample's stack then costs one map lookup per location and no strings, whatever its names.
-struct Frames<'p> {
-    names: Vec<Cow<'p, str>>,
+pub(crate) struct Frames<'p> {
+    pub(crate) names: Vec<Cow<'p, str>>,
     /// Location id -> its frames in `frames`, innermost (inlined) first.
     locations: HashMap<u64, Range<usize>>,
     frames: Vec<usize>,
@@ -179,7 +179,7 @@ struct Frames<'p> {
 }
 
 impl<'p> Frames<'p> {
-    fn new(p: &'p Profile) -> Self {
+    pub(crate) fn new(p: &'p Profile) -> Self {
         let mut ids: HashMap<Cow<'p, str>, usize> = HashMap::new();
         let mut names: Vec<Cow<'p, str>> = Vec::new();
         let mut intern = |name: Cow<'p, str>| {
@@ -217,7 +217,7 @@ impl<'p> Frames<'p> {
 
     /// Replaces `out` with the name ids of `s`'s stack, innermost first; an empty stack is
     /// `(no frames)`.
-    fn stack(&self, s: &Sample, out: &mut Vec<usize>) {
+    pub(crate) fn stack(&self, s: &Sample, out: &mut Vec<usize>) {
         self.stack_of(&s.location_id, out)
     }
 

@@ -1,10 +1,10 @@
-//! `ferroprof top`/`flamegraph`/`diff` defaults: the file's default sample type, and
-//! `diff --per-second`.
+//! `ferroprof top`/`flamegraph`/`diff` defaults and filters: the file's default sample type,
+//! `diff --per-second`, `--focus`/`--ignore`/`--tag`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use ferroprof_pprof::{Profile, ProfileBuilder};
+use ferroprof_pprof::{Label, Profile, ProfileBuilder};
 
 fn run(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ferroprof"))
@@ -222,4 +222,183 @@ fn diff_per_second_compares_profiles_of_different_durations() {
         "heap-live-size",
     ]);
     assert!(e.contains("snapshot"), "{e}");
+}
+
+/// Samples on three threads; `thread id` is a numeric label.
+fn threads() -> Profile {
+    let mut p = ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+        .sample(
+            &["app::hot", "app::work", "main"],
+            &[30],
+            &[("thread name", "worker")],
+        )
+        .sample(
+            &["app::cold", "app::work", "main"],
+            &[10],
+            &[("thread name", "worker")],
+        )
+        .sample(
+            &["rt::poll", "rt::run", "main"],
+            &[5],
+            &[("thread name", "tokio-rt-worker")],
+        )
+        .sample(
+            &["app::hot", "app::helper"],
+            &[2],
+            &[("thread name", "main")],
+        )
+        .build();
+    let key = string_index(&mut p, "thread id");
+    for (s, id) in p.sample.iter_mut().zip([7, 8, 9, 1]) {
+        s.label.push(Label {
+            key,
+            str: 0,
+            num: id,
+            num_unit: 0,
+        });
+    }
+    p
+}
+
+/// The functions a `top` report lists with a non-zero flat value.
+fn flat_functions(text: &str) -> Vec<String> {
+    let mut fs: Vec<String> = rows(text)
+        .into_iter()
+        .filter(|(_, flat)| flat != "0ns")
+        .map(|(f, _)| f)
+        .collect();
+    fs.sort();
+    fs
+}
+
+#[test]
+fn focus_ignore_and_tag_select_samples() {
+    let d = tempdir("filters");
+    let f = write(&d, "threads.pprof", &threads());
+    let top = |extra: &[&str]| {
+        let mut args = vec!["top", f.as_str()];
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
+
+    let text = top(&["--focus", "^app::work$"]);
+    assert_eq!(flat_functions(&text), ["app::cold", "app::hot"], "{text}");
+    assert!(text.contains("total 40ns in 2 samples"), "{text}");
+    assert!(
+        text.lines().next().unwrap().contains("kept 2 of 4 samples"),
+        "{text}"
+    );
+    // Unanchored: matches anywhere in the name.
+    let text = top(&["--focus", "hot"]);
+    assert_eq!(flat_functions(&text), ["app::hot"], "{text}");
+    assert!(text.contains("total 32ns"), "{text}");
+
+    let text = top(&["--ignore", "cold|poll"]);
+    assert_eq!(flat_functions(&text), ["app::hot"], "{text}");
+    let text = top(&["--focus", "work", "--ignore", "cold"]);
+    assert_eq!(flat_functions(&text), ["app::hot"], "{text}");
+    assert!(text.contains("total 30ns"), "{text}");
+
+    let text = top(&["--tag", "thread name=tokio-rt-worker"]);
+    assert_eq!(flat_functions(&text), ["rt::poll"], "{text}");
+    // Numeric labels compare as numbers.
+    let text = top(&["--tag", "thread id=8"]);
+    assert_eq!(flat_functions(&text), ["app::cold"], "{text}");
+    // Repeated tags must all match.
+    let text = top(&["--tag", "thread name=worker", "--tag", "thread id=7"]);
+    assert_eq!(flat_functions(&text), ["app::hot"], "{text}");
+    assert!(text.contains("total 30ns"), "{text}");
+    // A value no sample has: nothing kept, and the values the key does have.
+    let text = top(&["--tag", "thread name=tokio"]);
+    assert!(text.contains("kept 0 of 4 samples"), "{text}");
+    assert!(text.contains("\"tokio-rt-worker\""), "{text}");
+
+    let svg = d.join("focus.svg");
+    let out = ok(&[
+        "flamegraph",
+        &f,
+        "-o",
+        svg.to_str().unwrap(),
+        "--tag",
+        "thread name=worker",
+        "--ignore",
+        "cold",
+    ]);
+    assert!(out.contains("kept 1 of 4 samples"), "{out}");
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        svg.contains("app::hot") && svg.contains("app::work"),
+        "focus lost"
+    );
+    for gone in ["app::cold", "rt::poll", "app::helper"] {
+        assert!(!svg.contains(gone), "{gone} drawn");
+    }
+    let e = fails(&[
+        "flamegraph",
+        &f,
+        "-o",
+        "/dev/null",
+        "--focus",
+        "nothing-matches",
+    ]);
+    assert!(
+        e.contains("kept 0 of 4 samples") && e.contains("nothing to draw"),
+        "{e}"
+    );
+
+    // diff applies the filters to both sides.
+    let mut b = threads();
+    b.sample[2].value[0] = 50; // rt::poll
+    b.sample[1].value[0] = 20; // app::cold
+    let b = write(&d, "threads-b.pprof", &b);
+    let text = ok(&["diff", &f, &b, "--tag", "thread name=tokio-rt-worker"]);
+    assert!(
+        text.contains("rt::poll") && !text.contains("app::cold"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_filters_fail_with_a_message() {
+    let d = tempdir("bad-filters");
+    let f = write(&d, "threads.pprof", &threads());
+    for (flag, value) in [("--focus", "app::(hot"), ("--ignore", "[z-a]")] {
+        let e = fails(&["top", &f, flag, value]);
+        assert!(
+            e.contains(flag) && e.contains(value) && e.contains("not a valid regular expression"),
+            "{e}"
+        );
+    }
+    for tag in ["thread name", "=worker", "thread name="] {
+        let e = fails(&["top", &f, "--tag", tag]);
+        assert!(e.contains("--tag") && e.contains("KEY=VALUE"), "{tag}: {e}");
+    }
+    // A label no sample has: most likely a typo; the error lists the file's labels.
+    let e = fails(&["top", &f, "--tag", "thread nam=worker"]);
+    assert!(
+        e.contains("threads.pprof")
+            && e.contains("no sample has a label \"thread nam\"")
+            && e.contains("thread id, thread name"),
+        "{e}"
+    );
+}
+
+#[test]
+fn help_describes_the_new_options() {
+    for cmd in ["top", "flamegraph"] {
+        let text = ok(&[cmd, "--help"]);
+        for opt in [
+            "--focus <REGEX>",
+            "--ignore <REGEX>",
+            "--tag <KEY=VALUE>",
+            "default_sample_type",
+        ] {
+            assert!(text.contains(opt), "{cmd} --help lacks {opt}: {text}");
+        }
+    }
+    let text = ok(&["diff", "--help"]);
+    assert!(
+        text.contains("--per-second") && text.contains("duration"),
+        "{text}"
+    );
 }
