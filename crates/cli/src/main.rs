@@ -65,7 +65,7 @@ enum Command {
         #[command(flatten)]
         filter: FilterArgs,
     },
-    /// Write an SVG flame graph of one sample type.
+    /// Write an SVG flame graph of one sample type, as wide as the browser window.
     Flamegraph {
         file: PathBuf,
         /// Output SVG file.
@@ -190,9 +190,14 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
             opts.title = format!("{type_name} — {}", file.display());
             opts.subtitle = filter.is_active().then(|| filter.describe());
             opts.count_name = unit;
+            // No fixed width: the SVG is then fluid (see report::fit_svg_to_window).
+            opts.image_width = None;
             let mut svg = Vec::new();
             inferno::flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut svg)
                 .map_err(|e| CliError(format!("cannot draw the flame graph: {e}")))?;
+            // inferno writes UTF-8 (from Rust strings): the lossy conversion replaces nothing.
+            let mut svg = String::from_utf8_lossy(&svg).into_owned();
+            report::fit_svg_to_window(&mut svg);
             std::fs::write(&output, svg)
                 .map_err(|e| CliError(format!("cannot write {}: {e}", output.display())))?;
             if let Some(note) = note {

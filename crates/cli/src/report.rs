@@ -613,6 +613,37 @@ pub fn folded_budget(max_size: u64) -> u64 {
     max_size / 4
 }
 
+/// Makes an inferno SVG fit its window: the root's fixed pixel width becomes `100%`, and the
+/// drawing scales through its `viewBox` from the top. inferno's script makes the width fluid
+/// too, but only where scripts run (not in an `<img>`, a previewer or a sandboxed viewer).
+/// Returns `false`, leaving `svg` as it is, if the root element is not as expected.
+pub fn fit_svg_to_window(svg: &mut String) -> bool {
+    let Some(start) = svg.find("<svg ") else {
+        return false;
+    };
+    let Some(len) = svg[start..].find('>') else {
+        return false;
+    };
+    let root = &svg[start..start + len];
+    if !root.contains(" viewBox=\"") {
+        return false;
+    }
+    let Some(w) = root.find(" width=\"") else {
+        return false;
+    };
+    let value = start + w + " width=\"".len();
+    let Some(end) = svg[value..].find('"') else {
+        return false;
+    };
+    let fit = if root.contains("preserveAspectRatio") {
+        "100%"
+    } else {
+        "100%\" preserveAspectRatio=\"xMidYMin meet"
+    };
+    svg.replace_range(value..value + end, fit);
+    true
+}
+
 /// Folded stacks, or `None` if their text would exceed `max_bytes`. Samples are summed by their
 /// location ids first (borrowed, no strings), and each distinct stack is rendered once, from
 /// names shared between frames and cut for display. The budget matters because a tiny file
@@ -922,6 +953,29 @@ mod tests {
         assert_eq!(format_rate(-0.001, "count"), "0.00/s");
         assert_eq!(format_rate(1234.4, "count"), "1234/s");
         assert_eq!(format_rate(0.0, "count"), "0/s");
+    }
+
+    #[test]
+    fn svg_root_gets_a_fluid_width() {
+        let mut svg =
+            r#"<?xml version="1.0"?><!DOCTYPE svg PUBLIC "x"><svg version="1.1" width="1200" height="90" viewBox="0 0 1200 90"><svg id="frames" width="1180"></svg></svg>"#
+                .to_owned();
+        assert!(fit_svg_to_window(&mut svg));
+        assert!(svg.contains(
+            r#"<svg version="1.1" width="100%" preserveAspectRatio="xMidYMin meet" height="90" viewBox="0 0 1200 90">"#
+        ), "{svg}");
+        assert!(svg.contains(r#"<svg id="frames" width="1180">"#), "{svg}");
+        // Without a viewBox, a percent width would not scale the drawing: left alone.
+        for odd in [
+            "<svg width=\"10\">",
+            "not svg",
+            "<svg viewBox=\"0 0 1 1\"",
+            "",
+        ] {
+            let mut s = odd.to_owned();
+            assert!(!fit_svg_to_window(&mut s));
+            assert_eq!(s, odd);
+        }
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! `ferroprof top`/`flamegraph`/`diff` defaults and filters: the file's default sample type,
-//! `diff --per-second`, `--focus`/`--ignore`/`--tag`.
+//! `diff --per-second`, `--focus`/`--ignore`/`--tag`, and a flame graph that fits its window.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -381,6 +381,22 @@ fn bad_filters_fail_with_a_message() {
             && e.contains("thread id, thread name"),
         "{e}"
     );
+}
+
+#[test]
+fn flame_graph_fits_the_window() {
+    let d = tempdir("fit");
+    let f = write(&d, "threads.pprof", &threads());
+    let svg = d.join("fit.svg");
+    ok(&["flamegraph", &f, "-o", svg.to_str().unwrap()]);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    let start = text.find("<svg ").expect("an svg element");
+    let root = &text[start..start + text[start..].find('>').unwrap()];
+    assert!(root.contains(" width=\"100%\""), "{root}");
+    assert!(root.contains(" viewBox=\"0 0 "), "{root}");
+    assert!(root.contains("preserveAspectRatio="), "{root}");
+    // The width is given once, as 100 %: no fixed pixel width left on the root.
+    assert_eq!(root.matches(" width=").count(), 1, "{root}");
 }
 
 #[test]
