@@ -18,7 +18,10 @@
 //! large allocations (`size >> interval`) get weight ~1, i.e. they are reported exactly, and
 //! every sample of one size class has the same weight, so totals per call site converge fast.
 //! The weight is rounded to an integer stochastically (up with probability equal to its fraction)
-//! so rounding adds no bias either. `alloc-samples-unscaled` is 1 per sample.
+//! so rounding adds no bias either. `alloc-samples-unscaled` is 1 per sample. `alloc-space`
+//! estimates bytes allocated: the sample's size times the same weight, unrounded (as Go's
+//! `alloc_space`); rounding the product to a byte adds nothing measurable, where the rounded
+//! weight would add noise for sizes near the interval (a weight of 1.58 read as 1 or 2).
 //!
 //! ## Heap tracking and frees
 //! With heap profiling on, a sampled allocation is tracked by the recorder under its address,
@@ -38,7 +41,7 @@
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use ferroprof_recorder::{Frame, Label, SampleValues};
+use ferroprof_recorder::{ExtraValues, Frame, Label, SampleValues};
 
 use crate::arena;
 use crate::filter::FILTER;
@@ -276,8 +279,11 @@ fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp:
     }
     // A forked child that allocates lives on: its profiler threads start now (see `fork`).
     crate::fork::resume_if_pending();
-    let weight = stochastic_round(s, sample_weight(size as u64, interval));
-    tls::with_guard(|| sample(p, size, weight, entry_sp));
+    let w = sample_weight(size as u64, interval);
+    let weight = stochastic_round(s, w);
+    // `as` saturates: an absurd size cannot wrap to a negative estimate.
+    let space = (size as f64 * w).round() as i64;
+    tls::with_guard(|| sample(p, size, weight, space, entry_sp));
 }
 
 /// `1 / (1 - exp(-size / interval))`: the inverse of the probability that an allocation of
@@ -344,7 +350,7 @@ fn draw_countdown(s: &ThreadState, interval: u64) -> i64 {
 /// which a thread with a small stack may not have. This thread's stack only holds the frames
 /// down to here and the switch; a thread short of that skips the sample (counted).
 #[inline(never)]
-fn sample(p: *mut u8, size: usize, weight: i64, entry_sp: u64) {
+fn sample(p: *mut u8, size: usize, weight: i64, space: i64, entry_sp: u64) {
     let regs = unwind::current_regs();
     // Known once the thread's first sample learned them (on the spare stack, below).
     let room =
@@ -353,6 +359,7 @@ fn sample(p: *mut u8, size: usize, weight: i64, entry_sp: u64) {
         p,
         size,
         weight,
+        space,
         entry_sp,
         regs,
     };
@@ -373,6 +380,8 @@ struct Job {
     p: *mut u8,
     size: usize,
     weight: i64,
+    /// Estimated bytes allocated (`alloc-space`).
+    space: i64,
     entry_sp: u64,
     regs: unwind::StartRegs,
 }
@@ -391,7 +400,7 @@ impl Job {
         let addrs = &addrs[..n];
         // Teaches the unwinder's fast path these frames (a few probes once they are known).
         unwind::learn(addrs);
-        state::with_active(|sh| record(sh, self.p, self.size, self.weight, addrs));
+        state::with_active(|sh| record(sh, &self, addrs));
     }
 }
 
@@ -403,7 +412,8 @@ fn in_place_room(sp: u64) -> bool {
         .is_some_and(|r| r >= unwind::IN_PLACE_STACK_NEED)
 }
 
-fn record(sh: &Shared, p: *mut u8, size: usize, weight: i64, addrs: &[u64]) {
+fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
+    let (p, size, weight) = (job.p, job.size, job.weight);
     if !sh.alloc_enabled() {
         return;
     }
@@ -420,18 +430,23 @@ fn record(sh: &Shared, p: *mut u8, size: usize, weight: i64, addrs: &[u64]) {
         alloc_samples_unscaled: 1,
         ..Default::default()
     };
+    let extra = ExtraValues {
+        alloc_space: job.space,
+    };
     tls::in_recorder(|| {
         // Never inside the recorder while a fork is under way (see `fork`).
         fork::outside_fork(|| {
             if sh
                 .recorder
-                .record_sample(&frames, &values, &labels, 0)
+                .record_sample_with(&frames, &values, &extra, &labels, 0)
                 .is_err()
             {
                 sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
             }
             sh.stats.alloc_samples.add(1);
             if sh.heap_enabled() {
+                // The heap profile's allocation columns (since the start).
+                sh.alloc_totals.add(addrs, [weight, 1, job.space]);
                 let w = weight.clamp(1, u32::MAX as i64) as u32;
                 match sh
                     .recorder
@@ -447,7 +462,7 @@ fn record(sh: &Shared, p: *mut u8, size: usize, weight: i64, addrs: &[u64]) {
         // Outside the fork gate: taking the taps lock in there could wait for a thread that
         // holds it and waits at the gate.
         sh.for_each_tap(TapKind::Alloc, |r| {
-            let _ = r.record_sample(&frames, &values, &labels, 0);
+            let _ = r.record_sample_with(&frames, &values, &extra, &labels, 0);
         });
     });
 }

@@ -4,8 +4,12 @@
 //! |---|---|
 //! | `/debug/pprof/` | a plain index page |
 //! | `/debug/pprof/profile?seconds=N` | CPU and wall samples over the next N seconds (default 30) |
-//! | `/debug/pprof/heap` | the live heap now |
+//! | `/debug/pprof/heap` | the live heap now, and allocations since the profiler started |
 //! | `/debug/pprof/allocs?seconds=N` | allocation samples over the next N seconds (default 30) |
+//!
+//! Each profile names the type a viewer shows first (`default_sample_type`: `cpu-time`,
+//! `heap-live-size`, `alloc-space`) and its sampling period (CPU: nanoseconds per sampling
+//! period; heap and allocations: the allocation sampling interval in bytes).
 //!
 //! A small server on `std::net` and `poll`, built so that clients cannot hurt the host:
 //! - The accept thread only accepts (it waits in `poll` on the listener and a wake-up socket)
@@ -933,7 +937,7 @@ const INDEX: &str = "<!DOCTYPE html>
 <p>Profiles of this process, in pprof format (read them with <code>go tool pprof</code> or <code>ferroprof top</code>):</p>
 <table>
 <tr><td><a href=\"profile?seconds=30\">profile</a></td><td>CPU and wall time sampled over the next <code>seconds</code> (default 30)</td></tr>
-<tr><td><a href=\"heap\">heap</a></td><td>sampled live heap allocations, right now</td></tr>
+<tr><td><a href=\"heap\">heap</a></td><td>sampled live heap allocations right now, and allocations since the profiler started</td></tr>
 <tr><td><a href=\"allocs?seconds=30\">allocs</a></td><td>sampled allocations over the next <code>seconds</code> (default 30)</td></tr>
 </table>
 <p>Example: <code>go tool pprof -top http://HOST:PORT/debug/pprof/profile?seconds=10</code></p>

@@ -44,9 +44,10 @@ pub mod export;
 pub mod http;
 
 mod alloc;
+mod alloc_totals;
 mod arena;
-mod error;
 mod dwarf_walk;
+mod error;
 mod filter;
 mod fork;
 mod modules;

@@ -8,7 +8,9 @@ use std::time::{Duration, SystemTime};
 use ferroprof_recorder::heap::HeapConfig;
 use ferroprof_recorder::profile::Sample;
 use ferroprof_recorder::{
-    Compression, Liveness, Profile, RecorderConfig, SampleType, SampleTypeConfig, StackRecorder,
+    Compression, ExtraValues, Frame, Liveness, Profile, ProfileMetadata, RecorderConfig,
+    RecorderExtras, SampleLayout, SampleType, SampleTypeConfig, SampleTypeExtras, SampleValues,
+    StackRecorder, DROPPED_STACKS_FRAME,
 };
 
 use crate::alloc;
@@ -211,6 +213,8 @@ impl ProfilerBuilder {
     /// folded into a `[stacks dropped: over memory cap]` frame and counted
     /// ([`ProfilerStats::dropped_stacks`]), while stacks already in the profile keep
     /// aggregating. Two profiles may be held at a time (the one recorded and the one exported).
+    /// The allocation totals since the start that the heap profile carries have the same cap
+    /// (past it, new stacks fold into the same frame there).
     pub fn max_profile_bytes(mut self, bytes: u64) -> Self {
         self.max_profile_bytes = bytes;
         self
@@ -463,18 +467,16 @@ impl ProfilerBuilder {
             }
             let settings = self.validate()?;
             let p = settings.profiles;
-            let recorder = StackRecorder::new(RecorderConfig {
-                sample_types: SampleTypeConfig {
-                    cpu_time: p.cpu,
-                    alloc_samples: p.alloc,
-                    heap_samples: p.heap,
-                    heap_size: p.heap,
-                    timeline: false,
+            let (sample_types, extras) = shape(Kind::Periodic, &settings);
+            let recorder = StackRecorder::with_extras(
+                RecorderConfig {
+                    sample_types,
+                    heap: heap_config(),
+                    compression: settings.compression,
+                    max_profile_bytes: settings.max_profile_bytes,
                 },
-                heap: heap_config(),
-                compression: settings.compression,
-                max_profile_bytes: settings.max_profile_bytes,
-            })?;
+                extras,
+            )?;
             let mut exporters = std::mem::take(&mut self.exporters);
             if let Some(d) = &settings.output_dir {
                 let dir =
@@ -534,6 +536,105 @@ impl ProfilerBuilder {
             })
         })
     }
+}
+
+/// The profiles the profiler writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// The periodic export: every enabled profile in one.
+    Periodic,
+    /// `/debug/pprof/profile`: CPU and wall time.
+    Cpu,
+    /// `/debug/pprof/allocs`: allocations only.
+    Allocs,
+    /// `/debug/pprof/heap`: the live heap, and allocations since the start.
+    Heap,
+}
+
+/// A profile's sample types, and what it says about itself: the type viewers show first and
+/// what one sampling event stands for (a CPU period at the sampling rate; the sampling
+/// interval's bytes of allocation).
+fn shape(kind: Kind, settings: &Settings) -> (SampleTypeConfig, RecorderExtras) {
+    let p = settings.profiles;
+    let cpu_or_wall = if p.cpu {
+        SampleType::CpuTime
+    } else {
+        SampleType::WallTime
+    };
+    let cpu_period = (
+        cpu_or_wall,
+        1_000_000_000 / i64::from(settings.cpu_hz.max(1)),
+    );
+    let alloc_period = (
+        SampleType::AllocSpace,
+        i64::try_from(settings.alloc_interval).unwrap_or(i64::MAX),
+    );
+    let none = SampleTypeConfig::minimal();
+    let (types, alloc_space, cpu_and_wall, default, period) = match kind {
+        Kind::Periodic => {
+            let types = SampleTypeConfig {
+                cpu_time: p.cpu,
+                alloc_samples: p.alloc,
+                heap_samples: p.heap,
+                heap_size: p.heap,
+                timeline: false,
+            };
+            let default = if p.needs_sampler() {
+                cpu_or_wall
+            } else if p.alloc {
+                SampleType::AllocSpace
+            } else {
+                SampleType::HeapLiveSize
+            };
+            let period = if p.needs_sampler() {
+                cpu_period
+            } else {
+                alloc_period
+            };
+            // The seed's always-on pair stays in the periodic profile.
+            (types, p.alloc, true, default, period)
+        }
+        Kind::Cpu => {
+            let types = SampleTypeConfig {
+                cpu_time: p.cpu,
+                ..none
+            };
+            (types, false, true, cpu_or_wall, cpu_period)
+        }
+        Kind::Allocs => {
+            let types = SampleTypeConfig {
+                alloc_samples: true,
+                ..none
+            };
+            (types, true, false, SampleType::AllocSpace, alloc_period)
+        }
+        Kind::Heap => {
+            let types = SampleTypeConfig {
+                alloc_samples: p.alloc,
+                heap_samples: true,
+                heap_size: true,
+                ..none
+            };
+            (
+                types,
+                p.alloc,
+                false,
+                SampleType::HeapLiveSize,
+                alloc_period,
+            )
+        }
+    };
+    let extras = RecorderExtras {
+        sample_types: SampleTypeExtras {
+            alloc_space,
+            cpu_and_wall,
+        },
+        metadata: ProfileMetadata {
+            default_sample_type: Some(default),
+            period: Some(period),
+        },
+    };
+    (types, extras)
 }
 
 fn heap_config() -> HeapConfig {
@@ -810,10 +911,13 @@ pub struct ProfilerStats {
     /// symbolizer's cache of resolved addresses and its unit indexes; the tables of the last
     /// exported profile when it was serialized (the profile being recorded grows to about as
     /// much, and there are two: the one recorded and the one exported); the live-heap records
-    /// the heap profile tracks (`heap_tracked_objects`, each a few dozen bytes plus its stack).
+    /// the heap profile tracks (`heap_tracked_objects`, each a few dozen bytes plus its stack);
+    /// the allocations since the start per stack that the heap profile carries (capped like a
+    /// profile, see [`ProfilerBuilder::max_profile_bytes`]).
     pub symbolizer_bytes: u64,
     pub last_profile_bytes: u64,
     pub heap_tracked_objects: u64,
+    pub alloc_totals_bytes: u64,
     /// Address space the last symbolization's private memory spanned while it ran (its debug
     /// info; only pages written were resident), handed back to the system at its end; 0 when
     /// the sampling allocator is not the global allocator or allocation profiling is off (the
@@ -957,6 +1061,9 @@ impl ProfilerGuard {
                     heap.map_or(0, |h| h.num_object_records)
                 })
             }),
+            alloc_totals_bytes: tls::with_guard(|| {
+                fork::outside_fork(|| self.shared.alloc_totals.bytes() as u64)
+            }),
         }
     }
 
@@ -996,25 +1103,22 @@ impl Source {
     fn capture(&self, kind: TapKind, duration: Duration) -> Result<Vec<u8>, String> {
         let sh = self.shared()?;
         let p = sh.settings.profiles;
-        let types = match kind {
-            TapKind::Cpu if p.needs_sampler() => SampleTypeConfig {
-                cpu_time: p.cpu,
-                ..SampleTypeConfig::minimal()
-            },
-            TapKind::Alloc if p.alloc => SampleTypeConfig {
-                alloc_samples: true,
-                ..SampleTypeConfig::minimal()
-            },
+        let (types, extras) = match kind {
+            TapKind::Cpu if p.needs_sampler() => shape(Kind::Cpu, &sh.settings),
+            TapKind::Alloc if p.alloc => shape(Kind::Allocs, &sh.settings),
             TapKind::Cpu => return Err("CPU and wall profiling are not enabled".into()),
             TapKind::Alloc => return Err("allocation profiling is not enabled".into()),
         };
         tls::with_guard(|| {
-            let recorder = StackRecorder::new(RecorderConfig {
-                sample_types: types,
-                heap: HeapConfig::default(),
-                compression: Compression::Gzip,
-                max_profile_bytes: sh.settings.max_profile_bytes,
-            })
+            let recorder = StackRecorder::with_extras(
+                RecorderConfig {
+                    sample_types: types,
+                    heap: HeapConfig::default(),
+                    compression: Compression::Gzip,
+                    max_profile_bytes: sh.settings.max_profile_bytes,
+                },
+                extras,
+            )
             .map_err(|e| e.to_string())?;
             let tap = Arc::new(Tap { kind, recorder });
             sh.add_tap(tap.clone());
@@ -1051,21 +1155,32 @@ impl ProfileSource for Source {
             let _s = sh.serialize_lock.lock();
             let mut sym = sh.symbolizer.lock();
             let start = SystemTime::now();
-            let types = [SampleType::HeapLiveSamples, SampleType::HeapLiveSize];
-            let mut profile = Profile::new(&types, Some(sh.recorder.strings().clone()), start);
+            let (types, extras) = shape(Kind::Heap, &sh.settings);
+            let layout = SampleLayout::with_extras(&types, &extras.sample_types);
+            let n = layout.len();
+            let mut profile =
+                Profile::new(layout.types(), Some(sh.recorder.strings().clone()), start);
+            profile
+                .set_metadata(extras.metadata)
+                .map_err(|e| e.to_string())?;
             tls::in_recorder(|| {
-                // Building the profile reads the heap recorder and the string storage (shared
-                // with application threads): through the fork gate. Encoding it works on the
-                // profile's own tables only, so a fork need not wait for it.
-                fork::outside_fork(|| {
+                // Building the profile reads the heap recorder, the allocation totals and the
+                // string storage (shared with application threads): through the fork gate.
+                // Adding the totals' copy (address frames) and encoding work on the profile's
+                // own tables only, so a fork need not wait for them.
+                let totals = fork::outside_fork(|| {
                     heap.prepare_iteration().map_err(|e| e.to_string())?;
                     let mut add_err = None;
                     let iterated = heap.for_each_live_object(&mut |obj, frames| {
                         let w = obj.weight as i64;
-                        let values = [w, w.saturating_mul(obj.size as i64)];
+                        let values = layout.place(&SampleValues {
+                            heap_live_samples: w,
+                            heap_live_size: w.saturating_mul(obj.size as i64),
+                            ..SampleValues::default()
+                        });
                         let sample = Sample {
                             frames,
-                            values: &values,
+                            values: &values[..n],
                             labels: &[],
                             end_timestamp_ns: 0,
                         };
@@ -1077,11 +1192,14 @@ impl ProfileSource for Source {
                     let finished = heap.finish_iteration();
                     iterated.map_err(|e| e.to_string())?;
                     finished.map_err(|e| e.to_string())?;
-                    match add_err {
-                        Some(e) => Err(e.to_string()),
-                        None => Ok(()),
+                    if let Some(e) = add_err {
+                        return Err(e.to_string());
                     }
+                    Ok(sh.alloc_enabled().then(|| sh.alloc_totals.snapshot()))
                 })?;
+                if let Some(totals) = totals {
+                    add_alloc_totals(&mut profile, &layout, &totals).map_err(|e| e.to_string())?;
+                }
                 let opts = ferroprof_recorder::pprof::EncodeOptions {
                     compression: Compression::Gzip,
                 };
@@ -1096,6 +1214,54 @@ impl ProfileSource for Source {
     fn allocs_profile(&self, duration: Duration) -> Result<Vec<u8>, String> {
         self.capture(TapKind::Alloc, duration)
     }
+}
+
+/// Adds the allocations since the start, one sample per stack, to a heap profile of `layout`
+/// (a stack that also has live objects shares their row).
+fn add_alloc_totals(
+    profile: &mut Profile,
+    layout: &SampleLayout,
+    totals: &crate::alloc_totals::TotalsSnapshot,
+) -> Result<(), ferroprof_recorder::ProfileError> {
+    let n = layout.len();
+    let place = |v: [i64; 3]| {
+        layout.place_with(
+            &SampleValues {
+                alloc_samples: v[0],
+                alloc_samples_unscaled: v[1],
+                ..SampleValues::default()
+            },
+            &ExtraValues { alloc_space: v[2] },
+        )
+    };
+    let mut frames: Vec<Frame<'static>> = Vec::new();
+    let mut result = Ok(());
+    totals.for_each(|stack, v| {
+        if result.is_err() {
+            return;
+        }
+        frames.clear();
+        frames.extend(stack.iter().map(|&a| Frame::Address(a)));
+        let values = place(v);
+        result = profile.add(&Sample {
+            frames: &frames,
+            values: &values[..n],
+            labels: &[],
+            end_timestamp_ns: 0,
+        });
+    });
+    result?;
+    let folded = totals.folded();
+    if folded != [0; 3] {
+        let values = place(folded);
+        profile.add(&Sample {
+            frames: &[Frame::sym(DROPPED_STACKS_FRAME, "", 0)],
+            values: &values[..n],
+            labels: &[],
+            end_timestamp_ns: 0,
+        })?;
+    }
+    Ok(())
 }
 
 /// Asks the export thread for a profile now and waits for its delivery (bounded by the stop

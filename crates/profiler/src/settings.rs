@@ -15,7 +15,7 @@ pub struct Profiles {
     pub cpu: bool,
     /// Wall time per stack, idle threads included (`wall-time`).
     pub wall: bool,
-    /// Sampled allocations (`alloc-samples`, `alloc-samples-unscaled`); needs
+    /// Sampled allocations (`alloc-samples`, `alloc-samples-unscaled`, `alloc-space`); needs
     /// [`crate::SamplingAllocator`] as the global allocator.
     pub alloc: bool,
     /// Live heap (`heap-live-samples`, `heap-live-size`); needs the sampling allocator.

@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime};
 use ferroprof_recorder::StackRecorder;
 use parking_lot::{Mutex, RwLock};
 
+use crate::alloc_totals::AllocTotals;
 use crate::export::handoff::Outbox;
 use crate::settings::Settings;
 use crate::sharded::ShardedCount;
@@ -130,6 +131,8 @@ pub(crate) struct Shared {
     taps: RwLock<Vec<Arc<Tap>>>,
     tap_count: AtomicUsize,
     pub symbolizer: Mutex<ProcessSymbolizer>,
+    /// Allocations since the start per stack, for the heap profile (kept with heap profiling).
+    pub alloc_totals: AllocTotals,
     pub exporters: Mutex<Outbox>,
     /// Held while serializing the main recorder or iterating its heap.
     pub serialize_lock: Mutex<()>,
@@ -148,6 +151,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub fn new(recorder: Arc<StackRecorder>, settings: Settings, exporters: Outbox) -> Shared {
+        let alloc_totals = AllocTotals::new(settings.max_profile_bytes);
         Shared {
             recorder,
             settings,
@@ -156,6 +160,7 @@ impl Shared {
             taps: RwLock::new(Vec::new()),
             tap_count: AtomicUsize::new(0),
             symbolizer: Mutex::new(ProcessSymbolizer::new()),
+            alloc_totals,
             exporters: Mutex::new(exporters),
             serialize_lock: Mutex::new(()),
             threads: Mutex::new(Threads::default()),

@@ -97,7 +97,8 @@ pub trait ProfileSource: Send + Sync + 'static {
     /// CPU and wall samples taken during the next `duration` (blocks that long); gzip pprof.
     /// Does not take samples away from the periodic export.
     fn cpu_profile(&self, duration: Duration) -> Result<Vec<u8>, String>;
-    /// Live heap right now; gzip pprof.
+    /// Live heap right now (with allocation profiling, also the allocations since the start,
+    /// like Go's heap profile); gzip pprof.
     fn heap_profile(&self) -> Result<Vec<u8>, String>;
     /// Allocation samples taken during the next `duration`; gzip pprof.
     fn allocs_profile(&self, duration: Duration) -> Result<Vec<u8>, String>;
