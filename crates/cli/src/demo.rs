@@ -7,7 +7,7 @@
 //! - `keep_live_set` allocates 64 MiB at the start (64 buffers of 1 MiB) and keeps it alive to the
 //!   end, so the live heap has one known call site of known size;
 //! - a `churner` thread allocates and frees 64 KiB buffers in `churn`: many allocations, nothing
-//!   live;
+//!   live; it counts the bytes, to hold `alloc-space` (estimated bytes allocated) against;
 //! - an `idler` thread sleeps in `wait_idle`: wall time without CPU time.
 
 use std::io::{IsTerminal, Write};
@@ -78,14 +78,15 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let live = keep_live_set();
     let stop = Arc::new(AtomicBool::new(false));
     let work_units = Arc::new(AtomicU64::new(0));
+    let churned = Arc::new(AtomicU64::new(0));
     let threads = [
         spawn("burner", {
             let (stop, units) = (stop.clone(), work_units.clone());
             move || burner(&stop, &units)
         })?,
         spawn("churner", {
-            let stop = stop.clone();
-            move || churner(&stop)
+            let (stop, churned) = (stop.clone(), churned.clone());
+            move || churner(&stop, &churned)
         })?,
         spawn("idler", {
             let stop = stop.clone();
@@ -138,7 +139,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         stats.cpu_samples, stats.alloc_samples
     );
     let profile = report::load(&file)?;
-    report_profile(&profile, &file, args.n)
+    let churned = churned.load(Ordering::SeqCst);
+    report_profile(&profile, &file, args.n, churned)
 }
 
 fn spawn(
@@ -182,14 +184,26 @@ fn list_profiles(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         .collect())
 }
 
-/// The expected answer, checked against the profile; one line per check.
-fn report_profile(p: &ferroprof_pprof::Profile, file: &Path, n: usize) -> anyhow::Result<()> {
+/// The expected answer, checked against the profile; one line per check. `churned`: the bytes
+/// `churn` allocated, as counted by the workload.
+fn report_profile(
+    p: &ferroprof_pprof::Profile,
+    file: &Path,
+    n: usize,
+    churned: u64,
+) -> anyhow::Result<()> {
     let label = file.display().to_string();
     let table = |name: &str| {
         p.value_index(name)
             .map(|i| FunctionTable::build_sites(p, i))
     };
-    for name in ["cpu-time", "wall-time", "alloc-samples", "heap-live-size"] {
+    for name in [
+        "cpu-time",
+        "wall-time",
+        "alloc-samples",
+        "alloc-space",
+        "heap-live-size",
+    ] {
         match table(name) {
             Some(t) => println!("\n{}", report::top_text(&t, n, false, &label).trim_end()),
             None => println!("\n{label}: no {name} in this profile"),
@@ -254,6 +268,33 @@ fn report_profile(p: &ferroprof_pprof::Profile, file: &Path, n: usize) -> anyhow
             format!("alloc-samples: most allocations in churn expected, {churn:.1}% found (keep_live_set {live:.1}%)"),
         );
     }
+    if let Some(space) = table("alloc-space") {
+        // Thousands of samples of one size: the estimate's error is a few percent.
+        let (est, pct) = share(&space, "churn");
+        let truth = i64::try_from(churned).unwrap_or(i64::MAX);
+        let off = if truth > 0 {
+            (est as f64 / truth as f64 - 1.0) * 100.0
+        } else {
+            f64::INFINITY
+        };
+        check(
+            off.abs() <= 10.0,
+            format!(
+                "alloc-space: churn allocated {} (counted), {} estimated ({off:+.1}%, {pct:.1}% of all)",
+                report::format_value(truth, "bytes"),
+                report::format_value(est, "bytes"),
+            ),
+        );
+        let (live, _) = share(&space, "keep_live_set");
+        let want = LIVE_SET_BYTES as f64;
+        check(
+            (live as f64 - want).abs() <= want * 0.3,
+            format!(
+                "alloc-space: keep_live_set allocated 64.00MiB once, {} estimated",
+                report::format_value(live, "bytes")
+            ),
+        );
+    }
     if let Some(heap) = table("heap-live-size") {
         let (live, pct) = share(&heap, "keep_live_set");
         let (_, churn) = share(&heap, "churn");
@@ -273,7 +314,7 @@ fn report_profile(p: &ferroprof_pprof::Profile, file: &Path, n: usize) -> anyhow
     println!(
         "\n{}",
         if ok {
-            "The profiler found the known CPU split and live set."
+            "The profiler found the known CPU split, allocated bytes and live set."
         } else {
             "Some expectations were missed (sampling noise grows on short runs; try --seconds 20)."
         }
@@ -356,9 +397,10 @@ fn churn(rounds: usize) -> usize {
 }
 
 #[inline(never)]
-fn churner(stop: &AtomicBool) {
+fn churner(stop: &AtomicBool, churned: &AtomicU64) {
     while !stop.load(Ordering::Relaxed) {
-        std::hint::black_box(churn(64));
+        let bytes = std::hint::black_box(churn(64));
+        churned.fetch_add(bytes as u64, Ordering::Relaxed);
         // Leave most of this core to the burner's measurement.
         std::thread::sleep(Duration::from_millis(5));
     }

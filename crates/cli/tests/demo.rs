@@ -1,5 +1,6 @@
 //! `ferroprof demo` end to end: it runs the workload under the real profiler, writes a profile,
-//! prints a table per profile type and a verdict; the known CPU split and live set are found.
+//! prints a table per profile type and a verdict; the known CPU split, the bytes allocated and
+//! the live set are found.
 
 use std::process::Command;
 
@@ -32,7 +33,13 @@ fn demo_finds_the_known_cpu_split_and_live_set() {
     );
     let p =
         ferroprof_pprof::decode(&std::fs::read(&written).unwrap()).expect("the demo wrote pprof");
-    for t in ["cpu-time", "wall-time", "alloc-samples", "heap-live-size"] {
+    for t in [
+        "cpu-time",
+        "wall-time",
+        "alloc-samples",
+        "alloc-space",
+        "heap-live-size",
+    ] {
         assert!(p.value_index(t).is_some(), "profile lacks {t}");
         assert!(
             stdout.contains(&format!(": {t} (")),
@@ -55,6 +62,8 @@ fn demo_finds_the_known_cpu_split_and_live_set() {
         "burn_hot / burn_cold",
         "heap-live-size: keep_live_set",
         "wall-time: wait_idle",
+        // Estimated bytes allocated against the bytes the workload counted.
+        "alloc-space: churn allocated",
     ] {
         let l = line(key);
         assert!(
