@@ -77,7 +77,8 @@ impl SampleType {
     }
 }
 
-/// Which optional sample types are recorded. `cpu-samples` and `wall-time` are always on.
+/// Which optional seed types are recorded. `cpu-samples` and `wall-time` are always on (unless
+/// [`SampleTypeExtras::cpu_and_wall`] turns them off).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SampleTypeConfig {
     pub cpu_time: bool,
