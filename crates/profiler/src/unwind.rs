@@ -518,6 +518,58 @@ unsafe impl Sync for PoolEntry {}
 /// recording use a few KiB; debug builds several times more), so the reserve is generous.
 const SPARE_STACK_BYTES: usize = 256 << 10;
 
+/// Stack words read through the kernel (`process_vm_readv`), a small aligned window at a time:
+/// a walk reads upward through a few frames, so one call serves several reads.
+/// Async-signal-safe.
+struct CheckedWindow {
+    start: u64,
+    len: usize,
+    bytes: [u8; CheckedWindow::SIZE],
+}
+
+impl CheckedWindow {
+    const SIZE: usize = 256;
+
+    fn new() -> Self {
+        CheckedWindow {
+            start: 0,
+            len: 0,
+            bytes: [0; Self::SIZE],
+        }
+    }
+
+    /// The word at `addr` (readable up to `hi`), or Err when the kernel cannot read it.
+    fn read(&mut self, addr: u64, hi: u64) -> Result<u64, ()> {
+        let inside = |w: &Self| addr >= w.start && addr + 8 <= w.start + w.len as u64;
+        if !inside(self) {
+            let start = addr & !7;
+            let mut len = Self::SIZE.min((hi - start) as usize);
+            // Never across a page boundary past the one `addr` needs: the next page may be
+            // the one that is missing, and a failed read would lose this one too.
+            let page_end = (addr + 8 + 4095) & !4095;
+            len = len.min((page_end - start) as usize);
+            let n = read_own_memory(start, &mut self.bytes[..len]);
+            self.start = start;
+            self.len = n;
+            if !inside(self) {
+                return Err(());
+            }
+        }
+        let at = (addr - self.start) as usize;
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&self.bytes[at..at + 8]);
+        Ok(u64::from_ne_bytes(w))
+    }
+}
+
+/// The spare stack of `pool` holding `sp`, as the range (sp, top). Async-signal-safe.
+fn spare_stack_of(pool: &[PoolEntry], sp: u64) -> Option<(u64, u64)> {
+    pool.iter().find_map(|e| {
+        let top = e.stack_top as u64;
+        (top != 0 && sp < top && sp >= top - SPARE_STACK_BYTES as u64).then_some((sp, top))
+    })
+}
+
 /// Maps one spare stack with a guard page below it; its top, or 0 on failure.
 fn map_spare_stack() -> usize {
     // SAFETY: sysconf has no preconditions.
@@ -851,27 +903,37 @@ fn unwind_counted(
     let _ = stale;
     let range = match known {
         Some((_, hi)) => Some((sp, hi as u64)),
-        None => snap.stack_of(sp).or_else(|| {
-            // A stack newer than the snapshot: ask for a refresh, use the fallback meanwhile.
-            MAPS_STALE.store(true, Ordering::Relaxed);
-            thread_pointer_bound(sp)
+        // Interrupted while on one of our spare stacks (a sampled allocation's recording):
+        // that stack alone, whatever the snapshot says of the memory around it (the fallback
+        // below would read from the spare stack up to the thread's TLS, across other
+        // mappings and their guard pages).
+        None => spare_stack_of(pool, sp).or_else(|| {
+            snap.stack_of(sp).or_else(|| {
+                // A stack newer than the snapshot: ask for a refresh, use the fallback
+                // meanwhile.
+                MAPS_STALE.store(true, Ordering::Relaxed);
+                thread_pointer_bound(sp)
+            })
         }),
     };
     let Some((lo, hi)) = range else {
         MAPS_STALE.store(true, Ordering::Relaxed);
         return (1, 0);
     };
+    // Bounds that are not the thread's own (a snapshot's mapping, which may have changed
+    // since; the span up to the thread pointer) may hold a hole or a guard page: those reads
+    // go through the kernel, which fails them instead of faulting.
+    let mut window = CheckedWindow::new();
     let read_stack = |addr: u64| -> Result<u64, ()> {
-        if addr >= lo && addr.checked_add(8).is_some_and(|e| e <= hi) {
-            // SAFETY: [addr, addr+8) lies within the live stack mapping containing sp.
-            Ok(unsafe { ptr::read_volatile(addr as *const u64) })
-        } else {
-            Err(())
+        if addr < lo || addr.checked_add(8).is_none_or(|e| e > hi) {
+            return Err(());
         }
+        if known.is_none() {
+            return window.read(addr, hi);
+        }
+        // SAFETY: [addr, addr+8) lies within this thread's own stack, below sp's frame.
+        Ok(unsafe { ptr::read_volatile(addr as *const u64) })
     };
-    if known.is_none() {
-        prefetch_stack(lo, hi);
-    }
     let (n, fast_frames, _) = walk(
         snap,
         pool,
@@ -1370,6 +1432,58 @@ pub(crate) unsafe fn regs_from_ucontext(ucontext: *const libc::c_void) -> StartR
 
 #[cfg(test)]
 mod tests {
+    /// A stack found through the snapshot (not the thread's own bounds) whose top page became
+    /// inaccessible after the snapshot was taken: the walk follows a frame pointer into it and
+    /// must stop there, not fault. (Before reads outside the thread's own bounds went through
+    /// the kernel, this test died of SIGSEGV.)
+    #[test]
+    fn a_walk_on_a_stack_the_snapshot_knows_wrong_stops_instead_of_faulting() {
+        init_pool();
+        let page = 4096usize;
+        // SAFETY: a fresh anonymous mapping of our own.
+        let r = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                3 * page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(r, libc::MAP_FAILED);
+        let base = r as u64;
+        refresh(true);
+        // SAFETY: the top page of our mapping; nothing uses it.
+        let rc = unsafe {
+            libc::mprotect(
+                (base + 2 * page as u64) as *mut libc::c_void,
+                page,
+                libc::PROT_NONE,
+            )
+        };
+        assert_eq!(rc, 0);
+        let regs = StartRegs {
+            // In no object: framehop walks by frame pointer.
+            pc: 0x1000,
+            sp: base + 64,
+            fp: base + 2 * page as u64 + 64,
+            lr: 0,
+        };
+        let mut out = [0u64; 16];
+        let (n, _) = unwind_counted(regs, None, 0, &mut out, true, 0, None);
+        assert!(n >= 1);
+        let mut w = CheckedWindow::new();
+        assert!(w
+            .read(base + 2 * page as u64 - 8, base + 3 * page as u64)
+            .is_ok());
+        assert!(w
+            .read(base + 2 * page as u64, base + 3 * page as u64)
+            .is_err());
+        // SAFETY: our own mapping, no longer used.
+        unsafe { libc::munmap(r, 3 * page) };
+    }
+
     use super::*;
 
     #[inline(never)]
