@@ -1005,8 +1005,11 @@ impl ProfilerGuard {
     /// On-demand profiles for `/debug/pprof` (see [`ProfileSource`]).
     pub fn profile_source(&self) -> Arc<dyn ProfileSource> {
         fork::resume_if_pending();
-        Arc::new(Source {
-            shared: Arc::downgrade(&self.shared),
+        // The profiler's own allocation, though made on the caller's thread: never sampled.
+        tls::with_guard(|| {
+            Arc::new(Source {
+                shared: Arc::downgrade(&self.shared),
+            }) as Arc<dyn ProfileSource>
         })
     }
 
