@@ -918,6 +918,9 @@ pub struct ProfilerStats {
     pub last_profile_bytes: u64,
     pub heap_tracked_objects: u64,
     pub alloc_totals_bytes: u64,
+    /// Encoded profiles waiting in the exporters' queues, in bytes (a profile waiting for two
+    /// exporters counts twice); more than a few profiles' worth means an exporter falls behind.
+    pub export_queue_bytes: u64,
     /// Address space the last symbolization's private memory spanned while it ran (its debug
     /// info; only pages written were resident), handed back to the system at its end; 0 when
     /// the sampling allocator is not the global allocator or allocation profiling is off (the
@@ -1056,6 +1059,7 @@ impl ProfilerGuard {
             symbolizer_arena_bytes: l(&s.symbolizer_arena_bytes),
             symbolizer_bytes: l(&s.symbolizer_bytes),
             last_profile_bytes: l(&s.last_profile_bytes),
+            export_queue_bytes: crate::export::queued_bytes(),
             // The heap recorder's shard locks, briefly: inside the fork gate, as every lock a
             // fork must not catch.
             heap_tracked_objects: tls::with_guard(|| {

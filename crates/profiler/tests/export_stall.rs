@@ -171,6 +171,12 @@ fn a_stuck_exporter_stops_neither_serialization_nor_stop() {
         stats.export_dropped > 0,
         "drops for the stuck exporter are counted"
     );
+    // The stuck exporter's full queue is what the profiler holds for it: a few profiles.
+    assert!(
+        stats.export_queue_bytes > 0 && stats.export_queue_bytes < 64 << 20,
+        "export_queue_bytes {}",
+        stats.export_queue_bytes
+    );
     assert!(
         rss_peak.saturating_sub(rss_before) < 64 * 1024,
         "RSS grew by {} KiB",

@@ -83,6 +83,8 @@ impl Deliveries {
 
 struct Queue {
     items: VecDeque<(u64, Arc<ExportedProfile>)>,
+    /// What `items` holds, in the process's total.
+    share: super::QueuedShare,
     /// A profile is being delivered.
     busy: bool,
     /// Set at shutdown: deliver what is queued until then, then stop.
@@ -91,6 +93,17 @@ struct Queue {
     discard: bool,
     /// The delivery thread is done.
     finished: bool,
+}
+
+impl Queue {
+    fn recount(&mut self) {
+        let bytes = self
+            .items
+            .iter()
+            .map(|(_, p)| p.encoded.bytes.len() as u64)
+            .sum();
+        self.share.set(bytes);
+    }
 }
 
 struct Chan {
@@ -104,6 +117,7 @@ impl Chan {
     fn new(exporter: Option<Box<dyn Exporter>>) -> Arc<Chan> {
         Arc::new(Chan {
             queue: Mutex::new(Queue {
+                share: super::QueuedShare::default(),
                 items: VecDeque::with_capacity(CAPACITY),
                 busy: false,
                 closing: None,
@@ -203,6 +217,7 @@ impl HandOff {
                     None
                 };
                 q.items.push_back((round, profile.clone()));
+                q.recount();
                 self.chan.wake.notify_all();
                 old
             }
@@ -240,6 +255,7 @@ impl HandOff {
                 let n = q.items.len() as u64 + u64::from(q.busy);
                 // Free what it holds; the thread, if it ever comes back, finds nothing to do.
                 q.items.clear();
+                q.recount();
                 return Some(n);
             }
             q = self
@@ -280,6 +296,7 @@ fn deliver_loop(name: &str, chan: &Chan, progress: &Progress, deliveries: &Deliv
                     break None;
                 }
                 if let Some(item) = q.items.pop_front() {
+                    q.recount();
                     q.busy = true;
                     break Some(item);
                 }

@@ -113,3 +113,34 @@ pub(crate) fn test_lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<Stri
         .collect();
     move |k| map.get(k).cloned()
 }
+
+/// Bytes of encoded profiles waiting in export queues, all queues together (a profile waiting
+/// for two exporters counts twice): `ProfilerStats::export_queue_bytes`.
+static QUEUED_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+pub(crate) fn queued_bytes() -> u64 {
+    QUEUED_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// One queue's share of [`queued_bytes`]: set to what the queue holds after each change (under
+/// the queue's lock), and back to 0 when the queue goes.
+#[derive(Default)]
+pub(crate) struct QueuedShare(u64);
+
+impl QueuedShare {
+    pub(crate) fn set(&mut self, bytes: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if bytes >= self.0 {
+            QUEUED_BYTES.fetch_add(bytes - self.0, Relaxed);
+        } else {
+            QUEUED_BYTES.fetch_sub(self.0 - bytes, Relaxed);
+        }
+        self.0 = bytes;
+    }
+}
+
+impl Drop for QueuedShare {
+    fn drop(&mut self) {
+        self.set(0);
+    }
+}

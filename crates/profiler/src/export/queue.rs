@@ -159,8 +159,21 @@ impl std::fmt::Debug for ExportStatsHandle {
 
 struct State {
     queue: VecDeque<ExportedProfile>,
+    /// What `queue` holds, in the process's total.
+    share: super::QueuedShare,
     /// Set by shutdown: the worker flushes until then, then stops.
     shutdown_deadline: Option<Instant>,
+}
+
+impl State {
+    fn recount(&mut self) {
+        let bytes = self
+            .queue
+            .iter()
+            .map(|p| p.encoded.bytes.len() as u64)
+            .sum();
+        self.share.set(bytes);
+    }
 }
 
 struct Shared {
@@ -213,6 +226,7 @@ impl<B: Backend> QueuedExporter<B> {
         let shared = Arc::new(Shared {
             pid: std::process::id(),
             state: Mutex::new(State {
+                share: super::QueuedShare::default(),
                 queue: VecDeque::with_capacity(config.capacity),
                 shutdown_deadline: None,
             }),
@@ -282,6 +296,7 @@ impl<B: Backend> QueuedExporter<B> {
                 None
             };
             st.queue.push_back(profile);
+            st.recount();
             dropped
         };
         self.shared.wake.notify_all();
@@ -367,6 +382,7 @@ impl<B: Backend> Worker<B> {
                         if Instant::now() >= deadline || st.queue.is_empty() {
                             let left = st.queue.len() as u64;
                             st.queue.clear();
+                            st.recount();
                             drop(st);
                             if left > 0 {
                                 self.shared.dropped.fetch_add(left, Ordering::Relaxed);
@@ -380,6 +396,7 @@ impl<B: Backend> Worker<B> {
                         }
                     }
                     if let Some(p) = st.queue.pop_front() {
+                        st.recount();
                         break p;
                     }
                     self.shared.wake.wait(&mut st);
