@@ -101,7 +101,9 @@ impl RemoteUnwinder {
         if n < 8 {
             return 0;
         }
-        unwind::unwind_copied(pc, sp, &self.copy[..n], &mut self.cache, out)
+        // A full copy may have more stack above it: a walk that runs off it is cut, and marked.
+        let more_above = n == self.copy.len();
+        unwind::unwind_copied(pc, sp, &self.copy[..n], more_above, &mut self.cache, out)
     }
 }
 

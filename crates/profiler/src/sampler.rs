@@ -91,11 +91,22 @@ struct Slot {
     /// Whether stamps are good wall-clock readings here ([`stamps_are_wall_clock`]), copied into
     /// the slot the handler touches anyway.
     stamp_wall: bool,
-    frames: Box<UnsafeCell<[u64; MAX_FRAMES]>>,
+    /// The first frames of the capture.
+    frames: Box<UnsafeCell<[u64; SLOT_HEAD]>>,
+    /// The rest of a deep one: `MAX_FRAMES - SLOT_HEAD` words of its chunk's tail mapping (null
+    /// when that could not be mapped: stacks are then cut at `SLOT_HEAD`).
+    tail: *mut u64,
 }
 
+/// Frames a slot keeps in its own dense buffer (as many as a slot held before stacks could
+/// go deeper): most stacks fit, and slots stay a quarter of a page apart. A deeper capture goes
+/// on in the slot's share of its chunk's tail mapping, whose pages are backed only once
+/// written: the 8 KiB of a full-depth slot cost memory only where deep stacks were captured.
+const SLOT_HEAD: usize = 128;
+const SLOT_TAIL: usize = MAX_FRAMES - SLOT_HEAD;
+
 impl Slot {
-    fn new() -> Slot {
+    fn new(tail: *mut u64) -> Slot {
         Slot {
             state: AtomicU32::new(FREE),
             payload: AtomicU64::new(0),
@@ -104,13 +115,33 @@ impl Slot {
             handler_stamps: AtomicU64::new(0),
             wall_at: AtomicU64::new(0),
             stamp_wall: stamps_are_wall_clock(),
-            frames: Box::new(UnsafeCell::new([0; MAX_FRAMES])),
+            frames: Box::new(UnsafeCell::new([0; SLOT_HEAD])),
+            tail,
+        }
+    }
+
+    /// The slot's frame buffer.
+    ///
+    /// # Safety
+    /// The caller owns the frames: the handler that claimed the slot (FREE -> CAPTURING) until
+    /// it publishes DONE, or the sampler after it observed DONE, until it frees the slot.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn buf(&self) -> unwind::FrameBuf<'_> {
+        // SAFETY: per the contract, nobody else uses the head or the tail meanwhile; the tail
+        // is this slot's own `SLOT_TAIL` words of a mapping never unmapped.
+        unsafe {
+            let tail: &mut [u64] = if self.tail.is_null() {
+                &mut []
+            } else {
+                std::slice::from_raw_parts_mut(self.tail, SLOT_TAIL)
+            };
+            unwind::FrameBuf::new(&mut *self.frames.get(), tail)
         }
     }
 }
 
-// SAFETY: `frames` is written only by the handler that moved the slot FREE -> CAPTURING and
-// read only by the sampler after it observed DONE (release/acquire on `state`).
+// SAFETY: `frames` and `tail` are written only by the handler that moved the slot FREE ->
+// CAPTURING and read only by the sampler after it observed DONE (release/acquire on `state`).
 unsafe impl Sync for Slot {}
 
 struct Chunk {
@@ -347,14 +378,11 @@ unsafe fn capture(
     spare: Option<&mut unwind::Spare>,
 ) -> usize {
     // SAFETY: see the contract above.
-    let frames = unsafe { &mut *slot.frames.get() };
+    let mut frames = unsafe { slot.buf() };
     // The slot still holds the stack it captured last time, most often this thread's (its home
     // slot): the walk prefetches those frames' rules.
     let stale = slot.len.load(Ordering::Relaxed) as usize;
-    match spare {
-        Some(s) => unwind::unwind_with(s, regs, bounds, 0, frames, stale),
-        None => unwind::unwind(regs, bounds, 0, frames, stale),
-    }
+    unwind::unwind_into(spare, regs, bounds, 0, &mut frames, stale)
 }
 
 /// Claims a free slot of the pool, trying from `home` on, then from a moving cursor
@@ -404,12 +432,40 @@ fn add_chunk() {
         return;
     }
     if POOL[i].load(Ordering::Acquire).is_null() {
+        let tails = map_tails();
         let chunk = Box::new(Chunk {
-            slots: std::array::from_fn(|_| Slot::new()),
+            slots: std::array::from_fn(|k| {
+                Slot::new(match tails.is_null() {
+                    true => tails,
+                    // SAFETY: within the mapping of CHUNK * SLOT_TAIL words.
+                    false => unsafe { tails.add(k * SLOT_TAIL) },
+                })
+            }),
         });
         POOL[i].store(Box::into_raw(chunk), Ordering::Release);
     }
     POOL_LEN.store(len + CHUNK, Ordering::Release);
+}
+
+/// The tails of a chunk's slots: an anonymous mapping, backed page by page as deep captures
+/// write it, never unmapped (a late signal may still write into its chunk). Null on failure.
+fn map_tails() -> *mut u64 {
+    // SAFETY: a fresh anonymous private mapping; nothing else refers to it.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            CHUNK * SLOT_TAIL * 8,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        std::ptr::null_mut()
+    } else {
+        p as *mut u64
+    }
 }
 
 fn pool_slot(k: usize) -> Option<&'static Slot> {
@@ -1203,12 +1259,11 @@ impl Sampler {
                 && self.gens.get(idx) == Some(&gen)
                 && self.threads.get(idx).is_some_and(|t| t.is_some());
             if mine {
-                let n = (s.len.load(Ordering::Relaxed) as usize).min(MAX_FRAMES);
                 // SAFETY: DONE was observed with acquire ordering: the handler finished writing.
-                let frames = unsafe { &(&*s.frames.get())[..n] };
-                let start = self.cap_frames.len();
-                self.cap_frames.extend_from_slice(frames);
-                crate::unwind::learn(frames);
+                let n = unsafe { s.buf() }
+                    .copy_to(s.len.load(Ordering::Relaxed) as usize, &mut self.cap_frames);
+                let start = self.cap_frames.len() - n;
+                crate::unwind::learn(&self.cap_frames[start..]);
                 let stats = &self.shared.stats;
                 stats.count_handler(
                     self.stamps
@@ -1688,7 +1743,7 @@ mod tests {
         let truth = (m1 - m0) as f64;
         assert!((d / truth - 1.0).abs() < 0.02, "{d} ns vs {truth} ns");
         // A stamp taken as wall time lands within 1 ms of the monotonic reading beside it.
-        let slot = Slot::new();
+        let slot = Slot::new(std::ptr::null_mut());
         let at = clock.wall_ns(&slot, if slot.stamp_wall { s0 } else { m0 });
         assert!(at.abs_diff(m0) < 1_000_000, "{at} vs {m0}");
     }

@@ -207,6 +207,15 @@ impl ProcessSymbolizer {
         // Addresses by object (sorted addresses stay sorted within each).
         let mut by_object: Vec<(usize, usize)> = Vec::with_capacity(addresses.len());
         for (k, &a) in addresses.iter().enumerate() {
+            if let Some(name) = crate::unwind::truncation_name(a) {
+                // The unwinder's mark where it cut a stack too deep for its buffer.
+                out[k].push(ResolvedFrame {
+                    name,
+                    filename: String::new(),
+                    line: 0,
+                });
+                continue;
+            }
             match objects.iter().position(|o| o.obj.contains(a)) {
                 Some(i) => by_object.push((i, k)),
                 // In no loaded object (JIT code, an unloaded library, a bad frame): named by

@@ -48,8 +48,204 @@ use crate::modules::{loaded_objects_for_unwind, objects_generation, LoadedObject
 #[cfg(target_arch = "x86_64")]
 use crate::unwind_rules::{self, RuleModule, RuleTable, Step};
 
-/// Most frames one stack keeps.
-pub const MAX_FRAMES: usize = 128;
+/// Most frames one stack keeps. Deep recursion (parsers, tree walks, async state machines
+/// polled through many layers) runs to hundreds of frames; peers keep 512 to 2,048. 1,024 costs
+/// 8 KiB per buffer: the allocation path's buffer lives on a spare stack, and a CPU capture
+/// slot keeps the first frames densely and the rest in lazily backed memory, so shallow stacks
+/// cost what they did. A deeper stack keeps its leaf and root ends around a marker frame,
+/// `[truncated: N+ frames]`.
+pub const MAX_FRAMES: usize = 1024;
+
+/// A stack cut for length keeps this share (1/N) of its buffer for the outermost frames: a
+/// thread's entry and its runtime's frames (tens), with room to spare, and three quarters for
+/// the leaf end, where the time is spent.
+const ROOT_SHARE: usize = 4;
+
+/// Frames a walk may step through per frame of its buffer: past a full buffer it goes on, this
+/// far, to find the stack's root end. Bounds a handler's time on a runaway recursion; a stack
+/// deeper than that ends in the marker.
+const STEPS_PER_FRAME: usize = 4;
+
+/// Marks the cut of a stack cut for length: a reserved address, never code on x86_64 nor
+/// aarch64 (non-canonical; above any user-space address), whose low six bits hold
+/// log2 of the number of frames left out. The symbolizer names it (see [`truncation_name`]):
+/// every viewer shows the cut as a frame of its own.
+const TRUNCATED_MARKER: u64 = 0x7fff_ffff_ffff_ff00;
+
+/// The marker for a cut that left out `dropped` frames (at least). Powers of two: stacks that
+/// differ only a little in depth still merge in a flame graph.
+fn truncation_marker(dropped: usize) -> u64 {
+    TRUNCATED_MARKER | u64::from(usize::BITS - 1 - dropped.max(1).leading_zeros())
+}
+
+/// Whether `addr` is a truncation marker rather than a code address.
+pub(crate) fn is_truncation_marker(addr: u64) -> bool {
+    addr & !0x3f == TRUNCATED_MARKER
+}
+
+/// The function name of a truncation marker: `[truncated: 256+ frames]`.
+pub(crate) fn truncation_name(addr: u64) -> Option<String> {
+    is_truncation_marker(addr).then(|| format!("[truncated: {}+ frames]", 1u64 << (addr & 0x3f)))
+}
+
+/// Where a walk writes a stack: one slice, or two used back to back (a CPU capture slot keeps
+/// the first frames of every stack densely and the rest of deep ones apart).
+pub(crate) struct FrameBuf<'a> {
+    head: &'a mut [u64],
+    tail: &'a mut [u64],
+}
+
+impl<'a> FrameBuf<'a> {
+    pub(crate) fn new(head: &'a mut [u64], tail: &'a mut [u64]) -> Self {
+        FrameBuf { head, tail }
+    }
+
+    fn len(&self) -> usize {
+        self.head.len() + self.tail.len()
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> u64 {
+        match i.checked_sub(self.head.len()) {
+            None => self.head[i],
+            Some(j) => self.tail[j],
+        }
+    }
+
+    #[inline]
+    fn set(&mut self, i: usize, v: u64) {
+        match i.checked_sub(self.head.len()) {
+            None => self.head[i] = v,
+            Some(j) => self.tail[j] = v,
+        }
+    }
+
+    /// Appends the first `n` frames (at most all) to `to`; how many.
+    pub(crate) fn copy_to(&self, n: usize, to: &mut Vec<u64>) -> usize {
+        let n = n.min(self.len());
+        let h = n.min(self.head.len());
+        to.extend_from_slice(&self.head[..h]);
+        to.extend_from_slice(&self.tail[..n - h]);
+        n
+    }
+
+    fn reverse(&mut self, mut a: usize, mut b: usize) {
+        while a + 1 < b {
+            b -= 1;
+            let (x, y) = (self.get(a), self.get(b));
+            self.set(a, y);
+            self.set(b, x);
+            a += 1;
+        }
+    }
+
+    /// Rotates `[a, b)` left by `k`, in place (three reversals: no allocation).
+    fn rotate_left(&mut self, a: usize, b: usize, k: usize) {
+        if k == 0 || k >= b - a {
+            return;
+        }
+        self.reverse(a, a + k);
+        self.reverse(a + k, b);
+        self.reverse(a, b);
+    }
+}
+
+impl<'a> From<&'a mut [u64]> for FrameBuf<'a> {
+    fn from(head: &'a mut [u64]) -> Self {
+        FrameBuf {
+            head,
+            tail: Default::default(),
+        }
+    }
+}
+
+/// A walk's frames going into a [`FrameBuf`], innermost first. Until the buffer is full they
+/// are written in order; past it the walk goes on and the frames beyond the leaf part (the
+/// buffer less its root share and one slot) go round a ring over the rest, so that when the
+/// walk ends the ring holds the outermost frames. [`Sink::finish`] puts them in order and the
+/// marker at the cut: leaf frames, marker, root frames. A flame graph of a deep recursion then
+/// still grows from the thread's entry, and shows where frames are missing.
+struct Sink<'b, 'a> {
+    buf: &'b mut FrameBuf<'a>,
+    /// Frames pushed so far (the stack's depth, once the walk ended).
+    seen: usize,
+    /// Steps the walk may still take.
+    steps: usize,
+}
+
+impl<'b, 'a> Sink<'b, 'a> {
+    fn new(buf: &'b mut FrameBuf<'a>) -> Self {
+        let steps = buf.len() * STEPS_PER_FRAME + 64;
+        Sink {
+            buf,
+            seen: 0,
+            steps,
+        }
+    }
+
+    /// Where the marker goes in a cut stack: the leaf part lies before it, the ring from it on.
+    /// Only for buffers of two frames or more.
+    fn cut(&self) -> usize {
+        let len = self.buf.len();
+        len - len / ROOT_SHARE - 1
+    }
+
+    /// Whether another frame has somewhere to go (a buffer too small for a marker keeps the
+    /// leaf end only, and the walk stops when it is full).
+    fn wants_more(&self) -> bool {
+        self.seen < self.buf.len() || self.buf.len() >= 2
+    }
+
+    /// Takes one step of the budget; false when it is spent.
+    fn step(&mut self) -> bool {
+        self.steps = self.steps.saturating_sub(1);
+        self.steps > 0
+    }
+
+    fn push(&mut self, addr: u64) {
+        let len = self.buf.len();
+        let i = self.seen;
+        self.seen += 1;
+        let at = if i < len {
+            i
+        } else if len >= 2 {
+            let cut = self.cut();
+            cut + (i - cut) % (len - cut)
+        } else {
+            return;
+        };
+        self.buf.set(at, addr);
+    }
+
+    /// Takes back the last frame pushed (the walk will write it again).
+    fn pop(&mut self) {
+        self.seen = self.seen.saturating_sub(1);
+    }
+
+    /// Puts the frames in their final order and returns how many the buffer holds. `ended`:
+    /// the walk reached the stack's end (or a frame it could not unwind), rather than running
+    /// out of steps or of readable stack with more above.
+    fn finish(self, ended: bool) -> usize {
+        let len = self.buf.len();
+        let seen = self.seen;
+        if (ended && seen <= len) || len < 2 {
+            return seen.min(len);
+        }
+        let cut = self.cut();
+        if ended {
+            // The ring holds the last `len - cut` frames, the oldest where the next would go.
+            let oldest = (seen - cut) % (len - cut);
+            self.buf.rotate_left(cut, len, oldest);
+            self.buf.set(cut, truncation_marker(seen - (len - 1)));
+            return len;
+        }
+        // Cut short of the end: the root end is unknown, and the marker is outermost (the
+        // ring's frames from the middle of the stack would pose as its root).
+        let keep = if seen <= len { seen.min(len - 1) } else { cut };
+        self.buf.set(keep, truncation_marker(seen - keep));
+        keep + 1
+    }
+}
 
 /// Bytes of a module's unwind sections: in place in the module (main program, vDSO) or in a
 /// private copy kept alive by the snapshot or rule table that uses it.
@@ -818,7 +1014,8 @@ impl Drop for Spare {
 
 /// Unwinds from `regs` into `out` (innermost first), returning the number of frames written.
 /// Entries are the instruction pointer, then return addresses minus one (the call instruction),
-/// ready for symbolization. `bounds` are the caller's stack bounds when known. Frames whose
+/// ready for symbolization; a stack deeper than `out` is cut in the middle, at a truncation
+/// marker (see [`Sink`]). `bounds` are the caller's stack bounds when known. Frames whose
 /// stack pointer is below `skip_to_sp` are left out (the profiler's own frames on an allocation
 /// stack, deeper than the function the allocator entry is inlined into; 0 keeps everything).
 ///
@@ -836,7 +1033,21 @@ pub(crate) fn unwind(
     out: &mut [u64],
     stale: usize,
 ) -> usize {
-    unwind_counted(regs, bounds, skip_to_sp, out, true, stale, None).0
+    unwind_counted(regs, bounds, skip_to_sp, &mut out.into(), true, stale, None).0
+}
+
+/// [`unwind`] into a [`FrameBuf`], with the unwinder cache of `spare` when given (normally
+/// called on its stack, inside [`Spare::run`]).
+pub(crate) fn unwind_into(
+    spare: Option<&mut Spare>,
+    regs: StartRegs,
+    bounds: Option<(usize, usize)>,
+    skip_to_sp: u64,
+    out: &mut FrameBuf<'_>,
+    stale: usize,
+) -> usize {
+    let cache = spare.map(|s| s.cache());
+    unwind_counted(regs, bounds, skip_to_sp, out, true, stale, cache).0
 }
 
 /// [`unwind`] with the unwinder cache of `spare` (normally called on its stack, inside
@@ -849,16 +1060,14 @@ pub(crate) fn unwind_with(
     out: &mut [u64],
     stale: usize,
 ) -> usize {
-    unwind_counted(
+    unwind_into(
+        Some(spare),
         regs,
         bounds,
         skip_to_sp,
-        out,
-        true,
+        &mut out.into(),
         stale,
-        Some(spare.cache()),
     )
-    .0
 }
 
 /// [`unwind`], also returning how many frames the compact rules handled; `fast` off
@@ -868,15 +1077,15 @@ fn unwind_counted(
     regs: StartRegs,
     bounds: Option<(usize, usize)>,
     skip_to_sp: u64,
-    out: &mut [u64],
+    out: &mut FrameBuf<'_>,
     fast: bool,
     stale: usize,
     own_cache: Option<&mut NativeCache>,
 ) -> (usize, usize) {
-    if out.is_empty() {
+    if out.len() == 0 {
         return (0, 0);
     }
-    out[0] = regs.pc;
+    out.set(0, regs.pc);
     let sp = regs.sp;
     // Everything below is cold in a handler: start the stack's misses now, in parallel.
     let known = bounds.filter(|&(lo, hi)| (lo as u64) <= sp && sp < hi as u64);
@@ -895,8 +1104,9 @@ fn unwind_counted(
     #[cfg(target_arch = "x86_64")]
     if fast {
         unwind_rules::prefetch(&snap.rule_entries, regs.pc);
-        for &a in out.iter().take(stale).skip(1) {
-            unwind_rules::prefetch(&snap.rule_entries, a);
+        // The first 128 at most: more would evict each other.
+        for i in 1..stale.min(out.len()).min(128) {
+            unwind_rules::prefetch(&snap.rule_entries, out.get(i));
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -934,18 +1144,19 @@ fn unwind_counted(
         // SAFETY: [addr, addr+8) lies within this thread's own stack, below sp's frame.
         Ok(unsafe { ptr::read_volatile(addr as *const u64) })
     };
-    let (n, fast_frames, _) = walk(
+    let mut sink = Sink::new(out);
+    let walked = walk(
         snap,
         pool,
         regs,
         FrameAddress::from_instruction_pointer(regs.pc),
         skip_to_sp,
-        out,
+        &mut sink,
         fast,
         own_cache,
         read_stack,
     );
-    (n, fast_frames)
+    (sink.finish(!walked.out_of_steps), walked.fast_frames)
 }
 
 /// Where a walk stopped on a frame it could not unwind: the frame, and the stack and frame
@@ -960,9 +1171,18 @@ struct Stuck {
     ended: bool,
 }
 
+/// How a [`walk`] went.
+struct Walked {
+    /// Frames the compact rules handled.
+    fast_frames: usize,
+    /// Where it got stuck, if a frame could not be unwound.
+    stuck: Option<Stuck>,
+    /// It stopped for its step budget, with more stack to go.
+    out_of_steps: bool,
+}
+
 /// Walks the stack from `regs` (its first frame `start`) with the snapshot's rules and framehop,
-/// reading stack words through `read_stack`; (frames written, frames the compact rules handled,
-/// where it got stuck if a frame could not be unwound).
+/// reading stack words through `read_stack`, into `sink`.
 #[allow(clippy::too_many_arguments)]
 fn walk(
     snap: &Snapshot,
@@ -970,11 +1190,11 @@ fn walk(
     regs: StartRegs,
     start: FrameAddress,
     skip_to_sp: u64,
-    out: &mut [u64],
+    sink: &mut Sink<'_, '_>,
     fast: bool,
     mut own_cache: Option<&mut NativeCache>,
     mut read_stack: impl FnMut(u64) -> Result<u64, ()>,
-) -> (usize, usize, Option<Stuck>) {
+) -> Walked {
     #[cfg(target_arch = "x86_64")]
     let uregs = framehop::x86_64::UnwindRegsX86_64::new(regs.pc, regs.sp, regs.fp);
     #[cfg(target_arch = "aarch64")]
@@ -987,21 +1207,22 @@ fn walk(
     #[cfg(not(target_arch = "x86_64"))]
     let _ = fast;
     let mut uregs = uregs;
-    let mut n = 0;
     let mut fast_frames = 0;
     // A framehop cache, borrowed from the pool the first time a frame needs framehop.
     let mut entry: Option<&PoolEntry> = None;
     let mut frame = start;
     let mut stuck = None;
-    // Bounded by frames written and by steps taken (skipped frames count too).
-    for _ in 0..out.len() + 64 {
-        if n >= out.len() {
+    let mut out_of_steps = false;
+    let first = sink.seen;
+    // Bounded by the sink's step budget (skipped frames count too).
+    while sink.wants_more() {
+        if !sink.step() {
+            out_of_steps = true;
             break;
         }
         let lookup = frame.address_for_lookup();
         if uregs.sp() >= skip_to_sp {
-            out[n] = lookup;
-            n += 1;
+            sink.push(lookup);
         }
         #[cfg(target_arch = "x86_64")]
         if fast {
@@ -1070,11 +1291,14 @@ fn walk(
     if let Some(e) = entry {
         e.busy.store(false, Ordering::Release);
     }
-    if n == 0 {
-        out[0] = regs.pc;
-        n = 1;
+    if sink.seen == first {
+        sink.push(regs.pc);
     }
-    (n, fast_frames, stuck)
+    Walked {
+        fast_frames,
+        stuck,
+        out_of_steps,
+    }
 }
 
 /// A framehop cache owned by a walker that is not a signal handler (see [`unwind_copied`]).
@@ -1090,10 +1314,13 @@ impl OwnCache {
 /// `stack`: a copy of its stack from `sp` up (the sampler thread, for a thread blocked in the
 /// kernel). Its frame pointer is unknown: a frame whose rule needs it ends the walk. Reads
 /// nothing of the other thread's memory; frames into `out`, their number returned.
+/// `more_above`: the copy stops short of the stack's top, so a walk that runs off it was cut
+/// (it ends in a truncation marker, as one deeper than `out` does).
 pub(crate) fn unwind_copied(
     pc: u64,
     sp: u64,
     stack: &[u8],
+    more_above: bool,
     cache: &mut OwnCache,
     out: &mut [u64],
 ) -> usize {
@@ -1118,13 +1345,25 @@ pub(crate) fn unwind_copied(
         let word: [u8; 8] = stack[off..off + 8].try_into().map_err(|_| ())?;
         Ok(u64::from_ne_bytes(word))
     };
+    // A walk that wanted a word past the copy, of a stack that goes on above it, stopped for
+    // want of stack rather than at the stack's end.
+    let past_end = std::cell::Cell::new(false);
+    let walk_read = |addr: u64| {
+        let r = read(addr);
+        if r.is_err() && addr >= sp && addr.saturating_add(8) > end {
+            past_end.set(true);
+        }
+        r
+    };
+    let mut buf = FrameBuf::from(out);
+    let mut sink = Sink::new(&mut buf);
     // The frame pointer is unknown. Code built with frame pointers (Rust's std, between a
     // blocking libc call and the application) finds its frame through it: when the walk gets
     // stuck there, the frame pointer is guessed from the copy (the lowest word above the stack
     // pointer followed by a return address into a loaded object) and the walk goes on.
     let mut frame = FrameAddress::from_instruction_pointer(pc);
     let (mut at_sp, mut fp) = (sp, 0u64);
-    let mut n = 0;
+    let mut ended = true;
     for _ in 0..8 {
         let regs = StartRegs {
             pc: frame.address(),
@@ -1132,21 +1371,28 @@ pub(crate) fn unwind_copied(
             fp,
             lr: 0,
         };
-        let (k, _, stuck) = walk(
+        past_end.set(false);
+        let walked = walk(
             snap,
             pool,
             regs,
             frame,
             0,
-            &mut out[n..],
+            &mut sink,
             true,
             Some(&mut cache.0),
-            read,
+            walk_read,
         );
-        n += k;
-        let Some(stuck) = stuck else { break };
+        let Some(stuck) = walked.stuck else {
+            ended = !walked.out_of_steps;
+            break;
+        };
+        if more_above && past_end.get() && !stuck.ended {
+            ended = false;
+            break;
+        }
         // Only a frame pointer nobody restored is guessed; a known one that fails is a real end.
-        if stuck.fp != 0 || n >= out.len() {
+        if stuck.fp != 0 {
             break;
         }
         let Some(guess) = guess_frame_pointer(snap, stuck.sp, &read) else {
@@ -1175,12 +1421,12 @@ pub(crate) fn unwind_copied(
             }
         }
         // The stuck frame is the first of the next walk: written again in place.
-        n -= 1;
+        sink.pop();
         frame = stuck.frame;
         at_sp = stuck.sp;
         fp = guess;
     }
-    n
+    sink.finish(ended)
 }
 
 /// The frame pointer of a frame-pointer function whose stack pointer is `sp`: the lowest
@@ -1471,7 +1717,15 @@ mod tests {
             lr: 0,
         };
         let mut out = [0u64; 16];
-        let (n, _) = unwind_counted(regs, None, 0, &mut out, true, 0, None);
+        let (n, _) = unwind_counted(
+            regs,
+            None,
+            0,
+            &mut FrameBuf::from(&mut out[..]),
+            true,
+            0,
+            None,
+        );
         assert!(n >= 1);
         let mut w = CheckedWindow::new();
         assert!(w
@@ -1622,7 +1876,7 @@ mod tests {
                 regs,
                 crate::tls::current_stack_bounds(),
                 0,
-                out,
+                &mut out.into(),
                 fast,
                 0,
                 None,
@@ -1670,5 +1924,143 @@ mod tests {
             fast_after.1,
             fast_after.0.len()
         );
+    }
+
+    /// Pushes `depth` frames 1..=depth into a buffer of `len` (split after `head`) and
+    /// finishes it.
+    fn sink_of(len: usize, head: usize, depth: usize, ended: bool) -> Vec<u64> {
+        let mut store = vec![0u64; len];
+        let (h, t) = store.split_at_mut(head);
+        let mut buf = FrameBuf::new(h, t);
+        let mut sink = Sink::new(&mut buf);
+        for f in 1..=depth as u64 {
+            sink.push(f);
+        }
+        let n = sink.finish(ended);
+        store.truncate(n);
+        store
+    }
+
+    #[test]
+    fn a_stack_deeper_than_the_buffer_keeps_both_ends_around_a_marker() {
+        // Fits: as walked.
+        assert_eq!(sink_of(16, 16, 16, true), (1..=16).collect::<Vec<_>>());
+        for head in [16, 5, 0, 13] {
+            // 16 slots: 11 leaf frames, the marker, the 4 outermost of 100.
+            let got = sink_of(16, head, 100, true);
+            let mut want: Vec<u64> = (1..=11).collect();
+            want.push(truncation_marker(100 - 15));
+            want.extend(97..=100);
+            assert_eq!(got, want, "head {head}");
+            // One frame too many: it and the frame whose slot the marker takes give way.
+            let got = sink_of(16, head, 17, true);
+            assert_eq!(&got[..11], &(1..=11).collect::<Vec<_>>()[..]);
+            assert_eq!(got[11], truncation_marker(2));
+            assert_eq!(&got[12..], &[14, 15, 16, 17]);
+        }
+        // Stopped before the end (out of steps): no root end to show, the marker is outermost.
+        let got = sink_of(16, 4, 100, false);
+        assert_eq!(got.len(), 12);
+        assert_eq!(&got[..11], &(1..=11).collect::<Vec<_>>()[..]);
+        assert_eq!(got[11], truncation_marker(89));
+        // Too small for a marker: the leaf end only.
+        assert_eq!(sink_of(1, 1, 5, true), vec![1]);
+    }
+
+    #[test]
+    fn markers_name_a_power_of_two_of_the_frames_left_out() {
+        assert_eq!(
+            truncation_name(truncation_marker(1)).as_deref(),
+            Some("[truncated: 1+ frames]")
+        );
+        assert_eq!(
+            truncation_name(truncation_marker(200)).as_deref(),
+            Some("[truncated: 128+ frames]")
+        );
+        assert_eq!(
+            truncation_name(truncation_marker(256)).as_deref(),
+            Some("[truncated: 256+ frames]")
+        );
+        assert_eq!(truncation_name(0x5555_0000_1000), None);
+        assert!(
+            !is_truncation_marker(0xffff_ffff_ff60_0000),
+            "the vsyscall page"
+        );
+    }
+
+    /// Recursion `depth` deep, then a walk into `out`.
+    #[inline(never)]
+    fn deep(depth: u32, out: &mut FrameBuf<'_>) -> usize {
+        if depth == 0 {
+            let regs = current_regs();
+            unwind_counted(
+                regs,
+                crate::tls::current_stack_bounds(),
+                0,
+                out,
+                true,
+                0,
+                None,
+            )
+            .0
+        } else {
+            std::hint::black_box(deep(depth - 1, out))
+        }
+    }
+
+    #[test]
+    fn a_deep_recursion_keeps_its_leaf_and_its_thread_start() {
+        init_pool();
+        refresh(true);
+        let depth = MAX_FRAMES as u32 + 200;
+        // Run on a thread of known stack so that debug builds' frames fit. One call site for
+        // every walk: the stacks are the same down to the thread's start. Buffers: room for the
+        // whole stack; the limit; the limit split in two parts; 16 slots (128 steps: the walk
+        // stops far from the end).
+        let mut stacks = std::thread::Builder::new()
+            .stack_size(64 << 20)
+            .spawn(move || {
+                let mut stacks = Vec::new();
+                for (len, head) in [
+                    (4 * MAX_FRAMES, 0),
+                    (MAX_FRAMES, 0),
+                    (MAX_FRAMES, 100),
+                    (16, 0),
+                ] {
+                    let mut s = vec![0u64; len];
+                    let (h, t) = s.split_at_mut(head);
+                    let n = deep(depth, &mut FrameBuf::new(h, t));
+                    s.truncate(n);
+                    stacks.push(s);
+                }
+                stacks
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        let short = stacks.pop().unwrap();
+        let split = stacks.pop().unwrap();
+        let cut = stacks.pop().unwrap();
+        let whole = stacks.pop().unwrap();
+        assert!(
+            whole.len() > depth as usize,
+            "walked {} frames",
+            whole.len()
+        );
+        assert!(!whole.iter().any(|&a| is_truncation_marker(a)));
+        let root = MAX_FRAMES / ROOT_SHARE;
+        let leaf = MAX_FRAMES - root - 1;
+        assert_eq!(cut.len(), MAX_FRAMES);
+        assert_eq!(&cut[..leaf], &whole[..leaf], "the leaf end");
+        assert_eq!(cut[leaf], truncation_marker(whole.len() - (MAX_FRAMES - 1)));
+        assert_eq!(
+            &cut[leaf + 1..],
+            &whole[whole.len() - root..],
+            "the root end"
+        );
+        assert_eq!(split, cut, "a split buffer holds the same stack");
+        assert_eq!(short.len(), 12);
+        assert_eq!(&short[..11], &whole[..11]);
+        assert!(is_truncation_marker(short[11]));
     }
 }

@@ -132,7 +132,8 @@ impl RuleTable {
     /// everything when another thread is learning, and addresses whose set is full. Allocates;
     /// never call from a signal handler.
     pub(crate) fn learn(&self, addrs: &[u64]) {
-        if addrs.iter().all(|&a| a == 0 || self.known(a)) {
+        let skip = |a: u64| a == 0 || crate::unwind::is_truncation_marker(a);
+        if addrs.iter().all(|&a| skip(a) || self.known(a)) {
             return;
         }
         if self
@@ -145,7 +146,7 @@ impl RuleTable {
         // SAFETY: `writing` is ours until released below; only its holder touches `ctx`.
         let ctx = unsafe { &mut *self.ctx.get() };
         for &addr in addrs {
-            if addr == 0 || self.known(addr) {
+            if skip(addr) || self.known(addr) {
                 continue;
             }
             let rule = self.derive(ctx, addr).unwrap_or(NO_RULE);
