@@ -267,6 +267,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn main() {
     let args = parse_args();
+    let before_start = rss_split();
     let guard = if args.profiler {
         // FERROPROF_* variables (e.g. FERROPROF_PROFILES) apply on top.
         let mut b = ferroprof::Profiler::builder()
@@ -286,6 +287,14 @@ fn main() {
     } else {
         None
     };
+    if guard.is_some() {
+        let (anon, file) = rss_split();
+        println!(
+            "start: anon +{:.1} MB, file +{:.1} MB",
+            (anon as f64 - before_start.0 as f64) / 1048576.0,
+            (file as f64 - before_start.1 as f64) / 1048576.0
+        );
+    }
     let app = Arc::new(App {
         cache: Mutex::new(
             (0..args.heap_mb * 16)
