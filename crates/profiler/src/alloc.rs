@@ -421,10 +421,12 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     let tid = state::current_tid();
     let mut name_buf = [0u8; 16];
     let name = state::current_thread_name(&mut name_buf);
-    let labels = [
-        Label::num(state::THREAD_ID_LABEL, tid as i64),
-        Label::str(state::THREAD_NAME_LABEL, name),
-    ];
+    let mut labels = [Label::num("", 0); 2 + crate::labels::WORDS];
+    labels[0] = Label::num(state::THREAD_ID_LABEL, tid as i64);
+    labels[1] = Label::str(state::THREAD_NAME_LABEL, name);
+    // The allocating thread's request labels (its own slot: see `crate::labels`).
+    let n = 2 + crate::labels::own_ctx().fill((&mut labels[2..]).try_into().expect("WORDS"));
+    let labels = &labels[..n];
     let values = SampleValues {
         alloc_samples: weight,
         alloc_samples_unscaled: 1,
@@ -438,7 +440,7 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
         fork::outside_fork(|| {
             if sh
                 .recorder
-                .record_sample_with(&frames, &values, &extra, &labels, 0)
+                .record_sample_with(&frames, &values, &extra, labels, 0)
                 .is_err()
             {
                 sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
@@ -462,7 +464,7 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
         // Outside the fork gate: taking the taps lock in there could wait for a thread that
         // holds it and waits at the gate.
         sh.for_each_tap(TapKind::Alloc, |r| {
-            let _ = r.record_sample_with(&frames, &values, &extra, &labels, 0);
+            let _ = r.record_sample_with(&frames, &values, &extra, labels, 0);
         });
     });
 }

@@ -206,6 +206,7 @@ pub(crate) fn register() {
 }
 
 extern "C" fn prepare() {
+    crate::labels::before_fork();
     close_gate();
     // After the gate: a thread inside the gate may walk the loader's list and must get out.
     close_loader_walks();
@@ -217,6 +218,7 @@ extern "C" fn prepare() {
 }
 
 extern "C" fn parent() {
+    crate::labels::after_fork(false);
     let p = IN_FORK.swap(std::ptr::null_mut(), Ordering::SeqCst);
     if !p.is_null() {
         // SAFETY: `p` came from Arc::into_raw in `prepare`.
@@ -232,6 +234,8 @@ extern "C" fn child() {
     // child's: its thread did not survive the fork.
     RESTART.store(IDLE, Ordering::SeqCst);
     open_loader_walks(true);
+    crate::state::reset_current_tid();
+    crate::labels::after_fork(true);
     if p.is_null() {
         open_gate(true);
         return;

@@ -42,6 +42,7 @@
 
 pub mod export;
 pub mod http;
+pub mod labels;
 
 mod alloc;
 mod alloc_totals;

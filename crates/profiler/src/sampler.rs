@@ -41,6 +41,7 @@ use std::sync::Arc;
 
 use ferroprof_recorder::{Frame, Label, SampleValues};
 
+use crate::labels::{self, Ctx};
 use crate::remote::{self, RemoteUnwinder, TaskSyscall};
 use crate::state::{Shared, TapKind, THREAD_ID_LABEL, THREAD_NAME_LABEL};
 use crate::tls;
@@ -91,6 +92,8 @@ struct Slot {
     /// Whether stamps are good wall-clock readings here ([`stamps_are_wall_clock`]), copied into
     /// the slot the handler touches anyway.
     stamp_wall: bool,
+    /// The thread's label context when it was caught (see `crate::labels`).
+    labels: [AtomicU64; labels::WORDS],
     /// The first frames of the capture.
     frames: Box<UnsafeCell<[u64; SLOT_HEAD]>>,
     /// The rest of a deep one: `MAX_FRAMES - SLOT_HEAD` words of its chunk's tail mapping (null
@@ -115,6 +118,7 @@ impl Slot {
             handler_stamps: AtomicU64::new(0),
             wall_at: AtomicU64::new(0),
             stamp_wall: stamps_are_wall_clock(),
+            labels: Default::default(),
             frames: Box::new(UnsafeCell::new([0; SLOT_HEAD])),
             tail,
         }
@@ -353,6 +357,11 @@ unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) -> bool {
         }
     };
     slot.len.store(n as u32, Ordering::Relaxed);
+    // The thread's own slot: the code it interrupted writes only the copy not in use.
+    let ctx = labels::own_ctx();
+    for (w, &v) in slot.labels.iter().zip(&ctx.words) {
+        w.store(v, Ordering::Relaxed);
+    }
     slot.payload.store(ki.value, Ordering::Relaxed);
     slot.weight
         .store(1 + ki.overrun.max(0) as u32, Ordering::Relaxed);
@@ -795,6 +804,7 @@ struct Cap {
     at: u64,
     start: usize,
     len: usize,
+    ctx: Ctx,
 }
 
 struct ThreadInfo {
@@ -817,8 +827,11 @@ struct ThreadInfo {
     wall_debt: u64,
     /// Where the thread waits: its stack when last seen off CPU.
     stack: Vec<u64>,
-    /// Where its timer last caught it running.
+    /// Where its timer last caught it running, and its labels then.
     ran: Vec<u64>,
+    ran_ctx: Ctx,
+    /// The labels `idle_wall` was spent under (read from the thread's slot at visits).
+    wall_ctx: Ctx,
     /// Off-CPU wall time on `stack` not recorded yet.
     idle_wall: u64,
     /// Wall time recorded but not yet counted as a whole tick in `cpu-samples`.
@@ -884,6 +897,8 @@ pub(crate) struct Sampler {
     timers_off: bool,
     timer_failure_logged: bool,
     stamps: StampClock,
+    /// Finds other threads' label slots.
+    labels: labels::Finder,
     /// Threads seen exiting since the last [`Sampler::give_back_memory`].
     exited: u64,
 }
@@ -931,6 +946,7 @@ impl Sampler {
             timers_off: false,
             timer_failure_logged: false,
             stamps: StampClock::new(),
+            labels: labels::Finder::new(),
             exited: 0,
         }
     }
@@ -1168,6 +1184,8 @@ impl Sampler {
             wall_debt: 0,
             stack: Vec::new(),
             ran: Vec::new(),
+            ran_ctx: Ctx::EMPTY,
+            wall_ctx: Ctx::EMPTY,
             idle_wall: 0,
             tick_rest: 0,
             hot_until: now + HOT_LINGER_NS,
@@ -1225,8 +1243,12 @@ impl Sampler {
             self.flush_idle(&mut t);
             if t.cpu_carry > 0 {
                 let cpu = std::mem::take(&mut t.cpu_carry) as i64;
-                let stack = if t.ran.is_empty() { &t.stack } else { &t.ran };
-                record(&self.shared, &mut self.frames, &t, stack, cpu, 0, 0);
+                let (stack, ctx) = if t.ran.is_empty() {
+                    (&t.stack, &t.wall_ctx)
+                } else {
+                    (&t.ran, &t.ran_ctx)
+                };
+                record(&self.shared, &mut self.frames, &t, stack, ctx, cpu, 0, 0);
             }
         }
         if gone {
@@ -1279,6 +1301,9 @@ impl Sampler {
                     at: self.stamps.wall_ns(s, s.wall_at.load(Ordering::Relaxed)),
                     start,
                     len: n,
+                    ctx: Ctx {
+                        words: std::array::from_fn(|i| s.labels[i].load(Ordering::Relaxed)),
+                    },
                 });
             }
             s.state.store(FREE, Ordering::Release);
@@ -1414,6 +1439,7 @@ impl Sampler {
         if t.probation {
             // Its CPU stays in the carry, its last capture is where it ran.
             if let Some(c) = caps.last() {
+                t.ran_ctx = c.ctx;
                 t.ran.clear();
                 t.ran
                     .extend_from_slice(&self.cap_frames[c.start..c.start + c.len]);
@@ -1434,6 +1460,7 @@ impl Sampler {
             for c in caps {
                 let share = total * (before + c.weight as u64) / weights - total * before / weights;
                 before += c.weight as u64;
+                t.ran_ctx = c.ctx;
                 t.ran.clear();
                 t.ran
                     .extend_from_slice(&self.cap_frames[c.start..c.start + c.len]);
@@ -1450,6 +1477,7 @@ impl Sampler {
                     &mut self.frames,
                     &t,
                     &t.ran,
+                    &c.ctx,
                     share as i64,
                     wall as i64,
                     count,
@@ -1522,7 +1550,9 @@ impl Sampler {
                 _ => {}
             }
         }
-        if moved_to == Moved::Nowhere {
+        // Labels changed since the last visit: the change is a move too (same split).
+        let ctx = self.labels.read(t.tid);
+        if moved_to == Moved::Nowhere && ctx == t.wall_ctx {
             t.idle_wall += off;
         } else {
             t.idle_wall += off / 2;
@@ -1534,8 +1564,10 @@ impl Sampler {
                     t.stack.clear();
                     t.stack.extend_from_slice(&self.remote_frames[..n]);
                 }
-                _ => t.stack.clone_from(&t.ran),
+                Moved::Ran => t.stack.clone_from(&t.ran),
+                Moved::Nowhere => {}
             }
+            t.wall_ctx = ctx;
             t.idle_wall += off - off / 2;
         }
         if (ran || t.idle_wall >= IDLE_FLUSH_NS) && !t.probation {
@@ -1580,6 +1612,7 @@ impl Sampler {
         }
         let wall = std::mem::take(&mut t.idle_wall);
         let count = t.ticks_of(wall, self.period);
+        // (Wall time is booked under the labels read at the visits, whichever stack.)
         let stack = if !t.stack.is_empty() {
             &t.stack
         } else {
@@ -1590,6 +1623,7 @@ impl Sampler {
             &mut self.frames,
             t,
             stack,
+            &t.wall_ctx,
             0,
             wall as i64,
             count,
@@ -1658,12 +1692,14 @@ enum Where {
     Unchanged,
 }
 
-/// Records one sample of thread `t` on `stack` (nothing for an empty stack).
+/// Records one sample of thread `t` on `stack` under labels `ctx` (nothing for an empty stack).
+#[allow(clippy::too_many_arguments)]
 fn record(
     sh: &Shared,
     frames: &mut Vec<Frame<'static>>,
     t: &ThreadInfo,
     stack: &[u64],
+    ctx: &Ctx,
     cpu_ns: i64,
     wall_ns: i64,
     count: i64,
@@ -1673,10 +1709,11 @@ fn record(
     }
     frames.clear();
     frames.extend(stack.iter().map(|&a| Frame::Address(a)));
-    let labels = [
-        Label::num(THREAD_ID_LABEL, t.tid as i64),
-        Label::str(THREAD_NAME_LABEL, &t.name),
-    ];
+    let mut labels = [Label::num("", 0); 2 + labels::WORDS];
+    labels[0] = Label::num(THREAD_ID_LABEL, t.tid as i64);
+    labels[1] = Label::str(THREAD_NAME_LABEL, &t.name);
+    let n = 2 + ctx.fill((&mut labels[2..]).try_into().expect("WORDS labels"));
+    let labels = &labels[..n];
     let values = SampleValues {
         cpu_time_ns: cpu_ns,
         cpu_or_wall_samples: count,
@@ -1689,7 +1726,7 @@ fn record(
         crate::fork::outside_fork(|| {
             if sh
                 .recorder
-                .record_sample(frames, &values, &labels, 0)
+                .record_sample(frames, &values, labels, 0)
                 .is_err()
             {
                 sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
@@ -1700,7 +1737,7 @@ fn record(
             }
         });
         sh.for_each_tap(TapKind::Cpu, |r| {
-            let _ = r.record_sample(frames, &values, &labels, 0);
+            let _ = r.record_sample(frames, &values, labels, 0);
         });
     });
 }
