@@ -32,6 +32,29 @@
 //! is a free of the old block followed by an allocation of the new size, whether or not the
 //! block moved. If the inner `realloc` fails the old block stays allocated but untracked.
 //!
+//! ## Stacks start at the allocating code
+//! No frame of the allocator path is written into an allocation or heap stack: neither ours
+//! (`SamplingAllocator`'s methods, the sampling path) nor the global-allocator shims
+//! (`__rust_alloc`, `__rdl_alloc`, `__rg_alloc`) nor `alloc::alloc`'s plumbing to them
+//! (`alloc::alloc::alloc`, `Global::alloc_impl`, `<Global as Allocator>::allocate`); see
+//! [`is_allocator_path`]. What the compiler inlined decides where those frames are, so three
+//! cuts together cover every outcome:
+//! - the walk leaves out the frames below the stack pointer read in the allocator entry (the
+//!   sampling path's own frames, deeper than the function the entry is inlined into);
+//! - of what remains, leading frames whose address lies in an allocator-path function are left
+//!   out ([`allocator_frames`]: the entry or a shim that is a real function, as in a debug
+//!   build, or `__rust_alloc` with the entry inlined into it). The functions' address ranges
+//!   come from the symbol table, read once when sampling is first enabled: the
+//!   `SamplingAllocator` methods are generic, monomorphized in the user's crate, so their
+//!   addresses are known only there;
+//! - the first kept frame may still have the allocator inlined into it (`__rust_alloc`
+//!   inlined into the caller, with LTO; `alloc::alloc::alloc` inlined into `alloc::raw_vec`):
+//!   the symbolizer drops a location's innermost inlined frames of the allocator path
+//!   ([`strip_inlined_allocator`]), keeping its outermost frame, the function the address is
+//!   in. A location is shared by every stack through it, so CPU stacks that pass through the
+//!   allocator's call site lose those shims' inlined frames too (they have no code of their own
+//!   beyond the call).
+//!
 //! ## Reentrancy
 //! The profiler's own allocations (the recorder, the sampler and export threads, the sample
 //! path itself) run with a thread-local guard set and are never sampled. Frees made while the
@@ -40,8 +63,9 @@
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
-use ferroprof_recorder::{ExtraValues, Frame, Label, SampleValues};
+use ferroprof_recorder::{ExtraValues, Frame, Label, ResolvedFrame, SampleValues};
 
 use crate::arena;
 use crate::filter::FILTER;
@@ -59,6 +83,10 @@ static SEEN: AtomicBool = AtomicBool::new(false);
 pub const DEFAULT_SAMPLING_INTERVAL: u64 = 512 * 1024;
 
 pub(crate) fn set_interval(bytes: u64) {
+    if bytes != 0 {
+        // Before the first sample: the ranges are read, never waited for, on the sample path.
+        ALLOCATOR_RANGES.get_or_init(allocator_ranges);
+    }
     INTERVAL.store(bytes, Ordering::SeqCst);
 }
 
@@ -400,6 +428,7 @@ impl Job {
         let addrs = &addrs[..n];
         // Teaches the unwinder's fast path these frames (a few probes once they are known).
         unwind::learn(addrs);
+        let addrs = &addrs[allocator_frames(addrs)..];
         state::with_active(|sh| record(sh, &self, addrs));
     }
 }
@@ -469,6 +498,139 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     });
 }
 
+/// Address ranges `[start, end)` of the allocator-path functions (see [`is_allocator_path`]),
+/// sorted and disjoint; set once, when sampling is first enabled.
+static ALLOCATOR_RANGES: OnceLock<Box<[(u64, u64)]>> = OnceLock::new();
+
+/// How many leading frames of a sampled allocation's stack (innermost first) lie in
+/// allocator-path functions; never all of them (an unknown stack keeps what it has).
+/// Allocation-free and bounded: a binary search per leading frame.
+fn allocator_frames(addrs: &[u64]) -> usize {
+    let Some(ranges) = ALLOCATOR_RANGES.get() else {
+        return 0;
+    };
+    let n = addrs.iter().take_while(|&&a| in_ranges(ranges, a)).count();
+    if n == addrs.len() {
+        0
+    } else {
+        n
+    }
+}
+
+fn in_ranges(ranges: &[(u64, u64)], a: u64) -> bool {
+    let i = ranges.partition_point(|&(start, _)| start <= a);
+    i > 0 && a < ranges[i - 1].1
+}
+
+/// Whether a function (its demangled name without hash, as the symbolizer writes it) belongs
+/// to the allocator path: ferroprof's allocator, the global-allocator shims, or `alloc::alloc`'s
+/// plumbing from the allocating code to them. `alloc::raw_vec`, `alloc::vec`, `hashbrown` and
+/// `Box::new` are not: they are the allocating code's own call chain.
+pub(crate) fn is_allocator_path(name: &str) -> bool {
+    let path = name.strip_prefix('<').unwrap_or(name);
+    if path.starts_with("ferroprof::alloc::")
+        || path.starts_with("alloc::alloc::")
+        || name == "ferroprof::unwind::current_sp"
+    {
+        return true;
+    }
+    // The shims are free functions: `__rust_alloc`, `__rustc::__rust_alloc` (v0 mangling),
+    // `std::alloc::__default_lib_allocator::__rdl_alloc`.
+    if name.contains('<') {
+        return false;
+    }
+    let last = name.rsplit("::").next().unwrap_or(name);
+    matches!(
+        last,
+        "__rust_alloc" | "__rust_alloc_zeroed" | "__rust_realloc" | "__rust_dealloc"
+    ) || last.starts_with("__rdl_")
+        || last.starts_with("__rg_")
+}
+
+/// Leaves out a location's innermost (inlined) frames of the allocator path, keeping at least
+/// its outermost frame (the function the address is in). Applied by the symbolizer to every
+/// resolved location.
+pub(crate) fn strip_inlined_allocator(frames: Box<[ResolvedFrame]>) -> Box<[ResolvedFrame]> {
+    let n = inlined_allocator_frames(frames.iter().map(|f| f.name.as_str()));
+    if n == 0 {
+        return frames;
+    }
+    let mut v = frames.into_vec();
+    v.drain(..n);
+    v.into_boxed_slice()
+}
+
+/// How many of a location's frames (innermost first) [`strip_inlined_allocator`] leaves out.
+fn inlined_allocator_frames<'a>(names: impl ExactSizeIterator<Item = &'a str>) -> usize {
+    let len = names.len();
+    names
+        .take_while(|n| is_allocator_path(n))
+        .count()
+        .min(len.saturating_sub(1))
+}
+
+/// The allocator-path functions' ranges in the objects that hold ferroprof and the program
+/// (where `#[global_allocator]` monomorphizes `SamplingAllocator` and defines the shims),
+/// from their ELF symbol tables. Empty for a stripped binary (the symbolizer's cut remains).
+fn allocator_ranges() -> Box<[(u64, u64)]> {
+    use object::{Object, ObjectSymbol};
+    let ours = on_alloc_slow as fn(*mut u8, usize, u64, u64) as usize as u64;
+    let mut out = Vec::new();
+    let objects = crate::modules::loaded_objects();
+    for (i, obj) in objects.iter().enumerate() {
+        // The main program is listed first.
+        if i != 0 && !obj.contains(ours) {
+            continue;
+        }
+        let Some(path) = obj.path.as_deref() else {
+            continue;
+        };
+        let Ok(file) = std::fs::File::open(path) else {
+            continue;
+        };
+        // SAFETY: mapped read-only and private for the duration of this scan; a concurrent
+        // truncation of a loaded object's file is outside what we support (as in `symbolize`).
+        let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
+            continue;
+        };
+        let Ok(elf) = object::File::parse(&*map) else {
+            continue;
+        };
+        for sym in elf.symbols().chain(elf.dynamic_symbols()) {
+            if sym.kind() != object::SymbolKind::Text || sym.size() == 0 {
+                continue;
+            }
+            let Ok(raw) = sym.name() else { continue };
+            // Cheap test on the mangled name before demangling (legacy and v0 manglings).
+            let maybe = raw.contains("ferroprof")
+                || raw.contains("__r")
+                || raw.contains("5alloc5alloc")
+                || raw.contains("alloc..alloc");
+            if !maybe {
+                continue;
+            }
+            let name = match rustc_demangle::try_demangle(raw) {
+                Ok(d) => format!("{d:#}"),
+                Err(_) => raw.to_owned(),
+            };
+            if is_allocator_path(&name) {
+                let start = sym.address().wrapping_add(obj.base);
+                out.push((start, start.saturating_add(sym.size())));
+            }
+        }
+    }
+    out.sort_unstable();
+    // Disjoint, merged where they touch or overlap (aliases of one function).
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(out.len());
+    for (s, e) in out {
+        match merged.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    merged.into_boxed_slice()
+}
+
 #[cold]
 #[inline(never)]
 fn on_free_slow(p: *mut u8) {
@@ -511,6 +673,75 @@ mod tests {
             let mean = sum as f64 / n as f64;
             assert!((mean - 1.25).abs() < 0.01, "{mean}");
         });
+    }
+
+    #[test]
+    fn allocator_path_names() {
+        for name in [
+            "<ferroprof::alloc::SamplingAllocator<A> as core::alloc::global::GlobalAlloc>::alloc",
+            "<ferroprof::alloc::SamplingAllocator<std::alloc::System> as core::alloc::global::GlobalAlloc>::realloc",
+            "ferroprof::alloc::on_alloc_slow",
+            "__rust_alloc",
+            "__rustc::__rust_alloc_zeroed",
+            "__rustc::__rust_realloc",
+            "std::alloc::__default_lib_allocator::__rdl_alloc",
+            "__rg_alloc",
+            "alloc::alloc::alloc",
+            "alloc::alloc::Global::alloc_impl",
+            "<alloc::alloc::Global as core::alloc::Allocator>::allocate",
+            "alloc::alloc::exchange_malloc",
+        ] {
+            assert!(is_allocator_path(name), "{name}");
+        }
+        for name in [
+            "alloc::raw_vec::RawVecInner<A>::try_allocate_in",
+            "<alloc::raw_vec::RawVecInner>::finish_grow",
+            "alloc::boxed::Box<T>::new",
+            "hashbrown::raw::RawTableInner::fallible_with_capacity",
+            "ferroprof::http::serve",
+            "app::__rust_alloc_helper<T>",
+            "app::alloc",
+            "malloc",
+        ] {
+            assert!(!is_allocator_path(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn inlined_allocator_frames_go_and_the_outermost_stays() {
+        let n = |names: &[&str]| inlined_allocator_frames(names.iter().copied());
+        assert_eq!(
+            n(&[
+                "<ferroprof::alloc::SamplingAllocator<A> as core::alloc::global::GlobalAlloc>::alloc",
+                "__rustc::__rust_alloc",
+                "alloc::alloc::alloc",
+                "alloc::raw_vec::RawVecInner<A>::try_allocate_in",
+                "alloc::alloc::alloc",
+                "app::load",
+            ]),
+            3
+        );
+        // All of the allocator path (an address in a real `__rust_alloc`): the outermost stays.
+        assert_eq!(
+            n(&["ferroprof::alloc::on_alloc_slow", "__rustc::__rust_alloc"]),
+            1
+        );
+        assert_eq!(n(&["app::load"]), 0);
+        assert_eq!(n(&[]), 0);
+    }
+
+    #[test]
+    fn leading_frames_in_allocator_functions_are_counted() {
+        let ranges = [(0x100, 0x200), (0x300, 0x310)];
+        assert!(in_ranges(&ranges, 0x100) && in_ranges(&ranges, 0x1ff));
+        assert!(!in_ranges(&ranges, 0x200) && !in_ranges(&ranges, 0xff));
+        assert!(in_ranges(&ranges, 0x30f) && !in_ranges(&ranges, 0x310));
+        assert!(!in_ranges(&[], 0x100));
+        // This test binary's own allocator shim is found (a `SamplingAllocator` is not the
+        // unit tests' global allocator, but `__rust_alloc`/`__rdl_alloc` are always there).
+        let found = allocator_ranges();
+        assert!(!found.is_empty());
+        assert!(found.windows(2).all(|w| w[0].1 < w[1].0 && w[0].0 < w[0].1));
     }
 
     #[test]

@@ -188,6 +188,11 @@ impl ProcessSymbolizer {
             })
             .collect();
         drop(found);
+        // A location's innermost frames of the allocator path go (see `crate::alloc`).
+        let owned: Vec<Box<[ResolvedFrame]>> = owned
+            .into_iter()
+            .map(crate::alloc::strip_inlined_allocator)
+            .collect();
         debug_assert!(owned.iter().flatten().all(|f| !crate::arena::owns(
             f.name.as_ptr() as *mut u8
         ) && !crate::arena::owns(

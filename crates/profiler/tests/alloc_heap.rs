@@ -239,8 +239,8 @@ fn the_profilers_own_allocations_are_never_sampled() {
             if s.value[i] == 0 {
                 continue;
             }
-            // Allocation stacks start in the allocator entry (`ferroprof::alloc`); anything
-            // else of the profiler on a sampled stack would be the profiler sampling itself.
+            // Allocation stacks start at the allocating code; a frame of the profiler on a
+            // sampled stack would be the profiler sampling itself.
             let names = p.stack_names(s);
             let internal = [
                 "ferroprof::sampler",
