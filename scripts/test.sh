@@ -12,6 +12,9 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
 cargo test --workspace
+echo "== cargo test: the tracing layer (feature tracing)"
+cargo clippy -p ferroprof --all-targets --features tracing -- -D warnings
+cargo test -p ferroprof --features tracing --lib --test tracing_layer
 echo "== soak (short): memory after exports, with and without the profiler"
 ./scripts/soak.sh ci
 

@@ -544,6 +544,60 @@ pub fn set_span(span_id: u64, local_root_span_id: u64) -> ContextGuard {
     })
 }
 
+/// Sets the calling thread's span words to (`span_id`, `local_root_span_id`), user labels kept,
+/// and returns the previous ones; None when the thread has no slot (all taken). For callers that
+/// keep their own stack of contexts (the `tracing` layer): no guard, no allocation, no lock once
+/// the thread has its slot.
+#[cfg(feature = "tracing")]
+pub(crate) fn replace_span(span_id: u64, local_root_span_id: u64) -> Option<(u64, u64)> {
+    let s = own_slot_or_claim()?;
+    let mut ctx = s.own();
+    let prev = (ctx.words[0], ctx.words[1]);
+    if prev != (span_id, local_root_span_id) {
+        ctx.words[0] = span_id;
+        ctx.words[1] = local_root_span_id;
+        s.publish(&ctx);
+    }
+    Some(prev)
+}
+
+/// Names the endpoint of the trace rooted at `local_root_span_id`: in the profile being
+/// collected, every sample carrying that `local root span id` (taken before or after this call)
+/// also carries `trace endpoint` = `endpoint`, and the endpoint's request count (the Datadog
+/// event's `endpoint_counts`) goes up by one. Call it once per request, typically when its root
+/// span ends (the `tracing` layer does). Any thread; a no-op when no profiler runs or the id is
+/// 0. Not for signal handlers: it takes the recorder's lock and may allocate.
+///
+/// A request whose samples straddle two exported profiles has the endpoint only in the profile
+/// collecting when this is called.
+pub fn record_endpoint(local_root_span_id: u64, endpoint: &str) {
+    if local_root_span_id == 0 {
+        return;
+    }
+    // The recorder's tables are the profiler's memory, not the application's.
+    tls::in_recorder(|| {
+        crate::state::with_active(|sh| {
+            // Never inside the recorder while a fork is under way (see `fork`).
+            crate::fork::outside_fork(|| {
+                if sh
+                    .recorder
+                    .record_endpoint(local_root_span_id, endpoint)
+                    .is_err()
+                {
+                    sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            // On-demand captures (`/debug/pprof/profile`) running now see it too. Outside the
+            // fork gate, as for samples.
+            for kind in [crate::state::TapKind::Cpu, crate::state::TapKind::Alloc] {
+                sh.for_each_tap(kind, |r| {
+                    let _ = r.record_endpoint(local_root_span_id, endpoint);
+                });
+            }
+        })
+    });
+}
+
 /// Runs `f` with `labels` added to the calling thread's context; the previous context comes
 /// back when `f` returns or panics.
 pub fn with<R>(labels: &[(&str, &str)], f: impl FnOnce() -> R) -> R {

@@ -43,6 +43,8 @@
 pub mod export;
 pub mod http;
 pub mod labels;
+#[cfg(feature = "tracing")]
+pub mod tracing;
 
 mod alloc;
 mod alloc_totals;

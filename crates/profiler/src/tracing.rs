@@ -1,0 +1,227 @@
+//! `tracing` integration (cargo feature `tracing`): [`FerroprofLayer`] keeps each thread's label
+//! context (see [`crate::labels`]) in step with the spans it enters, so CPU, wall and
+//! allocation samples carry the `span id` and `local root span id` of the span active on the
+//! thread, and records each root span's endpoint so its samples carry `trace endpoint`.
+//!
+//! ```
+//! use tracing_subscriber::layer::SubscriberExt;
+//!
+//! let subscriber = tracing_subscriber::registry()
+//!     .with(ferroprof::tracing::FerroprofLayer::new()); // endpoint from `http.route`
+//! # drop(subscriber);
+//! ```
+//!
+//! * **Span ids.** `span id` is the span's tracing [`Id`] (as `u64`); `local root span id` is the
+//!   id of its outermost ancestor (the span itself when it has no parent).
+//! * **Threads.** Enter and exit happen on the thread that polls or runs the span (a tokio task
+//!   instrumented with `.instrument(span)` is entered on whichever worker polls it), so the
+//!   context follows the span from worker to worker. Each thread keeps a stack of the contexts
+//!   its enters replaced; an exit restores the one before (exits out of order are handled).
+//! * **Endpoints.** A root span's endpoint is its `http.route` field (the field is configurable,
+//!   [`FerroprofLayer::endpoint_field`]; a value recorded later with `Span::record` counts),
+//!   else its name. It is recorded once, when the root span closes, through
+//!   [`crate::labels::record_endpoint`]: the profile collecting then labels every sample of that
+//!   trace with `trace endpoint` and counts one request for the endpoint (Datadog's
+//!   `endpoint_counts`).
+//! * **Cost and memory.** Enter and exit touch no lock of the layer: two lookups in the span
+//!   registry (the span and its parent; a deeper span whose parent is not the span the thread
+//!   entered last walks up to its root) and one publish into the thread's slot. Per-span data
+//!   (a root span's endpoint) lives in the span's extensions and goes with the span; the
+//!   per-thread stack is as deep as the spans entered at once (capped at [`MAX_DEPTH`]).
+//!
+//! Not yet: OpenTelemetry span and trace ids (`tracing-opentelemetry`) in place of the tracing
+//! ids.
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::fmt;
+
+use tracing_core::field::{Field, Visit};
+use tracing_core::span::{Attributes, Id, Record};
+use tracing_core::Subscriber;
+use tracing_subscriber::layer::{Context, Layer};
+use tracing_subscriber::registry::LookupSpan;
+
+use crate::labels;
+
+/// Spans a thread can have entered at once with their context set; deeper enters leave the
+/// context as it is (the stack never grows past this, even with enters that are never exited).
+pub const MAX_DEPTH: usize = 256;
+
+/// The default field a root span's endpoint is read from.
+pub const DEFAULT_ENDPOINT_FIELD: &str = "http.route";
+
+/// A [`Layer`] that labels samples with the tracing span active on each thread and names each
+/// trace's endpoint (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct FerroprofLayer {
+    endpoint_field: Cow<'static, str>,
+}
+
+impl Default for FerroprofLayer {
+    fn default() -> Self {
+        FerroprofLayer::new()
+    }
+}
+
+impl FerroprofLayer {
+    /// A layer taking endpoints from the root span's `http.route` field, else its name.
+    pub fn new() -> Self {
+        FerroprofLayer {
+            endpoint_field: Cow::Borrowed(DEFAULT_ENDPOINT_FIELD),
+        }
+    }
+
+    /// Reads endpoints from the root span's field `name` instead of `http.route` (the root
+    /// span's name stays the fallback).
+    pub fn endpoint_field(mut self, name: impl Into<Cow<'static, str>>) -> Self {
+        self.endpoint_field = name.into();
+        self
+    }
+}
+
+/// What a root span keeps in its extensions: its endpoint.
+struct RootEndpoint(Cow<'static, str>);
+
+/// Finds the endpoint field among a span's values.
+struct EndpointVisitor<'a> {
+    field: &'a str,
+    found: Option<String>,
+}
+
+impl Visit for EndpointVisitor<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == self.field {
+            self.found = Some(value.to_owned());
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        if field.name() == self.field {
+            self.found = Some(format!("{value:?}"));
+        }
+    }
+}
+
+/// One enter a thread made: the span entered and the span words it replaced.
+#[derive(Clone, Copy)]
+struct Entered {
+    id: u64,
+    root: u64,
+    prev: (u64, u64),
+}
+
+thread_local! {
+    static STACK: RefCell<Vec<Entered>> = const { RefCell::new(Vec::new()) };
+}
+
+impl<S> Layer<S> for FerroprofLayer
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(id) else {
+            return;
+        };
+        if span.parent().is_some() {
+            return; // only root spans name an endpoint
+        }
+        let mut v = EndpointVisitor {
+            field: &self.endpoint_field,
+            found: None,
+        };
+        attrs.record(&mut v);
+        let endpoint = match v.found {
+            Some(e) => Cow::Owned(e),
+            None => Cow::Borrowed(span.name()),
+        };
+        span.extensions_mut().insert(RootEndpoint(endpoint));
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(id) else {
+            return;
+        };
+        let mut v = EndpointVisitor {
+            field: &self.endpoint_field,
+            found: None,
+        };
+        values.record(&mut v);
+        if let Some(e) = v.found {
+            if let Some(root) = span.extensions_mut().get_mut::<RootEndpoint>() {
+                root.0 = Cow::Owned(e);
+            }
+        }
+    }
+
+    fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(id) else {
+            return;
+        };
+        let span_id = id.into_u64();
+        let _ = STACK.try_with(|stack| {
+            let Ok(mut stack) = stack.try_borrow_mut() else {
+                return;
+            };
+            if stack.len() >= MAX_DEPTH {
+                return;
+            }
+            let root = match span.parent() {
+                None => span_id,
+                Some(parent) => {
+                    let parent_id = parent.id().into_u64();
+                    match stack.last() {
+                        // The usual nesting: the parent is the span entered last here.
+                        Some(top) if top.id == parent_id => top.root,
+                        _ => parent
+                            .scope()
+                            .last()
+                            .map_or(parent_id, |r| r.id().into_u64()),
+                    }
+                }
+            };
+            let Some(prev) = labels::replace_span(span_id, root) else {
+                return;
+            };
+            if stack.len() == stack.capacity() {
+                // The stack is the profiler's memory, not the application's.
+                crate::tls::with_guard(|| stack.reserve(16));
+            }
+            stack.push(Entered {
+                id: span_id,
+                root,
+                prev,
+            });
+        });
+    }
+
+    fn on_exit(&self, id: &Id, _ctx: Context<'_, S>) {
+        let span_id = id.into_u64();
+        let _ = STACK.try_with(|stack| {
+            let Ok(mut stack) = stack.try_borrow_mut() else {
+                return;
+            };
+            let Some(i) = stack.iter().rposition(|e| e.id == span_id) else {
+                return; // entered before the layer was installed, or past MAX_DEPTH
+            };
+            let gone = stack.remove(i);
+            match stack.get_mut(i) {
+                // Exited out of order: the enter above it now restores what this one replaced.
+                Some(above) => above.prev = gone.prev,
+                None => {
+                    labels::replace_span(gone.prev.0, gone.prev.1);
+                }
+            }
+        });
+    }
+
+    fn on_close(&self, id: Id, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(&id) else {
+            return;
+        };
+        let ext = span.extensions();
+        if let Some(RootEndpoint(endpoint)) = ext.get::<RootEndpoint>() {
+            labels::record_endpoint(id.into_u64(), endpoint);
+        }
+    }
+}
