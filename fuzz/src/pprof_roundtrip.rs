@@ -48,6 +48,7 @@ impl Symbolizer for Sym {
                 name: format!("inl{}_{k}", address % 5),
                 filename: "x.rs".into(),
                 line: k as i64 + 1,
+                ..Default::default()
             });
         }
     }

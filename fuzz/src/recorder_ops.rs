@@ -96,6 +96,7 @@ impl Symbolizer for FuzzSymbolizer {
                 name: format!("sym{}_{k}", address % 16),
                 filename: "inlined.rs".into(),
                 line: k as i64,
+                ..Default::default()
             });
         }
     }

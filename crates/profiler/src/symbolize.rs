@@ -183,6 +183,7 @@ impl ProcessSymbolizer {
                         name: f.name.as_str().to_owned(),
                         filename: f.filename.as_str().to_owned(),
                         line: f.line,
+                        ..Default::default()
                     })
                     .collect()
             })
@@ -218,6 +219,7 @@ impl ProcessSymbolizer {
                     name,
                     filename: String::new(),
                     line: 0,
+                    ..Default::default()
                 });
                 continue;
             }
@@ -230,6 +232,7 @@ impl ProcessSymbolizer {
                     name: format!("{a:#x}"),
                     filename: String::new(),
                     line: 0,
+                    ..Default::default()
                 }),
             }
         }
@@ -282,6 +285,7 @@ impl ProcessSymbolizer {
                             .map(|p| p.to_string_lossy().into_owned())
                             .unwrap_or_default(),
                         line: 0,
+                        ..Default::default()
                     });
                 }
             }
@@ -712,6 +716,7 @@ impl DebugInfo {
                             },
                             filename: f.file,
                             line: i64::from(f.line),
+                            ..Default::default()
                         })
                         .collect();
                 }
@@ -725,6 +730,7 @@ impl DebugInfo {
                         name: demangle(name),
                         filename: String::new(),
                         line: 0,
+                        ..Default::default()
                     });
                 }
             }
@@ -984,6 +990,7 @@ mod tests {
                     name,
                     filename,
                     line,
+                    ..Default::default()
                 });
             }
         }
@@ -993,6 +1000,7 @@ mod tests {
                     name: demangle(name),
                     filename: String::new(),
                     line: 0,
+                    ..Default::default()
                 });
             }
         }

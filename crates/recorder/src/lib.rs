@@ -20,7 +20,7 @@ mod sync;
 
 pub use error::{HeapError, ProfileError, RecorderError, StringError};
 pub use heap::{HeapConfig, HeapRecorder, HeapStats, Liveness, LivenessSource};
-pub use pprof::{Compression, EncodedProfile, ResolvedFrame, Symbolizer};
+pub use pprof::{Compression, EncodedProfile, MappingInfo, ResolvedFrame, Symbolizer};
 pub use profile::{
     Frame, Label, LabelValue, Profile, ProfileMetadata, Sample, Str, DROPPED_STACKS_FRAME,
 };

@@ -4,7 +4,7 @@
 //! copy of the whole profile: every nested message's length is computed arithmetically before
 //! its fields are written, and bytes pass through a small staging buffer that is flushed into the
 //! compressor as it fills. Functions, locations, label sets and stacks are deduplicated by the
-//! profile before they get here. No mapping is emitted when there is none.
+//! profile before they get here. No mapping is emitted when the symbolizer gives none.
 
 use std::io::{self, Write};
 use std::time::SystemTime;
@@ -51,11 +51,37 @@ pub struct EncodedProfile {
 }
 
 /// One frame produced by symbolizing an address.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ResolvedFrame {
+    /// The function's readable name (demangled, fully qualified where known).
     pub name: String,
+    /// The function's name as the system knows it (its linkage, mangled name); empty when
+    /// unknown. pprof's `Function.system_name`.
+    pub system_name: String,
     pub filename: String,
     pub line: i64,
+    /// Line where the function starts in `filename` (0: unknown). pprof's `Function.start_line`.
+    pub start_line: i64,
+}
+
+/// Where an object (executable, shared library, vDSO) is loaded, as a pprof `Mapping`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MappingInfo {
+    /// Address range the object's code occupies in memory: [memory_start, memory_limit).
+    pub memory_start: u64,
+    pub memory_limit: u64,
+    /// Offset in the file that `memory_start` maps.
+    pub file_offset: u64,
+    /// The object's file (or a `[name]` for objects without one, like the vDSO).
+    pub filename: String,
+    /// The GNU build id, in lowercase hex; empty when there is none.
+    pub build_id: String,
+    /// What the frames of this mapping's locations carry: function names, file names, line
+    /// numbers, inlined frames. A viewer re-symbolizes a mapping that lacks them.
+    pub has_functions: bool,
+    pub has_filenames: bool,
+    pub has_line_numbers: bool,
+    pub has_inline_frames: bool,
 }
 
 /// Turns addresses into frames at encoding time (off the hot path).
@@ -68,6 +94,13 @@ pub trait Symbolizer {
     /// for (in no order, possibly repeated), so that a symbolizer can resolve them together.
     fn prepare(&mut self, addresses: &[u64]) {
         let _ = addresses;
+    }
+
+    /// The mapping `address` lies in, asked once per address after its `symbolize`. `None`
+    /// (the default): the location is written without a mapping.
+    fn mapping(&mut self, address: u64) -> Option<&MappingInfo> {
+        let _ = address;
+        None
     }
 }
 
@@ -252,6 +285,7 @@ impl PbWriter {
 pub(crate) mod field {
     pub const PROFILE_SAMPLE_TYPE: u8 = 1;
     pub const PROFILE_SAMPLE: u8 = 2;
+    pub const PROFILE_MAPPING: u8 = 3;
     pub const PROFILE_LOCATION: u8 = 4;
     pub const PROFILE_FUNCTION: u8 = 5;
     pub const PROFILE_STRING_TABLE: u8 = 6;
@@ -272,7 +306,19 @@ pub(crate) mod field {
     pub const LABEL_STR: u8 = 2;
     pub const LABEL_NUM: u8 = 3;
 
+    pub const MAPPING_ID: u8 = 1;
+    pub const MAPPING_MEMORY_START: u8 = 2;
+    pub const MAPPING_MEMORY_LIMIT: u8 = 3;
+    pub const MAPPING_FILE_OFFSET: u8 = 4;
+    pub const MAPPING_FILENAME: u8 = 5;
+    pub const MAPPING_BUILD_ID: u8 = 6;
+    pub const MAPPING_HAS_FUNCTIONS: u8 = 7;
+    pub const MAPPING_HAS_FILENAMES: u8 = 8;
+    pub const MAPPING_HAS_LINE_NUMBERS: u8 = 9;
+    pub const MAPPING_HAS_INLINE_FRAMES: u8 = 10;
+
     pub const LOCATION_ID: u8 = 1;
+    pub const LOCATION_MAPPING_ID: u8 = 2;
     pub const LOCATION_ADDRESS: u8 = 3;
     pub const LOCATION_LINE: u8 = 4;
 
@@ -281,7 +327,9 @@ pub(crate) mod field {
 
     pub const FUNCTION_ID: u8 = 1;
     pub const FUNCTION_NAME: u8 = 2;
+    pub const FUNCTION_SYSTEM_NAME: u8 = 3;
     pub const FUNCTION_FILENAME: u8 = 4;
+    pub const FUNCTION_START_LINE: u8 = 5;
 }
 
 #[cfg(test)]

@@ -28,8 +28,8 @@ use std::time::{Duration, SystemTime};
 
 use crate::error::{ProfileError, StringError};
 use crate::pprof::{
-    field, len_field_len, varint_field_len, varint_len, EncodeOptions, EncodedProfile, PbWriter,
-    ResolvedFrame, Symbolizer,
+    field, len_field_len, varint_field_len, varint_len, EncodeOptions, EncodedProfile, MappingInfo,
+    PbWriter, ResolvedFrame, Symbolizer,
 };
 use crate::sample_types::SampleType;
 use crate::strings::{StringId, StringStorage, Table as StorageTable};
@@ -2411,30 +2411,34 @@ impl Profile {
             )?;
         }
 
+        for (i, m) in extras.mappings.iter().enumerate() {
+            write_mapping(&mut w, i as u64 + 1, m);
+        }
+        w.maybe_flush()?;
+
         for (pos, &i) in ids.order.iter().enumerate() {
             let id = pos as u64 + 1;
             let i = i as usize;
             match t.locations.items[i] {
                 Location::Symbol { function, line } => {
-                    write_location(&mut w, id, 0, &[(function, line)]);
+                    write_location(&mut w, id, 0, 0, &[(function, line)]);
                 }
                 Location::Address(a) => {
-                    write_location(&mut w, id, a, extras.lines_of(i));
+                    let mapping = extras.mapping_of(i);
+                    write_location(&mut w, id, mapping, a, extras.lines_of(i));
                 }
             }
             w.maybe_flush()?;
         }
 
-        let functions = t.functions.items.iter().chain(&extras.functions);
-        for (i, f) in functions.enumerate() {
-            let id = i as u64 + 1;
-            let len = varint_field_len(id)
-                + varint_field_len(f.name as u64)
-                + varint_field_len(f.filename as u64);
-            w.len_header(field::PROFILE_FUNCTION, len);
-            w.uint_field(field::FUNCTION_ID, id);
-            w.uint_field(field::FUNCTION_NAME, f.name as u64);
-            w.uint_field(field::FUNCTION_FILENAME, f.filename as u64);
+        let own = t.functions.items.iter().map(|f| ExtraFunction {
+            name: f.name,
+            system_name: 0,
+            filename: f.filename,
+            start_line: 0,
+        });
+        for (i, f) in own.chain(extras.functions.iter().copied()).enumerate() {
+            write_function(&mut w, i as u64 + 1, f);
             w.maybe_flush()?;
         }
 
@@ -2651,11 +2655,13 @@ impl LocationIds {
     }
 }
 
-fn write_location(w: &mut PbWriter, id: u64, address: u64, lines: &[(u32, i64)]) {
+/// A location; `mapping` is its mapping's pprof id (0: none).
+fn write_location(w: &mut PbWriter, id: u64, mapping: u64, address: u64, lines: &[(u32, i64)]) {
     let line_len = |&(f, l): &(u32, i64)| -> usize {
         varint_field_len(f as u64 + 1) + varint_field_len(l as u64)
     };
     let len = varint_field_len(id)
+        + varint_field_len(mapping)
         + varint_field_len(address)
         + lines
             .iter()
@@ -2663,6 +2669,7 @@ fn write_location(w: &mut PbWriter, id: u64, address: u64, lines: &[(u32, i64)])
             .sum::<usize>();
     w.len_header(field::PROFILE_LOCATION, len);
     w.uint_field(field::LOCATION_ID, id);
+    w.uint_field(field::LOCATION_MAPPING_ID, mapping);
     w.uint_field(field::LOCATION_ADDRESS, address);
     for l in lines {
         w.len_header(field::LOCATION_LINE, line_len(l));
@@ -2671,18 +2678,82 @@ fn write_location(w: &mut PbWriter, id: u64, address: u64, lines: &[(u32, i64)])
     }
 }
 
-/// Functions and strings that only symbolization at encode time brings in. Their ids continue
-/// after the profile's own tables.
+fn write_function(w: &mut PbWriter, id: u64, f: ExtraFunction) {
+    let len = varint_field_len(id)
+        + varint_field_len(f.name as u64)
+        + varint_field_len(f.system_name as u64)
+        + varint_field_len(f.filename as u64)
+        + varint_field_len(f.start_line as u64);
+    w.len_header(field::PROFILE_FUNCTION, len);
+    w.uint_field(field::FUNCTION_ID, id);
+    w.uint_field(field::FUNCTION_NAME, f.name as u64);
+    w.uint_field(field::FUNCTION_SYSTEM_NAME, f.system_name as u64);
+    w.uint_field(field::FUNCTION_FILENAME, f.filename as u64);
+    w.int_field(field::FUNCTION_START_LINE, f.start_line);
+}
+
+fn write_mapping(w: &mut PbWriter, id: u64, m: &MappingRec) {
+    let flags = [
+        (field::MAPPING_HAS_FUNCTIONS, m.info.has_functions),
+        (field::MAPPING_HAS_FILENAMES, m.info.has_filenames),
+        (field::MAPPING_HAS_LINE_NUMBERS, m.info.has_line_numbers),
+        (field::MAPPING_HAS_INLINE_FRAMES, m.info.has_inline_frames),
+    ];
+    let len = varint_field_len(id)
+        + varint_field_len(m.info.memory_start)
+        + varint_field_len(m.info.memory_limit)
+        + varint_field_len(m.info.file_offset)
+        + varint_field_len(m.filename as u64)
+        + varint_field_len(m.build_id as u64)
+        + flags
+            .iter()
+            .map(|&(_, b)| varint_field_len(b as u64))
+            .sum::<usize>();
+    w.len_header(field::PROFILE_MAPPING, len);
+    w.uint_field(field::MAPPING_ID, id);
+    w.uint_field(field::MAPPING_MEMORY_START, m.info.memory_start);
+    w.uint_field(field::MAPPING_MEMORY_LIMIT, m.info.memory_limit);
+    w.uint_field(field::MAPPING_FILE_OFFSET, m.info.file_offset);
+    w.uint_field(field::MAPPING_FILENAME, m.filename as u64);
+    w.uint_field(field::MAPPING_BUILD_ID, m.build_id as u64);
+    for (f, b) in flags {
+        w.uint_field(f, b as u64);
+    }
+}
+
+/// A function as written: the profile's own carry a name and a file only.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct ExtraFunction {
+    name: u32,
+    system_name: u32,
+    filename: u32,
+    start_line: i64,
+}
+
+/// A mapping as written, its strings interned.
+struct MappingRec {
+    info: MappingInfo,
+    filename: u32,
+    build_id: u32,
+}
+
+/// Functions, strings and mappings that only symbolization at encode time brings in. Their ids
+/// continue after the profile's own tables.
 #[derive(Default)]
 struct Extras {
     strings: Vec<String>,
     string_ids: HashMap<String, u32, foldhash::fast::RandomState>,
-    functions: Vec<Function>,
-    function_ids: HashMap<(u32, u32), u32, foldhash::fast::RandomState>,
+    functions: Vec<ExtraFunction>,
+    function_ids: HashMap<ExtraFunction, u32, foldhash::fast::RandomState>,
     /// (function id, line) of symbolized addresses, innermost first.
     lines: Vec<(u32, i64)>,
     /// Per location: span in `lines` (empty for symbol locations and unknown addresses).
     spans: Vec<(u32, u32)>,
+    /// The mappings locations fall in, by memory start (the main program, loaded lowest in
+    /// the usual layouts, comes first, where viewers look for it).
+    mappings: Vec<MappingRec>,
+    /// Per location: index in `mappings` + 1 (0: none).
+    location_mappings: Vec<u32>,
 }
 
 impl Extras {
@@ -2704,6 +2775,10 @@ impl Extras {
         drop(addresses);
         let mut out: Vec<ResolvedFrame> = Vec::new();
         x.spans = vec![(0, 0); t.locations.items.len()];
+        x.location_mappings = vec![0; t.locations.items.len()];
+        // (memory start, limit, file offset) -> index in `mappings` + 1.
+        let mut mapping_ids: HashMap<(u64, u64, u64), u32, foldhash::fast::RandomState> =
+            HashMap::default();
         for (i, loc) in t.locations.items.iter().enumerate() {
             let Location::Address(addr) = *loc else {
                 continue;
@@ -2712,12 +2787,47 @@ impl Extras {
             sym.symbolize(addr, &mut out);
             let start = x.lines.len();
             for f in &out {
-                let name = x.string(t, &f.name)?;
-                let filename = x.string(t, &f.filename)?;
-                let function = x.function(t, Function { name, filename })?;
+                let function = ExtraFunction {
+                    name: x.string(t, &f.name)?,
+                    system_name: x.string(t, &f.system_name)?,
+                    filename: x.string(t, &f.filename)?,
+                    start_line: f.start_line,
+                };
+                let function = x.function(t, function)?;
                 x.lines.push((function, f.line));
             }
             x.spans[i] = (start as u32, (x.lines.len() - start) as u32);
+            if let Some(m) = sym.mapping(addr) {
+                let key = (m.memory_start, m.memory_limit, m.file_offset);
+                let id = match mapping_ids.get(&key) {
+                    Some(&id) => id,
+                    None => {
+                        let m = m.clone();
+                        let rec = MappingRec {
+                            filename: x.string(t, &m.filename)?,
+                            build_id: x.string(t, &m.build_id)?,
+                            info: m,
+                        };
+                        x.mappings.push(rec);
+                        mapping_ids.insert(key, x.mappings.len() as u32);
+                        x.mappings.len() as u32
+                    }
+                };
+                x.location_mappings[i] = id;
+            }
+        }
+        if x.mappings.len() > 1 {
+            let mut order: Vec<u32> = (0..x.mappings.len() as u32).collect();
+            order.sort_by_key(|&k| x.mappings[k as usize].info.memory_start);
+            let mut new_id = vec![0u32; order.len() + 1];
+            for (pos, &k) in order.iter().enumerate() {
+                new_id[k as usize + 1] = pos as u32 + 1;
+            }
+            for m in &mut x.location_mappings {
+                *m = new_id[*m as usize];
+            }
+            // Stable, by the same key: the same permutation as `order`.
+            x.mappings.sort_by_key(|m| m.info.memory_start);
         }
         Ok(x)
     }
@@ -2736,18 +2846,32 @@ impl Extras {
         Ok(next as u32)
     }
 
-    fn function(&mut self, t: &Tables, f: Function) -> Result<u32, ProfileError> {
-        if let Some(id) = t.functions.find(f, hash_function(f)) {
-            return Ok(id);
+    fn function(&mut self, t: &Tables, f: ExtraFunction) -> Result<u32, ProfileError> {
+        if f.system_name == 0 && f.start_line == 0 {
+            // What the profile's own functions carry: the same function when it names one.
+            let own = Function {
+                name: f.name,
+                filename: f.filename,
+            };
+            if let Some(id) = t.functions.find(own, hash_function(own)) {
+                return Ok(id);
+            }
         }
-        if let Some(&id) = self.function_ids.get(&(f.name, f.filename)) {
+        if let Some(&id) = self.function_ids.get(&f) {
             return Ok(id);
         }
         let next = t.functions.items.len() + self.functions.len();
         check_table_len(next, "function")?;
         self.functions.push(f);
-        self.function_ids.insert((f.name, f.filename), next as u32);
+        self.function_ids.insert(f, next as u32);
         Ok(next as u32)
+    }
+
+    /// The pprof id of the mapping of location `location` (0: none).
+    fn mapping_of(&self, location: usize) -> u64 {
+        self.location_mappings
+            .get(location)
+            .map_or(0, |&m| m as u64)
     }
 
     fn lines_of(&self, location: usize) -> &[(u32, i64)] {
@@ -3147,17 +3271,20 @@ mod tests {
                         name: "inlined".into(),
                         filename: "i.rs".into(),
                         line: 5,
+                        ..Default::default()
                     });
                     out.push(ResolvedFrame {
                         name: "outer".into(),
                         filename: "o.rs".into(),
                         line: 50,
+                        ..Default::default()
                     });
                 }
                 0x2000 => out.push(ResolvedFrame {
                     name: "main".into(),
                     filename: "m.rs".into(),
                     line: 1,
+                    ..Default::default()
                 }),
                 _ => {}
             }
@@ -3201,6 +3328,116 @@ mod tests {
         let d = decode(&p);
         let names = d.stack_names(&d.sample[0]);
         assert_eq!(names, vec!["0x1000", "0x2000", "0x3000"]);
+    }
+
+    /// Frames with linkage names and start lines, and two objects' mappings.
+    struct MappedSymbols {
+        objects: [MappingInfo; 2],
+    }
+
+    impl Symbolizer for MappedSymbols {
+        fn symbolize(&mut self, address: u64, out: &mut Vec<ResolvedFrame>) {
+            let (name, system_name, start_line) = match address {
+                0x7f00_0000_1010 => ("lib::f", "_ZN3lib1f17h0123456789abcdefE", 3),
+                0x5500_0000_2010 => ("app::main", "_ZN3app4main17h0123456789abcdefE", 10),
+                0x5500_0000_2020 => ("app::main", "_ZN3app4main17h0123456789abcdefE", 10),
+                _ => return,
+            };
+            out.push(ResolvedFrame {
+                name: name.into(),
+                system_name: system_name.into(),
+                filename: "src/x.rs".into(),
+                line: 12,
+                start_line,
+            });
+        }
+
+        fn mapping(&mut self, address: u64) -> Option<&MappingInfo> {
+            self.objects
+                .iter()
+                .find(|m| m.memory_start <= address && address < m.memory_limit)
+        }
+    }
+
+    #[test]
+    fn mappings_and_function_details_are_written() {
+        let mut p = profile();
+        let frames = [
+            Frame::Address(0x7f00_0000_1010),
+            Frame::Address(0x5500_0000_2010),
+            Frame::Address(0x5500_0000_2020),
+            Frame::Address(0x1234),
+        ];
+        add(&mut p, &frames, &[1, 0], &[], 0);
+        add(
+            &mut p,
+            &[Frame::sym("app::main", "src/x.rs", 12)],
+            &[1, 0],
+            &[],
+            0,
+        );
+        let lib = MappingInfo {
+            memory_start: 0x7f00_0000_1000,
+            memory_limit: 0x7f00_0000_2000,
+            file_offset: 0x1000,
+            filename: "/lib/libx.so".into(),
+            build_id: "abcd".into(),
+            has_functions: true,
+            ..Default::default()
+        };
+        let app = MappingInfo {
+            memory_start: 0x5500_0000_2000,
+            memory_limit: 0x5500_0000_3000,
+            file_offset: 0x2000,
+            filename: "/bin/app".into(),
+            build_id: "0123".into(),
+            has_functions: true,
+            has_filenames: true,
+            has_line_numbers: true,
+            has_inline_frames: true,
+        };
+        let mut sym = MappedSymbols {
+            objects: [lib, app],
+        };
+        let opts = EncodeOptions {
+            compression: Compression::None,
+        };
+        let enc = p.encode(t0(), &opts, Some(&mut sym)).unwrap();
+        let d = ferroprof_pprof::decode(&enc.bytes).unwrap();
+        // One mapping per object used, lowest first: the program before the library.
+        let files: Vec<&str> = d.mapping.iter().map(|m| d.str(m.filename)).collect();
+        assert_eq!(files, ["/bin/app", "/lib/libx.so"]);
+        let m = &d.mapping[0];
+        assert_eq!(m.id, 1);
+        assert_eq!(
+            (m.memory_start, m.memory_limit, m.file_offset),
+            (0x5500_0000_2000, 0x5500_0000_3000, 0x2000)
+        );
+        assert_eq!(d.str(m.build_id), "0123");
+        assert!(m.has_functions && m.has_filenames && m.has_line_numbers && m.has_inline_frames);
+        let m = &d.mapping[1];
+        assert_eq!(d.str(m.build_id), "abcd");
+        assert!(m.has_functions && !m.has_filenames && !m.has_inline_frames);
+        for l in &d.location {
+            let want = match l.address {
+                0x7f00_0000_1010 => 2,
+                0x5500_0000_2010 | 0x5500_0000_2020 => 1,
+                _ => 0,
+            };
+            assert_eq!(l.mapping_id, want, "location at {:#x}", l.address);
+        }
+        // Two addresses of one function: one function, with its linkage name and start line;
+        // the literal frame without them stays a function of its own.
+        let mains: Vec<_> = d
+            .function
+            .iter()
+            .filter(|f| d.str(f.name) == "app::main")
+            .collect();
+        assert_eq!(mains.len(), 2, "{mains:?}");
+        let full = mains.iter().find(|f| f.system_name != 0).unwrap();
+        assert_eq!(d.str(full.system_name), "_ZN3app4main17h0123456789abcdefE");
+        assert_eq!(full.start_line, 10);
+        assert_eq!(d.str(full.filename), "src/x.rs");
     }
 
     #[test]

@@ -1112,6 +1112,7 @@ mod tests {
                 name: format!("f{address}"),
                 filename: "f.rs".into(),
                 line: 1,
+                ..Default::default()
             });
         }
     }

@@ -17,6 +17,7 @@ impl Symbolizer for Inlining {
                     name: name.into(),
                     filename: "lib.rs".into(),
                     line,
+                    ..Default::default()
                 });
             }
         }

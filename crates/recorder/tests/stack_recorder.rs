@@ -363,6 +363,7 @@ impl Symbolizer for BlockingSymbolizer {
             name: "symbolized".into(),
             filename: "s.rs".into(),
             line: 1,
+            ..Default::default()
         });
     }
 }
