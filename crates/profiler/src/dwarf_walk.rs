@@ -11,6 +11,10 @@
 //! The answers are meant to be addr2line's (names through `DW_AT_linkage_name`, `DW_AT_name`,
 //! `DW_AT_abstract_origin` and `DW_AT_specification`, inlined frames innermost first, call
 //! sites as the outer frames' lines); the symbolizer's tests compare the two on whole binaries.
+//! Beyond them, a frame says whether its name is a linkage name, where its function is declared
+//! (`DW_AT_decl_line`), and for the physical frame where the function's code starts: with
+//! `debug = "line-tables-only"` DWARF names functions without their path, and the symbolizer
+//! then takes the symbol table's name of the function starting there.
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -27,8 +31,22 @@ const NAME_HOPS: usize = 16;
 #[derive(Debug, Default)]
 pub(crate) struct RawFrame {
     pub name: Option<Reader>,
+    /// `name` is a linkage (mangled) name, not only `DW_AT_name`.
+    pub linkage: bool,
+    /// Line the function is declared at (0: unknown).
+    pub decl_line: u32,
+    /// The physical frame's: start of the function's code range holding the address.
+    pub entry: Option<u64>,
     pub file: String,
     pub line: u32,
+}
+
+/// A function's name as its entries give it.
+#[derive(Default)]
+struct Named {
+    name: Option<Reader>,
+    linkage: bool,
+    decl_line: u32,
 }
 
 /// Units other than the walked one, parsed when a name lives in them (`DW_FORM_ref_addr`).
@@ -72,6 +90,8 @@ impl<'a> OtherUnits<'a> {
 struct Found {
     /// The subprogram holding it: (ordinal among the unit's subprograms, entry offset).
     function: Option<(u32, gimli::UnitOffset<usize>)>,
+    /// Start of that subprogram's range holding it.
+    entry: u64,
     /// Inlined calls holding it, outermost first.
     chain: Vec<Inlined>,
     /// Later subprograms holding it too (assembly gives each alias of a routine one).
@@ -234,6 +254,7 @@ fn walk_entries(unit: gimli::UnitRef<'_, Reader>, probes: &[u64], found: &mut [F
                     for i in probes_in(probes, b, e) {
                         if found[i].function.is_none() {
                             found[i].function = Some((ordinal, offset));
+                            found[i].entry = b;
                             hit = true;
                         } else {
                             found[i].aliases.push(offset);
@@ -322,9 +343,9 @@ fn frames_of(
             Some(_) => {
                 let (file, line) = row_place(f.row);
                 vec![RawFrame {
-                    name: None,
                     file,
                     line,
+                    ..RawFrame::default()
                 }]
             }
             None => Vec::new(),
@@ -333,7 +354,7 @@ fn frames_of(
     if f.chain.is_empty() && !f.aliases.is_empty() {
         // One routine under several names: the plainest (`clone3`, not `__GI___clone3`).
         let mut underscores = |at| {
-            entry_name(unit, at, others).map_or(usize::MAX, |n| {
+            entry_name(unit, at, others).name.map_or(usize::MAX, |n| {
                 n.slice().iter().take_while(|&&c| c == b'_').count()
             })
         };
@@ -348,8 +369,12 @@ fn frames_of(
     let mut out = Vec::with_capacity(f.chain.len() + 1);
     let mut place = row_place(f.row);
     for inl in f.chain.iter().rev() {
+        let named = entry_name(unit, inl.entry, others);
         out.push(RawFrame {
-            name: entry_name(unit, inl.entry, others),
+            name: named.name,
+            linkage: named.linkage,
+            decl_line: named.decl_line,
+            entry: None,
             file: place.0,
             line: place.1,
         });
@@ -359,39 +384,73 @@ fn frames_of(
             .unwrap_or_default();
         place = (file, inl.call_line);
     }
+    let named = entry_name(unit, function, others);
     out.push(RawFrame {
-        name: entry_name(unit, function, others),
+        name: named.name,
+        linkage: named.linkage,
+        decl_line: named.decl_line,
+        entry: Some(f.entry),
         file: place.0,
         line: place.1,
     });
     out
 }
 
-/// A subprogram's or inlined call's name: its linkage name, else its name, else its origin's.
+/// A subprogram's or inlined call's name: its linkage name, else its name, else its origin's
+/// (as addr2line reads it: an origin met before a name is taken); its declaration line, else its
+/// origin's.
 fn entry_name(
     unit: gimli::UnitRef<'_, Reader>,
     at: gimli::UnitOffset<usize>,
     others: &mut OtherUnits<'_>,
-) -> Option<Reader> {
-    let mut entries = unit.entries_raw(Some(at)).ok()?;
-    let abbrev = entries.read_abbreviation().ok()??;
-    let mut name = None;
+) -> Named {
+    let mut named = Named::default();
+    let Ok(mut entries) = unit.entries_raw(Some(at)) else {
+        return named;
+    };
+    let Ok(Some(abbrev)) = entries.read_abbreviation() else {
+        return named;
+    };
+    // An origin not followed yet (its name was not needed).
+    let mut origin = None;
     for spec in abbrev.attributes() {
-        let attr = entries.read_attribute(*spec).ok()?;
+        let Ok(attr) = entries.read_attribute(*spec) else {
+            return named;
+        };
         match attr.name() {
             gimli::DW_AT_linkage_name | gimli::DW_AT_MIPS_linkage_name => {
                 if let Ok(v) = unit.attr_string(attr.value()) {
-                    name = Some(v);
+                    named.name = Some(v);
+                    named.linkage = true;
                 }
             }
-            gimli::DW_AT_name if name.is_none() => name = unit.attr_string(attr.value()).ok(),
-            gimli::DW_AT_abstract_origin | gimli::DW_AT_specification if name.is_none() => {
-                name = origin_name(unit, attr.value(), others, NAME_HOPS);
+            gimli::DW_AT_name if named.name.is_none() => {
+                named.name = unit.attr_string(attr.value()).ok();
+            }
+            gimli::DW_AT_decl_line => {
+                named.decl_line = attr.udata_value().unwrap_or(0) as u32;
+            }
+            gimli::DW_AT_abstract_origin | gimli::DW_AT_specification => {
+                if named.name.is_none() {
+                    let o = origin_name(unit, attr.value(), others, NAME_HOPS);
+                    named.name = o.name;
+                    named.linkage = o.linkage;
+                    if named.decl_line == 0 {
+                        named.decl_line = o.decl_line;
+                    }
+                } else {
+                    origin = Some(attr.value());
+                }
             }
             _ => {}
         }
     }
-    name
+    if named.decl_line == 0 {
+        if let Some(o) = origin {
+            named.decl_line = origin_name(unit, o, others, NAME_HOPS).decl_line;
+        }
+    }
+    named
 }
 
 /// The name an origin (`DW_AT_abstract_origin`/`DW_AT_specification` value) gives.
@@ -400,39 +459,53 @@ fn origin_name(
     value: AttributeValue<Reader>,
     others: &mut OtherUnits<'_>,
     hops: usize,
-) -> Option<Reader> {
+) -> Named {
     if hops == 0 {
-        return None;
+        return Named::default();
     }
     match value {
         AttributeValue::UnitRef(at) => declared_name(unit, at, others, hops),
         AttributeValue::DebugInfoRef(o) => {
-            let other = others.unit_at(o.0)?;
-            let at = o.to_unit_offset(&other.header)?;
+            let Some(other) = others.unit_at(o.0) else {
+                return Named::default();
+            };
+            let Some(at) = o.to_unit_offset(&other.header) else {
+                return Named::default();
+            };
             let r = gimli::UnitRef::new(unit.dwarf, &other);
             declared_name(r, at, others, hops)
         }
-        _ => None,
+        _ => Named::default(),
     }
 }
 
-/// A declaration's name: its linkage name, else its name, else its own origin's.
+/// A declaration's name: its linkage name, else its name, else its own origin's; its
+/// declaration line, else its origin's.
 fn declared_name(
     unit: gimli::UnitRef<'_, Reader>,
     at: gimli::UnitOffset<usize>,
     others: &mut OtherUnits<'_>,
     hops: usize,
-) -> Option<Reader> {
-    let mut entries = unit.entries_raw(Some(at)).ok()?;
-    let abbrev = entries.read_abbreviation().ok()??;
+) -> Named {
+    let mut named = Named::default();
+    let Ok(mut entries) = unit.entries_raw(Some(at)) else {
+        return named;
+    };
+    let Ok(Some(abbrev)) = entries.read_abbreviation() else {
+        return named;
+    };
     let mut name = None;
     let mut origin = None;
     for spec in abbrev.attributes() {
-        let attr = entries.read_attribute(*spec).ok()?;
+        let Ok(attr) = entries.read_attribute(*spec) else {
+            return named;
+        };
         match attr.name() {
-            gimli::DW_AT_linkage_name | gimli::DW_AT_MIPS_linkage_name => {
+            // The first linkage name wins (addr2line stops there).
+            gimli::DW_AT_linkage_name | gimli::DW_AT_MIPS_linkage_name if !named.linkage => {
                 if let Ok(v) = unit.attr_string(attr.value()) {
-                    return Some(v);
+                    named.name = Some(v);
+                    named.linkage = true;
                 }
             }
             gimli::DW_AT_name => {
@@ -440,16 +513,30 @@ fn declared_name(
                     name = Some(v);
                 }
             }
+            gimli::DW_AT_decl_line => {
+                named.decl_line = attr.udata_value().unwrap_or(0) as u32;
+            }
             gimli::DW_AT_abstract_origin | gimli::DW_AT_specification => {
                 origin = Some(attr.value())
             }
             _ => {}
         }
     }
-    if name.is_some() {
-        return name;
+    if !named.linkage {
+        named.name = name;
     }
-    origin_name(unit, origin?, others, hops - 1)
+    let need_origin = named.name.is_none() || named.decl_line == 0;
+    if let (true, Some(o)) = (need_origin, origin) {
+        let o = origin_name(unit, o, others, hops - 1);
+        if named.name.is_none() {
+            named.name = o.name;
+            named.linkage = o.linkage;
+        }
+        if named.decl_line == 0 {
+            named.decl_line = o.decl_line;
+        }
+    }
+    named
 }
 
 /// File `index` of the unit's line program as a path: the unit's directory, the file's

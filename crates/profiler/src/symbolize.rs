@@ -10,6 +10,12 @@
 //! take the symbol table's name; unknown addresses get `object+0xoffset`, or their address
 //! outside every object.
 //!
+//! Names are fully qualified at every debug level: a function's linkage name (`system_name`)
+//! comes from DWARF when it has one; with `debug = "line-tables-only"` it has only the short
+//! `DW_AT_name` (`encode`), and the physical frame takes the symbol table's name of the function
+//! that starts where its code starts (`<app::Rle as app::Codec>::encode`). Inlined frames keep
+//! what DWARF gives.
+//!
 //! Memory: no per-unit tables are built. The mapped files live for one *pass* (one
 //! serialization) and their pages are handed back after each unit; the little a pass allocates
 //! lives in the profiler's private arena (see `crate::arena`), released at its end. What stays
@@ -136,7 +142,7 @@ impl ProcessSymbolizer {
             n += e
                 .frames
                 .iter()
-                .map(|f| f.name.capacity() + f.filename.capacity())
+                .map(|f| f.name.capacity() + f.system_name.capacity() + f.filename.capacity())
                 .sum::<usize>();
         }
         for ((_, file), index) in &self.indexes {
@@ -181,9 +187,10 @@ impl ProcessSymbolizer {
                     .iter()
                     .map(|f| ResolvedFrame {
                         name: f.name.as_str().to_owned(),
+                        system_name: f.system_name.as_str().to_owned(),
                         filename: f.filename.as_str().to_owned(),
                         line: f.line,
-                        ..Default::default()
+                        start_line: f.start_line,
                     })
                     .collect()
             })
@@ -194,11 +201,12 @@ impl ProcessSymbolizer {
             .into_iter()
             .map(crate::alloc::strip_inlined_allocator)
             .collect();
-        debug_assert!(owned.iter().flatten().all(|f| !crate::arena::owns(
-            f.name.as_ptr() as *mut u8
-        ) && !crate::arena::owns(
-            f.filename.as_ptr() as *mut u8
-        )));
+        debug_assert!(owned
+            .iter()
+            .flatten()
+            .all(|f| [&f.name, &f.system_name, &f.filename]
+                .iter()
+                .all(|s| !crate::arena::owns(s.as_ptr() as *mut u8))));
         owned
     }
 
@@ -217,9 +225,7 @@ impl ProcessSymbolizer {
                 // The unwinder's mark where it cut a stack too deep for its buffer.
                 out[k].push(ResolvedFrame {
                     name,
-                    filename: String::new(),
-                    line: 0,
-                    ..Default::default()
+                    ..ResolvedFrame::default()
                 });
                 continue;
             }
@@ -230,9 +236,7 @@ impl ProcessSymbolizer {
                 // (`go tool pprof` would ask the server's /debug/pprof/symbol for it).
                 None => out[k].push(ResolvedFrame {
                     name: format!("{a:#x}"),
-                    filename: String::new(),
-                    line: 0,
-                    ..Default::default()
+                    ..ResolvedFrame::default()
                 }),
             }
         }
@@ -284,8 +288,7 @@ impl ProcessSymbolizer {
                             .as_deref()
                             .map(|p| p.to_string_lossy().into_owned())
                             .unwrap_or_default(),
-                        line: 0,
-                        ..Default::default()
+                        ..ResolvedFrame::default()
                     });
                 }
             }
@@ -709,15 +712,7 @@ impl DebugInfo {
                 for (&(_, k), frames) in group.iter().zip(raw) {
                     out[k] = frames
                         .into_iter()
-                        .map(|f| ResolvedFrame {
-                            name: match f.name {
-                                Some(n) => demangle(&n.to_string_lossy()),
-                                None => self.symbol(probes[k]).map(demangle).unwrap_or_default(),
-                            },
-                            filename: f.file,
-                            line: i64::from(f.line),
-                            ..Default::default()
-                        })
+                        .map(|f| self.frame(probes[k], f))
                         .collect();
                 }
                 self.forget_pages();
@@ -728,9 +723,8 @@ impl DebugInfo {
                 if let Some(name) = self.symbol(probes[k]) {
                     frames.push(ResolvedFrame {
                         name: demangle(name),
-                        filename: String::new(),
-                        line: 0,
-                        ..Default::default()
+                        system_name: name.to_owned(),
+                        ..ResolvedFrame::default()
                     });
                 }
             }
@@ -738,10 +732,77 @@ impl DebugInfo {
         out
     }
 
-    /// The function symbol at or below `probe`.
-    fn symbol(&mut self, probe: u64) -> Option<&'static str> {
+    /// A frame the walk found at `probe`.
+    fn frame(&mut self, probe: u64, f: dwarf_walk::RawFrame) -> ResolvedFrame {
+        let (name, system_name) = match (f.name, f.entry) {
+            (Some(n), _) if f.linkage => {
+                let raw = n.to_string_lossy();
+                (demangle(&raw), raw.into_owned())
+            }
+            // The physical frame: the symbol table knows the function's full name.
+            (n, Some(entry)) => {
+                let short = n.map(|n| demangle(&n.to_string_lossy()));
+                self.physical_name(probe, entry, short)
+            }
+            (Some(n), None) => (demangle(&n.to_string_lossy()), String::new()),
+            // A line-table row outside every function.
+            (None, None) => match self.symbol(probe) {
+                Some(raw) => (demangle(raw), raw.to_owned()),
+                None => Default::default(),
+            },
+        };
+        ResolvedFrame {
+            name,
+            system_name,
+            filename: f.file,
+            line: i64::from(f.line),
+            start_line: i64::from(f.decl_line),
+        }
+    }
+
+    /// (name, system name) of the physical frame at `probe`, in a function whose code range
+    /// holding it starts at `entry`, which DWARF names `short` without a linkage name: the
+    /// symbol starting there is the function's (of several there, one naming what DWARF
+    /// names); without one, the symbol below `probe` if it names what DWARF names.
+    fn physical_name(&mut self, probe: u64, entry: u64, short: Option<String>) -> (String, String) {
+        // The symbol's readable name, if it names what DWARF names.
+        let agreeing = |raw: &str| {
+            let full = demangle(raw);
+            match &short {
+                Some(d) if !names_agree(&full, d) => None,
+                _ => Some(full),
+            }
+        };
+        let symbols = self.symbols();
+        let from = symbols.partition_point(|s| s.0 < entry);
+        let to = from + symbols[from..].partition_point(|s| s.0 == entry);
+        let at = &symbols[from..to];
+        if let Some((full, raw)) = at.iter().find_map(|s| Some((agreeing(s.1)?, s.1))) {
+            return (full, raw.to_owned());
+        }
+        if let Some(&(_, raw)) = at.first() {
+            // No symbol there names what DWARF names: a Rust symbol still names the function
+            // (DWARF calls closures and shims otherwise); a C alias (`__GI___clone3` for
+            // `clone3`) leaves DWARF's name.
+            let name = match short {
+                Some(d) if rustc_demangle::try_demangle(raw).is_err() => d,
+                _ => demangle(raw),
+            };
+            return (name, raw.to_owned());
+        }
+        if let Some(raw) = self.symbol(probe) {
+            if let Some(full) = agreeing(raw) {
+                return (full, raw.to_owned());
+            }
+        }
+        (short.unwrap_or_default(), String::new())
+    }
+
+    /// The function symbols: (address, name), sorted by address, the preferred name first at
+    /// each (see `symbol`).
+    fn symbols(&mut self) -> &[(u64, &'static str)] {
         let elf = &self.elf;
-        let symbols = self.symbols.get_or_insert_with(|| {
+        self.symbols.get_or_insert_with(|| {
             // `symtab`, else the dynamic table (all a stripped object or the vDSO has).
             let Some(table) = elf.symbol_table().or_else(|| elf.dynamic_symbol_table()) else {
                 return Vec::new();
@@ -772,11 +833,18 @@ impl DebugInfo {
                 })
                 .collect();
             v.sort_unstable();
-            v.dedup_by_key(|s| s.0);
             v.iter().map(|s| (s.0, s.3)).collect()
-        });
+        })
+    }
+
+    /// The function symbol at or below `probe` (of several at one address, the preferred:
+    /// functions, exported, the later entry).
+    fn symbol(&mut self, probe: u64) -> Option<&'static str> {
+        let symbols = self.symbols();
         let i = symbols.partition_point(|s| s.0 <= probe);
-        Some(symbols.get(i.checked_sub(1)?)?.1)
+        let at = symbols.get(i.checked_sub(1)?)?.0;
+        let first = symbols.partition_point(|s| s.0 < at);
+        Some(symbols[first].1)
     }
 }
 
@@ -808,6 +876,65 @@ fn vdso_image(obj: &LoadedObject) -> Option<&'static [u8]> {
     }
     // SAFETY: [start, image_end) lies within the vDSO's pages, mapped for the process's life.
     Some(unsafe { std::slice::from_raw_parts(start as *const u8, (image_end - start) as usize) })
+}
+
+/// Whether a demangled symbol and DWARF's short name name the same function: the same last path
+/// segment, generic arguments and shim marks aside (`<app::Rle as app::Codec>::encode` and
+/// `encode`, `alloc::vec::from_elem` and `from_elem<u8>`, `FnOnce::call_once{{vtable.shim}}`
+/// and `call_once<F, ()>`); closures (`{{closure}}`, `{closure#0}`) agree with each other.
+fn names_agree(full: &str, short: &str) -> bool {
+    let (a, b) = (last_segment(full), last_segment(short));
+    a == b || (a.starts_with('{') && b.starts_with('{'))
+}
+
+/// The last `::`-separated segment of a name that names a function (a v0 `::{shim:...}` names
+/// the one before it), outside angle brackets, without its generic arguments or a legacy
+/// `{{...shim}}` mark.
+fn last_segment(s: &str) -> &str {
+    let seg = path_tail(s);
+    match s.len().checked_sub(seg.len() + 2) {
+        Some(head) if seg.starts_with("{shim") && s[head..].starts_with("::") => {
+            path_tail(&s[..head])
+        }
+        _ => seg,
+    }
+}
+
+fn path_tail(s: &str) -> &str {
+    let b = s.as_bytes();
+    let mut depth = 0u32;
+    let (mut from, mut to) = (0usize, None);
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'<' => {
+                if depth == 0 {
+                    to.get_or_insert(i);
+                }
+                depth += 1;
+            }
+            // `call_once{{vtable.shim}}`; a segment that starts with `{` is a closure's.
+            b'{' if depth == 0 && i > from => {
+                to.get_or_insert(i);
+            }
+            // `->` in a function type closes nothing.
+            b'>' if i > 0 && b[i - 1] == b'-' => {}
+            b'>' => depth = depth.saturating_sub(1),
+            b':' if depth == 0 && b.get(i + 1) == Some(&b':') => {
+                if b.get(i + 2) == Some(&b'<') {
+                    // `f::<T>`: generic arguments, not a path.
+                    to.get_or_insert(i);
+                } else {
+                    (from, to) = (i + 2, None);
+                }
+                i += 2;
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    &s[from..to.unwrap_or(b.len()).max(from)]
 }
 
 /// Rust names lose their hash (`{:#}`); other names pass through.
@@ -919,6 +1046,8 @@ mod tests {
         );
     }
 
+    /// The line `fn a_known_function` is declared at.
+    const KNOWN_FUNCTION_LINE: i64 = line!() as i64 + 2;
     #[inline(never)]
     fn a_known_function() -> u64 {
         std::hint::black_box(a_known_function as *const () as usize as u64)
@@ -934,6 +1063,9 @@ mod tests {
         assert!(last.name.ends_with("a_known_function"), "got {frames:?}");
         assert!(last.filename.ends_with("symbolize.rs"), "got {frames:?}");
         assert!(last.line > 0);
+        assert!(last.system_name.starts_with("_ZN"), "got {frames:?}");
+        assert_eq!(demangle(&last.system_name), last.name);
+        assert_eq!(last.start_line, KNOWN_FUNCTION_LINE, "got {frames:?}");
         assert!(
             !s.holds_debug_info(),
             "debug info must be released after the pass"
@@ -964,7 +1096,9 @@ mod tests {
         v
     }
 
-    /// What addr2line over the whole object reads at `probe`, in the symbolizer's terms.
+    /// What addr2line over the whole object reads at `probe`, in the symbolizer's terms: names,
+    /// files and lines, and as system name the raw name when it is a Rust linkage name
+    /// (addr2line gives no declaration lines).
     fn reference_frames(
         ctx: &addr2line::Context<Reader>,
         d: &mut DebugInfo,
@@ -974,10 +1108,13 @@ mod tests {
         let symbol = d.symbol(probe);
         if let Ok(mut iter) = ctx.find_frames(probe).skip_all_loads() {
             while let Ok(Some(frame)) = iter.next() {
-                let name = frame
-                    .function
-                    .as_ref()
-                    .and_then(|f| f.raw_name().ok())
+                let raw = frame.function.as_ref().and_then(|f| f.raw_name().ok());
+                let system_name = raw
+                    .as_deref()
+                    .filter(|r| rustc_demangle::try_demangle(r).is_ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                let name = raw
                     .map(|n| demangle(&n))
                     .or_else(|| symbol.map(demangle))
                     .unwrap_or_default();
@@ -988,9 +1125,10 @@ mod tests {
                     .unwrap_or_default();
                 out.push(ResolvedFrame {
                     name,
+                    system_name,
                     filename,
                     line,
-                    ..Default::default()
+                    start_line: 0,
                 });
             }
         }
@@ -998,13 +1136,30 @@ mod tests {
             if let Some(name) = symbol {
                 out.push(ResolvedFrame {
                     name: demangle(name),
-                    filename: String::new(),
-                    line: 0,
-                    ..Default::default()
+                    system_name: name.to_owned(),
+                    ..ResolvedFrame::default()
                 });
             }
         }
         out
+    }
+
+    /// Whether the walk's frames `got` read as addr2line's `want`: the same files, lines and
+    /// names, where a name may also be an alias of the same routine (`aliases`: names by
+    /// address) or, on the physical frame, DWARF's short name qualified by the symbol table;
+    /// Rust linkage names the same.
+    fn same_frames(got: &[ResolvedFrame], want: &[ResolvedFrame], aliases: &[Vec<&str>]) -> bool {
+        got.len() == want.len()
+            && got.iter().zip(want).enumerate().all(|(j, (x, y))| {
+                let physical = j + 1 == got.len();
+                let name = x.name == y.name
+                    || aliases
+                        .iter()
+                        .any(|s| s.contains(&x.name.as_str()) && s.contains(&y.name.as_str()))
+                    || (physical && !x.system_name.is_empty() && names_agree(&x.name, &y.name));
+                let system = y.system_name.is_empty() || x.system_name == y.system_name;
+                x.filename == y.filename && x.line == y.line && name && system
+            })
     }
 
     /// Resolves addresses of `obj` (symbols and points inside them) by walking their units, all
@@ -1043,17 +1198,7 @@ mod tests {
             let want = reference_frames(&ctx, &mut d, probe);
             // addr2line names a routine with several subprograms (assembly aliases) by any
             // of them; the walk by the plainest.
-            let same = |a: &[ResolvedFrame]| {
-                a.len() == want.len()
-                    && a.iter().zip(&want).all(|(x, y)| {
-                        x == y
-                            || (x.filename == y.filename
-                                && x.line == y.line
-                                && aliases.iter().any(|s| {
-                                    s.contains(&x.name.as_str()) && s.contains(&y.name.as_str())
-                                }))
-                    })
-            };
+            let same = |a: &[ResolvedFrame]| same_frames(a, &want, &aliases);
             assert!(
                 same(&batch[k]),
                 "at {probe:#x} (batch): {:?} vs {want:?}",
@@ -1141,6 +1286,34 @@ mod tests {
         };
         let n = compare_with_addr2line(&obj);
         assert!(n[1] > n[0] / 4, "{n:?}");
+    }
+
+    #[test]
+    fn names_agree_across_debug_levels() {
+        for (full, short) in [
+            ("<app::Rle as app::Codec>::encode", "encode"),
+            ("alloc::vec::from_elem", "from_elem<u8>"),
+            ("alloc::vec::from_elem::<u8>", "from_elem<u8>"),
+            (
+                "core::ops::function::FnOnce::call_once{{vtable.shim}}",
+                "call_once<F, ()>",
+            ),
+            (
+                "<fn() -> u8 as core::ops::function::FnOnce<()>>::call_once::{shim:vtable#0}",
+                "call_once<fn() -> u8, ()>",
+            ),
+            ("app::main::{{closure}}", "{closure#0}"),
+            ("memcpy", "memcpy"),
+        ] {
+            assert!(names_agree(full, short), "{full} / {short}");
+        }
+        for (full, short) in [
+            ("app::encode", "decode"),
+            ("__GI___clone3", "clone3"),
+            ("<app::Rle as app::Codec>::encode", "Rle"),
+        ] {
+            assert!(!names_agree(full, short), "{full} / {short}");
+        }
     }
 
     #[test]
