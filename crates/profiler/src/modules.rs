@@ -28,6 +28,9 @@ pub(crate) struct LoadedObject {
     /// Private copies of the unwind sections, for objects that may be unloaded (all but the
     /// main program and the vDSO), when asked for ([`loaded_objects_for_unwind`]).
     pub unwind_copy: Option<Arc<UnwindCopy>>,
+    /// The GNU build id, as the loaded image's notes carry it (empty: none, or not asked for:
+    /// only [`loaded_objects`] reads it).
+    pub build_id: Vec<u8>,
 }
 
 /// An object's `.eh_frame_hdr` and `.eh_frame`, copied while the object was surely mapped, with
@@ -44,6 +47,8 @@ pub(crate) struct Segment {
     pub start: u64,
     pub end: u64,
     pub flags: u32,
+    /// Offset in the file of its first byte (`p_offset`).
+    pub offset: u64,
 }
 
 impl LoadedObject {
@@ -84,6 +89,8 @@ struct Collect<'a> {
     subs: u64,
     /// Copy the unwind sections of objects that may be unloaded.
     copy: bool,
+    /// Read the build ids.
+    notes: bool,
     /// The previous list with its generation: copies reused when nothing was loaded or
     /// unloaded since.
     reuse: Option<(&'a [LoadedObject], (u64, u64))>,
@@ -113,6 +120,7 @@ unsafe extern "C" fn callback(
         let base = info.dlpi_addr;
         let mut segments = Vec::new();
         let mut eh_frame_hdr = None;
+        let mut notes = Vec::new();
         let phdrs: &[libc::Elf64_Phdr] = if info.dlpi_phdr.is_null() {
             &[]
         } else {
@@ -124,7 +132,12 @@ unsafe extern "C" fn callback(
                     start: base.wrapping_add(ph.p_vaddr),
                     end: base.wrapping_add(ph.p_vaddr).wrapping_add(ph.p_memsz),
                     flags: ph.p_flags,
+                    offset: ph.p_offset,
                 }),
+                libc::PT_NOTE if c.notes => {
+                    let start = base.wrapping_add(ph.p_vaddr);
+                    notes.push((start, start.wrapping_add(ph.p_memsz), ph.p_align));
+                }
                 libc::PT_GNU_EH_FRAME => {
                     let start = base.wrapping_add(ph.p_vaddr);
                     eh_frame_hdr = Some((start, start.wrapping_add(ph.p_memsz)));
@@ -150,6 +163,10 @@ unsafe extern "C" fn callback(
         } else {
             Some(PathBuf::from(&name))
         };
+        let build_id = notes
+            .iter()
+            .find_map(|&(start, end, align)| gnu_build_id(&segments, start, end, align))
+            .unwrap_or_default();
         c.out.push(LoadedObject {
             path,
             name,
@@ -157,9 +174,50 @@ unsafe extern "C" fn callback(
             segments,
             eh_frame_hdr,
             unwind_copy,
+            build_id,
         });
         0
     }
+}
+
+/// `NT_GNU_BUILD_ID` in the notes at [start, end) of a loaded image. Runs inside the loader's
+/// iteration callback (the object cannot be unloaded meanwhile); reads only within a readable
+/// `PT_LOAD` segment.
+fn gnu_build_id(segments: &[Segment], start: u64, end: u64, align: u64) -> Option<Vec<u8>> {
+    const NT_GNU_BUILD_ID: u32 = 3;
+    let readable = segments
+        .iter()
+        .any(|s| s.flags & libc::PF_R != 0 && s.start <= start && start <= end && end <= s.end);
+    if !readable {
+        return None;
+    }
+    // SAFETY: [start, end) lies within a readable segment of an object the loader cannot unload
+    // while this callback runs.
+    let notes = unsafe { std::slice::from_raw_parts(start as *const u8, (end - start) as usize) };
+    // Name and descriptor are padded to the segment's alignment (4, or 8 for some GNU notes).
+    let pad = |n: usize| {
+        if align == 8 {
+            n.next_multiple_of(8)
+        } else {
+            n.next_multiple_of(4)
+        }
+    };
+    let word = |at: usize| -> Option<u32> {
+        Some(u32::from_ne_bytes(notes.get(at..at + 4)?.try_into().ok()?))
+    };
+    let mut at = 0usize;
+    while at + 12 <= notes.len() {
+        let (namesz, descsz, kind) = (word(at)? as usize, word(at + 4)? as usize, word(at + 8)?);
+        let name_at = at + 12;
+        let desc_at = name_at.checked_add(pad(namesz))?;
+        let next = desc_at.checked_add(pad(descsz))?;
+        let desc = notes.get(desc_at..desc_at.checked_add(descsz)?)?;
+        if kind == NT_GNU_BUILD_ID && notes.get(name_at..name_at + namesz) == Some(&b"GNU\0"[..]) {
+            return (!desc.is_empty()).then(|| desc.to_vec());
+        }
+        at = next;
+    }
+    None
 }
 
 /// The copy the previous list made of the object at `base` with this name, if any, and
@@ -262,9 +320,9 @@ fn eh_frame_len(start: u64, seg_end: u64) -> usize {
     (p.min(seg_end) - start) as usize
 }
 
-/// Lists the loaded objects, main program first.
+/// Lists the loaded objects, main program first, with their build ids.
 pub(crate) fn loaded_objects() -> Vec<LoadedObject> {
-    iterate(false, None).0
+    iterate(false, true, None).0
 }
 
 /// Lists the loaded objects with private copies of the unwind sections of those that may be
@@ -273,11 +331,12 @@ pub(crate) fn loaded_objects() -> Vec<LoadedObject> {
 pub(crate) fn loaded_objects_for_unwind(
     reuse: Option<(&[LoadedObject], (u64, u64))>,
 ) -> (Vec<LoadedObject>, (u64, u64)) {
-    iterate(true, reuse)
+    iterate(true, false, reuse)
 }
 
 fn iterate(
     copy: bool,
+    notes: bool,
     reuse: Option<(&[LoadedObject], (u64, u64))>,
 ) -> (Vec<LoadedObject>, (u64, u64)) {
     let mut c = Collect {
@@ -285,6 +344,7 @@ fn iterate(
         adds: 0,
         subs: 0,
         copy,
+        notes,
         reuse,
     };
     // SAFETY: the callback only touches `c` through the pointer we pass and the loader's info.
@@ -366,6 +426,26 @@ mod tests {
         assert!(exe.contains(f), "test function {f:#x} not in {exe:?}");
         let (adds, _) = objects_generation();
         assert!(adds >= 1);
+    }
+
+    /// The build id read from memory is the one in the files, for the program and libc.
+    #[test]
+    fn reads_build_ids_from_the_loaded_images() {
+        use object::Object;
+        let objs = loaded_objects();
+        let libc_obj = objs.iter().find(|o| o.name.contains("libc.so")).unwrap();
+        for o in [&objs[0], libc_obj] {
+            let path = o.path.as_ref().unwrap();
+            let data = std::fs::read(path).unwrap();
+            let file = object::File::parse(&*data).unwrap();
+            let want = file.build_id().unwrap().expect("the file has a build id");
+            assert_eq!(o.build_id, want, "{}", path.display());
+        }
+        // The vDSO's too (the kernel builds it with one).
+        let vdso = objs.iter().find(|o| o.name.contains("vdso")).unwrap();
+        assert!(vdso.build_id.len() >= 8, "{vdso:?}");
+        // The unwinder's list does not read them.
+        assert!(loaded_objects_for_unwind(None).0[0].build_id.is_empty());
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //! comes from DWARF when it has one; with `debug = "line-tables-only"` it has only the short
 //! `DW_AT_name` (`encode`), and the physical frame takes the symbol table's name of the function
 //! that starts where its code starts (`<app::Rle as app::Codec>::encode`). Inlined frames keep
-//! what DWARF gives.
+//! what DWARF gives. Each address's object is a pprof mapping ([`Symbolizer::mapping`]): its
+//! executable segment, file, build id, and what its frames could be given.
 //!
 //! Memory: no per-unit tables are built. The mapped files live for one *pass* (one
 //! serialization) and their pages are handed back after each unit; the little a pass allocates
@@ -27,7 +28,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use ferroprof_recorder::{ResolvedFrame, Symbolizer};
+use ferroprof_recorder::{MappingInfo, ResolvedFrame, Symbolizer};
 use memmap2::Mmap;
 use object::{Object, ObjectSection, ObjectSymbol, ObjectSymbolTable};
 
@@ -58,7 +59,96 @@ pub struct ProcessSymbolizer {
     /// Where each object's compilation units are, kept across passes (by base and file): an
     /// uncached address then costs the parse of its own unit, not of the whole object.
     indexes: HashMap<(u64, String), Option<UnitIndex>>,
+    /// The loaded objects' code as pprof mappings, kept across passes.
+    mappings: Mappings,
 }
+
+/// One pprof mapping per executable segment of each loaded object, kept across passes and read
+/// again when the loader's list changed.
+#[derive(Default)]
+struct Mappings {
+    /// The loader's (loads, unloads) counters the list was read at; `None`: not read yet.
+    generation: Option<(u64, u64)>,
+    /// (object base, loader's name, mapping), sorted by memory start.
+    list: Vec<(u64, String, MappingInfo)>,
+}
+
+impl Mappings {
+    fn refresh(&mut self) {
+        let generation = crate::modules::objects_generation();
+        if self.generation == Some(generation) {
+            return;
+        }
+        let old = std::mem::take(&mut self.list);
+        for obj in loaded_objects() {
+            let filename = match &obj.path {
+                Some(p) => p.to_string_lossy().into_owned(),
+                // The vDSO: named as in /proc/self/maps, which viewers know not to open.
+                None if obj.name.contains("vdso") => "[vdso]".to_owned(),
+                None => format!("[{}]", obj.name),
+            };
+            let build_id: String = obj.build_id.iter().map(|b| format!("{b:02x}")).collect();
+            for seg in obj.segments.iter().filter(|s| s.flags & libc::PF_X != 0) {
+                // Page-aligned, as /proc/self/maps shows it (start and offset stay congruent).
+                let lead = seg.start % PAGE;
+                let mut info = MappingInfo {
+                    memory_start: seg.start - lead,
+                    memory_limit: seg.end.next_multiple_of(PAGE),
+                    file_offset: seg.offset.saturating_sub(lead),
+                    filename: filename.clone(),
+                    build_id: build_id.clone(),
+                    ..MappingInfo::default()
+                };
+                // What the symbolizer found for a surviving object stays known.
+                if let Some((_, _, was)) = old.iter().find(|(b, n, m)| {
+                    *b == obj.base && *n == obj.name && m.memory_start == info.memory_start
+                }) {
+                    info.has_functions = was.has_functions;
+                    info.has_filenames = was.has_filenames;
+                    info.has_line_numbers = was.has_line_numbers;
+                    info.has_inline_frames = was.has_inline_frames;
+                }
+                self.list.push((obj.base, obj.name.clone(), info));
+            }
+        }
+        self.list.sort_by_key(|m| m.2.memory_start);
+        self.generation = Some(generation);
+    }
+
+    /// Records what the object at `base` named `name` gives its frames: names (`functions`),
+    /// files, lines and inlined frames (`dwarf`).
+    fn set_flags(&mut self, base: u64, name: &str, functions: bool, dwarf: bool) {
+        for (_, _, m) in self
+            .list
+            .iter_mut()
+            .filter(|(b, n, _)| *b == base && n == name)
+        {
+            m.has_functions = functions;
+            m.has_filenames = dwarf;
+            m.has_line_numbers = dwarf;
+            m.has_inline_frames = dwarf;
+        }
+    }
+
+    fn find(&self, address: u64) -> Option<&MappingInfo> {
+        let i = self.list.partition_point(|m| m.2.memory_start <= address);
+        let m = &self.list.get(i.checked_sub(1)?)?.2;
+        (address < m.memory_limit).then_some(m)
+    }
+
+    fn bytes(&self) -> usize {
+        self.list.capacity() * std::mem::size_of::<(u64, String, MappingInfo)>()
+            + self
+                .list
+                .iter()
+                .map(|(_, n, m)| n.capacity() + m.filename.capacity() + m.build_id.capacity())
+                .sum::<usize>()
+    }
+}
+
+/// Alignment of the mappings: the smallest page size, so start and file offset stay congruent
+/// whatever the system's.
+const PAGE: u64 = 4096;
 
 struct CacheEntry {
     frames: Box<[ResolvedFrame]>,
@@ -83,6 +173,7 @@ impl ProcessSymbolizer {
             arena_owner: crate::arena::new_owner(),
             indexes: HashMap::new(),
             kept_bytes: 0,
+            mappings: Mappings::default(),
         }
     }
 
@@ -93,6 +184,8 @@ impl ProcessSymbolizer {
             self.unloads = unloads;
             self.cache.clear();
             self.indexes.clear();
+            // What was found of an unloaded object must not pass to another at its place.
+            self.mappings = Mappings::default();
         }
         self.pass += 1;
         let r = f(self);
@@ -145,6 +238,7 @@ impl ProcessSymbolizer {
                 .map(|f| f.name.capacity() + f.system_name.capacity() + f.filename.capacity())
                 .sum::<usize>();
         }
+        n += self.mappings.bytes();
         for ((_, file), index) in &self.indexes {
             n += file.capacity() + size_of::<(u64, String)>() + size_of::<Option<UnitIndex>>();
             if let Some(i) = index {
@@ -267,6 +361,8 @@ impl ProcessSymbolizer {
                     });
                 }
                 let index = self.indexes.get(&key).and_then(Option::as_ref);
+                self.mappings
+                    .set_flags(od.obj.base, &od.obj.name, true, index.is_some());
                 frames = d.resolve_all(&probes, index);
             }
             frames.resize_with(probes.len(), Vec::new);
@@ -306,7 +402,16 @@ impl Drop for ProcessSymbolizer {
 }
 
 impl Symbolizer for ProcessSymbolizer {
+    fn mapping(&mut self, address: u64) -> Option<&MappingInfo> {
+        if self.mappings.generation.is_none() {
+            self.mappings.refresh();
+        }
+        self.mappings.find(address)
+    }
+
     fn prepare(&mut self, addresses: &[u64]) {
+        // Outside the arena: the list is kept across passes.
+        self.mappings.refresh();
         let mut todo: Vec<u64> = addresses
             .iter()
             .copied()
@@ -1260,6 +1365,7 @@ mod tests {
             segments: Vec::new(),
             eh_frame_hdr: None,
             unwind_copy: None,
+            build_id: Vec::new(),
         };
         let d = DebugInfo::load(&obj).expect("debug info");
         assert!(!d.lazy.is_empty(), "objcopy compressed nothing");
@@ -1283,9 +1389,47 @@ mod tests {
             segments: Vec::new(),
             eh_frame_hdr: None,
             unwind_copy: None,
+            build_id: Vec::new(),
         };
         let n = compare_with_addr2line(&obj);
         assert!(n[1] > n[0] / 4, "{n:?}");
+    }
+
+    /// The mapping of an address of this binary: its executable segment, file and build id,
+    /// and what the symbolizer found in it.
+    #[test]
+    fn maps_addresses_to_their_object() {
+        use object::Object;
+        let addr = a_known_function() + 1;
+        let mut s = ProcessSymbolizer::new();
+        let m = s
+            .pass(|s| {
+                s.prepare(&[addr, 1]);
+                assert!(s.mapping(1).is_none(), "address 1 is in no object");
+                s.mapping(addr).cloned()
+            })
+            .expect("this binary's code has a mapping");
+        let exe = std::fs::canonicalize(std::env::current_exe().unwrap()).unwrap();
+        assert_eq!(m.filename, exe.to_string_lossy());
+        let data = std::fs::read(&exe).unwrap();
+        let file = object::File::parse(&*data).unwrap();
+        let id = file.build_id().unwrap().expect("a build id");
+        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(m.build_id, hex);
+        assert!(m.memory_start <= addr && addr < m.memory_limit, "{m:?}");
+        assert_eq!(m.memory_start % PAGE, 0);
+        // The file offset the address maps to holds the instruction the file has there.
+        let at = (addr - m.memory_start + m.file_offset) as usize;
+        // SAFETY: `addr` is in this binary's mapped code, readable.
+        let mem = unsafe { std::slice::from_raw_parts(addr as *const u8, 16) };
+        assert_eq!(&data[at..at + 16], mem);
+        assert!(m.has_functions && m.has_filenames && m.has_line_numbers && m.has_inline_frames);
+        // Kept for the next pass, where everything comes from the cache.
+        let again = s.pass(|s| {
+            s.prepare(&[addr]);
+            s.mapping(addr).cloned()
+        });
+        assert_eq!(again, Some(m));
     }
 
     #[test]
