@@ -725,21 +725,29 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let st = stop.clone();
         let h = std::thread::spawn(move || {
-            tx.send(crate::state::current_tid()).unwrap();
             let mut i = 1u64;
+            // Its slot exists once it first set a span: only then is it worth reading.
+            let first = set_span(i, i);
+            tx.send(crate::state::current_tid()).unwrap();
             while !st.load(Ordering::Relaxed) {
+                i += 1;
                 // span == root always: a torn read would show them different.
                 let _g = set_span(i, i);
-                i += 1;
             }
+            drop(first);
         });
         let tid = rx.recv().unwrap();
         let mut f = Finder::new();
         let mut seen = 0;
-        for _ in 0..200_000 {
+        let mut reads = 0u32;
+        // Enough reads, some of them while the writer ran (on a loaded machine it may wait for
+        // a CPU a long while).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while (reads < 200_000 || seen < 1_000) && std::time::Instant::now() < deadline {
             let c = f.read(tid);
             assert_eq!(c.words[0], c.words[1], "torn read");
             seen += (c.words[0] != 0) as u32;
+            reads += 1;
         }
         stop.store(true, Ordering::Relaxed);
         h.join().unwrap();
