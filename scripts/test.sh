@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command (README "Run the tests"); .ci/run calls exactly this.
-# Installs what the tests need when missing, then runs format, lint and every test.
+# The project's test command (README "Two commands"); .ci/run calls exactly this.
+# Installs what the tests need when missing, then runs format, lint, API docs and every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,9 +8,15 @@ cd "$(dirname "$0")/.."
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy"
+echo "== cargo clippy (every target: lib, tests, benches, examples; missing docs are errors)"
 cargo clippy --workspace --all-targets -- -D warnings
-echo "== cargo test"
+echo "== cargo doc (API docs; broken links and other rustdoc warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features ferroprof/tracing
+echo "== cargo package (publishable crates: metadata, versions on workspace dependencies)"
+# --no-verify: building each package again takes minutes; `cargo package` without it passes too.
+cargo package -p ferroprof-recorder -p ferroprof-pprof -p ferroprof -p ferroprof-cli \
+    --allow-dirty --no-verify --offline --quiet
+echo "== cargo test (builds the examples too; tests/readme.rs checks the README against them)"
 cargo test --workspace
 echo "== cargo test: the tracing layer (feature tracing)"
 cargo clippy -p ferroprof --all-targets --features tracing -- -D warnings

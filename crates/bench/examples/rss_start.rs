@@ -4,7 +4,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferroprof::{Profiler, Profiles};
+use ferroprof::{Profiler, Profiles, SamplingAllocator};
+
+// All four profiles for real: allocations go through the sampling allocator (which costs one
+// relaxed load per allocation while no profiler runs, as in the pprof-rs mode).
+#[global_allocator]
+static GLOBAL: SamplingAllocator<std::alloc::System> = SamplingAllocator::new(std::alloc::System);
 
 fn main() {
     let mode = std::env::args()

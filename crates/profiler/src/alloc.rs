@@ -111,6 +111,7 @@ pub struct SamplingAllocator<A> {
 }
 
 impl<A> SamplingAllocator<A> {
+    /// Wraps `inner` (usually [`std::alloc::System`], or another global allocator such as jemalloc's).
     pub const fn new(inner: A) -> Self {
         SamplingAllocator { inner }
     }

@@ -57,23 +57,37 @@ const LINGER: Duration = Duration::from_millis(250);
 /// Threads inside a capture are not waited for: they cannot see it.
 const STOP_GRACE: Duration = Duration::from_millis(500);
 
-/// Errors starting the server.
+/// Errors starting the server. They convert into [`crate::ProfilerError`] with `?`.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
+    /// The address is not `HOST:PORT` (or, in [`ADDR_ENV`], a port or `true`/`false`).
     #[error("invalid /debug/pprof address {addr:?}: {reason}")]
-    BadAddress { addr: String, reason: String },
+    BadAddress {
+        /// The address as given.
+        addr: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An [`HttpConfig`] field is out of range.
     #[error("invalid /debug/pprof setting {field} = {value}: {reason}")]
     BadConfig {
+        /// The field's name.
         field: &'static str,
+        /// Its value.
         value: String,
+        /// What is wrong with it.
         reason: &'static str,
     },
-    #[error("cannot listen on {addr}: {source}")]
+    /// The address could not be bound (in use, not local, a host name that does not resolve).
+    #[error("cannot listen on {addr:?}: {source}")]
     Bind {
+        /// The address as given, as text (`127.0.0.1:6060`, without quotes of its own).
         addr: String,
+        /// The system's error.
         #[source]
         source: std::io::Error,
     },
+    /// A server thread or its wake-up socket could not be created.
     #[error("cannot start the /debug/pprof server thread: {0}")]
     Thread(std::io::Error),
 }
@@ -247,7 +261,7 @@ pub fn serve_with(
     config: HttpConfig,
 ) -> Result<PprofServer, HttpError> {
     config.validate()?;
-    let shown = format!("{addr:?}");
+    let shown = address_text(&addr);
     let bind_err = |source| HttpError::Bind {
         addr: shown.clone(),
         source,
@@ -310,6 +324,31 @@ pub fn serve_with(
     }
     log::info!("ferroprof: serving /debug/pprof on http://{local}/debug/pprof/");
     Ok(server)
+}
+
+/// An address as plain text for errors, whose `Display` quotes it once: a string's own text
+/// (its `Debug` form without the quotes), a `(host, port)` pair as `host:port`, anything else
+/// (a `SocketAddr`...) as `Debug` shows it.
+fn address_text(addr: &impl std::fmt::Debug) -> String {
+    let debug = format!("{addr:?}");
+    let unquote = |s: &str| {
+        s.strip_prefix('"')
+            .and_then(|d| d.strip_suffix('"'))
+            .filter(|inner| !inner.contains(['"', '\\']))
+            .map(str::to_owned)
+    };
+    if let Some(text) = unquote(&debug) {
+        return text;
+    }
+    let pair = debug
+        .strip_prefix('(')
+        .and_then(|d| d.strip_suffix(')'))
+        .and_then(|d| d.rsplit_once(", "))
+        .and_then(|(host, port)| Some((unquote(host)?, port.parse::<u16>().ok()?)));
+    match pair {
+        Some((host, port)) => format!("{host}:{port}"),
+        None => debug,
+    }
 }
 
 /// Starts the server when `FERROPROF_HTTP_ADDR` is set (`1`/`true` mean [`DEFAULT_ADDR`]).

@@ -1,14 +1,20 @@
-//! ferroprof: continuous profiling of a running Rust process.
+//! ferroprof: a continuous profiler for Rust programs. Linked into a program, it records the
+//! CPU time, wall time, allocations and live heap of every thread, with little overhead, and
+//! writes them as pprof profiles, readable by `go tool pprof`, Pyroscope, Datadog and the
+//! `ferroprof` command (`top`, `flamegraph`, `diff`).
 //!
-//! * **CPU and wall time** of every thread, sampled at `cpu_hz` (100 Hz by default) by a sampler
-//!   thread that asks each thread for its stack with a signal ([`sampler`](crate#cpu-and-wall)).
-//! * **Allocations and live heap** through [`SamplingAllocator`], a [`std::alloc::GlobalAlloc`]
-//!   wrapper that samples allocated bytes as a Poisson process (512 KiB mean by default).
-//! * Stacks are unwound with DWARF CFI (`.eh_frame`), so user code built without frame pointers
-//!   unwinds correctly; symbolization (inlined frames, demangled names, file and line) happens
-//!   in the export thread, never on the sampled threads.
-//! * Every `period` (60 s by default) a profile is serialized as pprof and handed to the
-//!   exporters; the default writes timestamped `.pprof` files into a directory.
+//! # Where to start
+//! * [`Profiler::builder`] configures the profiler ([`ProfilerBuilder`]: service, tags, rates,
+//!   the environment with [`ProfilerBuilder::from_env`]) and starts it; the [`ProfilerGuard`] it
+//!   returns stops it, writing the last profile, when dropped or [stopped](ProfilerGuard::stop).
+//!   [`ProfilerBuilder::start_or_log`] logs a bad setting and lets the program run unprofiled.
+//! * [`SamplingAllocator`] as the `#[global_allocator]` feeds the allocation and heap profiles
+//!   (without it they stay empty, and the profiler says so at start).
+//! * [`export`]: where profiles go. By default a file per period in `./profiles`; the Datadog
+//!   and Pyroscope exporters, or your own [`export::Exporter`], instead.
+//! * [`http`]: `/debug/pprof` endpoints, as Go's `net/http/pprof` serves them.
+//! * [`labels`] (and, with the `tracing` feature, `tracing::FerroprofLayer`): which request,
+//!   span or tenant spent the time.
 //!
 //! ```no_run
 //! use ferroprof::{Profiler, SamplingAllocator};
@@ -21,24 +27,38 @@
 //!     let guard = Profiler::builder()
 //!         .service("my-service")
 //!         .tag("env", "prod")
-//!         .output_dir("./profiles")
-//!         .start()?;
+//!         .start()?; // a profile every 60 s in ./profiles
 //!     // ... the program ...
 //!     guard.stop() // writes the last profile
 //! }
 //! ```
 //!
-//! # CPU and wall
-//! See the `sampler` module: a signal per thread per tick (threads that did not run since their
-//! last sample are not interrupted; their unchanged stack gets the wall time), the handler only
-//! unwinds into a preallocated slot. Samples carry `cpu-time` (thread CPU clock delta),
-//! `wall-time` (wall clock delta), `cpu-samples` (ticks covered) and the labels `thread id` and
-//! `thread name`.
+//! More in the repository's `README.md` (a user's guide) and `crates/profiler/examples/`; the
+//! design and its reasons are in `docs/architecture.md`.
+//!
+//! # What a profile holds
+//! * **CPU time** (`cpu-time`, `cpu-samples`): each thread's own CPU-time timer raises a signal
+//!   on the thread every sampling period of CPU it uses (100 Hz by default), and the handler
+//!   unwinds the thread's stack into a preallocated slot: stacks are where the CPU was spent,
+//!   and no blocked system call is ever interrupted.
+//! * **Wall time** (`wall-time`): a sampler thread visits the threads without signalling them;
+//!   a blocked thread's stack is read from outside it.
+//! * **Allocations** (`alloc-samples`, `alloc-space`) and **live heap** (`heap-live-samples`,
+//!   `heap-live-size`), through [`SamplingAllocator`]: allocated bytes are sampled as a Poisson
+//!   process (512 KiB mean by default), each sample weighted to estimate the whole.
+//! * Samples carry the labels `thread id`, `thread name` and the request labels set with
+//!   [`labels`]. Stacks are unwound with DWARF CFI (`.eh_frame`), so code built without frame
+//!   pointers unwinds correctly; symbolization (inlined frames, demangled names, file and
+//!   line) happens in the export thread, never on the profiled threads.
 //!
 //! # Supported platforms
-//! Linux on x86_64 and aarch64 with glibc. The profiler must be linked into the executable (not
-//! into a `dlopen`ed library: its signal handler reads thread-locals, which are only
-//! async-signal-safe in the executable's static TLS block). Only one profiler runs per process.
+//! Linux on x86_64 with glibc, built and tested (from Linux 5.11 on, the CPU timers' signal
+//! arrives on the way back to user mode and never interrupts a system call). The aarch64 code paths exist but have never been built or
+//! run: not supported yet. The profiler must be linked into the executable (not into a
+//! `dlopen`ed library: its signal handler reads thread-locals, which are only
+//! async-signal-safe in the executable's static TLS block). One profiler runs per process.
+
+#![warn(missing_docs)]
 
 pub mod export;
 pub mod http;
@@ -54,6 +74,7 @@ mod error;
 mod filter;
 mod fork;
 mod modules;
+mod notice;
 mod profiler;
 mod remote;
 mod sampler;

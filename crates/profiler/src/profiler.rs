@@ -47,6 +47,7 @@ pub const DEFAULT_MAX_PROFILE_BYTES: u64 = 32 << 20;
 pub struct Profiler;
 
 impl Profiler {
+    /// The builder, with every setting at its default.
     pub fn builder() -> ProfilerBuilder {
         ProfilerBuilder::default()
     }
@@ -180,9 +181,15 @@ impl ProfilerBuilder {
         self
     }
 
-    /// Adds an exporter. With exporters and no `output_dir`, no directory is written.
-    pub fn exporter(mut self, exporter: Box<dyn Exporter>) -> Self {
-        self.exporters.push(exporter);
+    /// Adds an exporter (a [`DatadogExporter`](crate::export::datadog::DatadogExporter), a
+    /// [`PyroscopeExporter`](crate::export::pyroscope::PyroscopeExporter), your own
+    /// [`Exporter`], or a `Box<dyn Exporter>` from
+    /// [`network_exporters_from_env`](crate::export::queue::network_exporters_from_env)).
+    ///
+    /// Once any exporter is added, the profiler writes no `./profiles` directory unless
+    /// [`Self::output_dir`] asks for one too.
+    pub fn exporter(mut self, exporter: impl Exporter) -> Self {
+        self.exporters.push(Box::new(exporter));
         self
     }
 
@@ -224,8 +231,11 @@ impl ProfilerBuilder {
     /// (`k:v,k:v`), `FERROPROF_PERIOD_SECS`, `FERROPROF_CPU_HZ`, `FERROPROF_ALLOC_INTERVAL`
     /// (bytes), `FERROPROF_OUTPUT_DIR`, `FERROPROF_KEEP_FILES` and `FERROPROF_KEEP_MB` (the
     /// directory's retention, see [`Self::keep_profiles`]), `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`),
-    /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap) and `FERROPROF_SIGNAL` (signal number).
-    /// Unset variables keep the builder's values; a bad value is reported by `start()`.
+    /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap), `FERROPROF_FLUSH_ON_SIGTERM` (`1`: see
+    /// [`Self::flush_on_termination`]) and `FERROPROF_SIGNAL` (signal number). Set variables
+    /// override what the builder was given before (`FERROPROF_ENV`, `FERROPROF_VERSION` and
+    /// `FERROPROF_TAGS` add tags); unset ones keep it. A bad value is reported by `start()`
+    /// ([`Self::start_or_log`] logs it and runs on unprofiled).
     pub fn from_env(self) -> Self {
         self.from_vars(|k| std::env::var(k).ok())
     }
@@ -456,7 +466,32 @@ impl ProfilerBuilder {
         })
     }
 
-    /// Validates the settings and starts profiling.
+    /// Starts profiling, or logs why it cannot and returns `None`, so that the program runs
+    /// on without profiling: for programs where profiling is optional, and a bad optional
+    /// setting (say `FERROPROF_CPU_HZ=abc`) must not stop them.
+    ///
+    /// The line is `ferroprof: profiling is off: <the error>`, logged at warn level through
+    /// the `log` crate, or written to stderr when no logger is installed.
+    ///
+    /// ```no_run
+    /// let _profiler = ferroprof::Profiler::builder().from_env().start_or_log();
+    /// // ... the program, profiled or not ...
+    /// ```
+    pub fn start_or_log(self) -> Option<ProfilerGuard> {
+        match self.start() {
+            Ok(guard) => Some(guard),
+            Err(e) => {
+                crate::notice::notice(
+                    log::Level::Warn,
+                    format_args!("ferroprof: profiling is off: {e}"),
+                );
+                None
+            }
+        }
+    }
+
+    /// Validates the settings and starts profiling. Every bad setting is an error naming the
+    /// value; [`Self::start_or_log`] logs it and lets the program run without profiling.
     pub fn start(mut self) -> Result<ProfilerGuard, ProfilerError> {
         tls::with_guard(|| {
             // Before validating: a start while a profiler runs says so, whatever validating the
@@ -514,6 +549,12 @@ impl ProfilerBuilder {
             if p.needs_allocator() {
                 alloc::set_interval(shared.settings.alloc_interval);
                 probe_allocator();
+                if !alloc::seen() {
+                    crate::notice::notice(
+                        log::Level::Warn,
+                        format_args!("ferroprof: {}", crate::notice::allocator_missing(p)),
+                    );
+                }
             }
             if self.flush_on_termination {
                 let (sh, dl) = (shared.clone(), deliveries.clone());
@@ -881,15 +922,19 @@ pub struct ProfilerStats {
     pub handler_avg_frames: u64,
     /// Unwinding snapshots (module list + stack mappings) built in this process so far.
     pub snapshot_builds: u64,
-    /// CPU time the sampler thread used so far (listing threads, reading their clocks,
-    /// signalling, recording), in nanoseconds; 0 when it does not run.
+    /// CPU time the sampler thread used so far (listing threads, reading their clocks and
+    /// stacks, recording), in nanoseconds; 0 when it does not run.
     pub sampler_cpu_ns: u64,
+    /// Allocation samples taken.
     pub alloc_samples: u64,
+    /// Samples the recorder refused (counted, never fatal).
     pub record_errors: u64,
     /// Profiles delivered (to exporters with a delivery thread) or queued (network exporters,
     /// which count their own uploads in their `ExportStats`).
     pub exports: u64,
+    /// Exports an exporter failed (each is logged).
     pub export_errors: u64,
+    /// Serializations that failed (each is logged).
     pub serialize_errors: u64,
     /// Profiles dropped because an exporter still held [`crate::export::HANDOFF_CAPACITY`]
     /// others (it is slower than the export period, or stuck).
@@ -902,10 +947,12 @@ pub struct ProfilerStats {
     /// The last periodic export's serialization (symbolizing and encoding), wall and CPU time
     /// of the export thread.
     pub last_export_ns: u64,
+    /// CPU time the export thread spent on the last periodic export's serialization.
     pub last_export_cpu_ns: u64,
     /// Addresses symbolized from debug info so far (the others came from the symbolizer's
     /// cache of resolved addresses), and the cache's size.
     pub symbolized_addresses: u64,
+    /// Addresses in the symbolizer's cache of resolved addresses.
     pub symbolizer_cached_addresses: u64,
     /// Memory the profiler keeps between exports, in bytes (estimates from capacities): the
     /// symbolizer's cache of resolved addresses and its unit indexes; the tables of the last
@@ -915,8 +962,11 @@ pub struct ProfilerStats {
     /// the allocations since the start per stack that the heap profile carries (capped like a
     /// profile, see [`ProfilerBuilder::max_profile_bytes`]).
     pub symbolizer_bytes: u64,
+    /// Bytes the tables of the last exported profile held when it was serialized.
     pub last_profile_bytes: u64,
+    /// Live objects the heap profile tracks.
     pub heap_tracked_objects: u64,
+    /// Bytes the heap profile's allocation totals since the start take.
     pub alloc_totals_bytes: u64,
     /// Encoded profiles waiting in the exporters' queues, in bytes (a profile waiting for two
     /// exporters counts twice); more than a few profiles' worth means an exporter falls behind.
@@ -1116,6 +1166,9 @@ impl Source {
             TapKind::Cpu => return Err("CPU and wall profiling are not enabled".into()),
             TapKind::Alloc => return Err("allocation profiling is not enabled".into()),
         };
+        if kind == TapKind::Alloc && !alloc::seen() {
+            return Err(crate::notice::allocator_missing(p));
+        }
         tls::with_guard(|| {
             let recorder = StackRecorder::with_extras(
                 RecorderConfig {
@@ -1158,6 +1211,9 @@ impl ProfileSource for Source {
             .recorder
             .heap()
             .ok_or_else(|| "heap profiling is not enabled".to_owned())?;
+        if !alloc::seen() {
+            return Err(crate::notice::allocator_missing(sh.settings.profiles));
+        }
         tls::with_guard(|| {
             let _s = sh.serialize_lock.lock();
             let mut sym = sh.symbolizer.lock();

@@ -29,6 +29,7 @@ impl Default for Profiles {
 }
 
 impl Profiles {
+    /// Every profile (the default).
     pub const fn all() -> Self {
         Profiles {
             cpu: true,
@@ -38,6 +39,7 @@ impl Profiles {
         }
     }
 
+    /// No profile (a start to fill in: at least one is needed).
     pub const fn none() -> Self {
         Profiles {
             cpu: false,

@@ -42,7 +42,9 @@ const MAX_CACHED_ADDRESSES: usize = 16 * 1024;
 /// aging of two passes a service resolved some 70 addresses again at every export.
 const CACHE_PASSES: u64 = 120;
 
-/// A [`Symbolizer`] for the current process. See the module docs.
+/// A [`Symbolizer`] for the current process: addresses to inlined frames, demangled names,
+/// files and lines from each loaded object's DWARF (or its separate debug file, or its symbol
+/// table), with a cache of resolved addresses kept between passes.
 pub struct ProcessSymbolizer {
     cache: HashMap<u64, CacheEntry>,
     pass: u64,
@@ -162,6 +164,7 @@ impl Default for ProcessSymbolizer {
 }
 
 impl ProcessSymbolizer {
+    /// A symbolizer with an empty cache; objects are read at the first pass.
     pub fn new() -> Self {
         ProcessSymbolizer {
             cache: HashMap::new(),

@@ -284,3 +284,57 @@ fn go_tool_pprof_reads_the_served_profiles() {
         "{top}"
     );
 }
+
+/// A bind error names the address once, in one pair of quotes, however it was given; its
+/// `Debug` (what `main` prints when it returns the error) has no quotes inside the value.
+#[test]
+fn bind_error_quotes_the_address_once() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let text = addr.to_string();
+    let src = || Arc::new(FakeSource::default()) as Arc<dyn ProfileSource>;
+    let errors = [
+        serve(text.as_str(), src()).unwrap_err(),
+        serve(&text, src()).unwrap_err(),
+        serve(text.clone(), src()).unwrap_err(),
+        serve(addr, src()).unwrap_err(),
+        serve(("127.0.0.1", addr.port()), src()).unwrap_err(),
+    ];
+    for err in errors {
+        let shown = err.to_string();
+        assert!(
+            shown.starts_with(&format!("cannot listen on \"{text}\": ")),
+            "{shown}"
+        );
+        assert_eq!(shown.matches(&text).count(), 1, "{shown}");
+        let debug = format!("{err:?}");
+        assert!(debug.contains(&format!("addr: \"{text}\"")), "{debug}");
+        assert!(!debug.contains("\\\""), "quoted twice: {debug}");
+    }
+}
+
+/// `?` turns the server's errors into `ProfilerError` (a `main` returning it needs no
+/// `map_err`), and the message keeps the server's.
+#[test]
+fn http_errors_convert_into_profiler_errors() {
+    fn start(addr: &str) -> Result<ferroprof::http::PprofServer, ferroprof::ProfilerError> {
+        Ok(serve(addr, Arc::new(FakeSource::default()))?)
+    }
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let text = taken.local_addr().unwrap().to_string();
+    let err = start(&text).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ferroprof::ProfilerError::Http(ferroprof::http::HttpError::Bind { .. })
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "/debug/pprof: {}",
+            serve(text.as_str(), Arc::new(FakeSource::default())).unwrap_err()
+        )
+    );
+}

@@ -46,7 +46,9 @@ pub const EWMA_ALPHA: f64 = 0.3;
 /// What a runtime with a collector tells the recorder about one object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ObjectInfo {
+    /// The object's size in bytes now.
     pub size: u64,
+    /// Whether the object can no longer change size (its size is then not asked again).
     pub frozen: bool,
 }
 
@@ -100,10 +102,13 @@ impl std::fmt::Debug for Liveness {
 pub struct HeapConfig {
     /// Track every Nth started recording, with weight x N. Must be positive.
     pub sample_every: u32,
+    /// Managed model: updates re-measure live objects' sizes (frozen objects keep theirs).
     pub size_enabled: bool,
     /// Run young updates from `after_gc_step` (managed model).
     pub clean_after_gc: bool,
+    /// Objects younger than this many generations are left out of iterations (0: every object).
     pub min_iteration_age: u32,
+    /// How records leave the recorder: pulled from a runtime, or untracked on free.
     pub liveness: Liveness,
 }
 
@@ -144,13 +149,19 @@ impl HeapConfig {
 /// One live object as seen during iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LiveObject {
+    /// The object's id (its address, in the native model).
     pub id: u64,
+    /// How many objects this sampled one stands for.
     pub weight: u32,
+    /// Its size in bytes.
     pub size: u64,
     /// `StringId::EMPTY` when unknown.
     pub class: StringId,
+    /// The generation (collections, or serializations in the native model) it was allocated in.
     pub alloc_gen: u64,
+    /// Generations it survived.
     pub gen_age: u64,
+    /// Whether it can no longer change size.
     pub frozen: bool,
 }
 
@@ -201,24 +212,43 @@ impl SnapshotStack<'_> {
 /// Snapshot of the heap recorder's stats (the seed's `heap_recorder_state_snapshot`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HeapStats {
+    /// Live objects tracked.
     pub num_object_records: u64,
+    /// Distinct stacks held.
     pub num_heap_records: u64,
+    /// Deferred recordings waiting for [`HeapRecorder::finalize_pending_recordings`].
     pub pending_recordings_count: u64,
+    /// Objects the last update (managed model) found alive.
     pub last_update_objects_alive: u64,
+    /// Objects the last update found dead, and dropped.
     pub last_update_objects_dead: u64,
+    /// Objects the last update skipped (too young, or too old for a young update).
     pub last_update_objects_skipped: u64,
+    /// Objects the last update found frozen.
     pub last_update_objects_frozen: u64,
+    /// Updates that ran.
     pub lifetime_updates_successful: u64,
+    /// Young updates skipped because another update was running.
     pub lifetime_updates_skipped_concurrent: u64,
+    /// Young updates skipped because no collection happened since the last update.
     pub lifetime_updates_skipped_gcgen: u64,
+    /// Young updates skipped because the last one was too recent.
     pub lifetime_updates_skipped_time: u64,
+    /// Moving average ([`EWMA_ALPHA`]) of the objects young updates found alive.
     pub lifetime_ewma_young_objects_alive: f64,
+    /// Moving average of the objects young updates found dead.
     pub lifetime_ewma_young_objects_dead: f64,
+    /// Moving average of the objects young updates skipped.
     pub lifetime_ewma_young_objects_skipped: f64,
+    /// Moving average of the objects full updates found alive.
     pub lifetime_ewma_objects_alive: f64,
+    /// Moving average of the objects full updates found dead.
     pub lifetime_ewma_objects_dead: f64,
+    /// Moving average of the objects full updates skipped.
     pub lifetime_ewma_objects_skipped: f64,
+    /// Deferred recordings dropped because the buffer ([`MAX_PENDING_RECORDINGS`]) was full.
     pub lifetime_deferred_recordings_skipped_buffer_full: u64,
+    /// Deferred recordings committed.
     pub lifetime_deferred_recordings_finalized: u64,
 }
 
@@ -1014,6 +1044,7 @@ impl std::fmt::Debug for HeapRecorder {
 }
 
 impl HeapRecorder {
+    /// A heap recorder interning into `strings`; fails on a bad `sample_every`.
     pub fn new(config: HeapConfig, strings: Arc<StringStorage>) -> Result<Self, HeapError> {
         if config.sample_every == 0 {
             return Err(HeapError::InvalidSampleEvery(0));
@@ -1052,6 +1083,7 @@ impl HeapRecorder {
         })
     }
 
+    /// Tracks every `n`th started recording from now on, with weight `n` (positive).
     pub fn set_sample_every(&self, n: i64) -> Result<(), HeapError> {
         let every = u32::try_from(n)
             .ok()
@@ -1312,6 +1344,7 @@ impl HeapRecorder {
         }
     }
 
+    /// Whether object `id` is tracked.
     pub fn is_object_recorded(&self, id: u64) -> bool {
         let hash = mix64(id);
         self.objs[shard_of(hash, OBJ_SHARDS)]
@@ -1917,6 +1950,8 @@ impl HeapRecorder {
         Ok(true)
     }
 
+    /// Ends the iteration [`Self::prepare_iteration`] began: drops its snapshot and releases what
+    /// only the snapshot still held.
     pub fn finish_iteration(&self) -> Result<(), HeapError> {
         let mut to_release = Vec::new();
         let snapshot = {
@@ -1952,6 +1987,7 @@ impl HeapRecorder {
         Ok(())
     }
 
+    /// Counters and sizes of the recorder.
     pub fn stats(&self) -> HeapStats {
         let num_object_records = self.objs.iter().map(|s| s.lock().recs.len() as u64).sum();
         let num_heap_records = self.stacks.iter().map(|s| s.lock().indexed as u64).sum();

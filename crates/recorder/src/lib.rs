@@ -5,6 +5,8 @@
 //! two-slot [`stack_recorder`] that lets samplers record without ever waiting for a serialization,
 //! and the [`heap`] recorder that tracks sampled live objects.
 
+#![warn(missing_docs)]
+
 pub mod error;
 mod gate;
 pub mod heap;

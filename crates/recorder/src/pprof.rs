@@ -14,6 +14,7 @@ use crate::error::ProfileError;
 /// Output compression.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Compression {
+    /// Plain profile.proto bytes.
     None,
     /// Readable by `go tool pprof`, Pyroscope and Datadog.
     #[default]
@@ -35,16 +36,20 @@ impl Compression {
 /// Options of [`crate::profile::Profile::encode`].
 #[derive(Debug, Clone, Default)]
 pub struct EncodeOptions {
+    /// How the encoded bytes are compressed.
     pub compression: Compression,
 }
 
 /// One encoded profile.
 #[derive(Debug, Clone)]
 pub struct EncodedProfile {
+    /// When the profile's recording began.
     pub start: SystemTime,
+    /// When it ended (the encoding time).
     pub end: SystemTime,
     /// The compressed (per `compression`) profile.proto bytes.
     pub bytes: Vec<u8>,
+    /// How `bytes` are compressed.
     pub compression: Compression,
     /// Endpoint name -> count, as collected by `set_endpoint` / `add_endpoint_count`.
     pub endpoint_counts: Vec<(String, i64)>,
@@ -58,7 +63,9 @@ pub struct ResolvedFrame {
     /// The function's name as the system knows it (its linkage, mangled name); empty when
     /// unknown. pprof's `Function.system_name`.
     pub system_name: String,
+    /// The source file (empty when unknown).
     pub filename: String,
+    /// The line in `filename` (0: unknown).
     pub line: i64,
     /// Line where the function starts in `filename` (0: unknown). pprof's `Function.start_line`.
     pub start_line: i64,
@@ -69,6 +76,7 @@ pub struct ResolvedFrame {
 pub struct MappingInfo {
     /// Address range the object's code occupies in memory: [memory_start, memory_limit).
     pub memory_start: u64,
+    /// End of that range (exclusive).
     pub memory_limit: u64,
     /// Offset in the file that `memory_start` maps.
     pub file_offset: u64,
@@ -76,11 +84,14 @@ pub struct MappingInfo {
     pub filename: String,
     /// The GNU build id, in lowercase hex; empty when there is none.
     pub build_id: String,
-    /// What the frames of this mapping's locations carry: function names, file names, line
-    /// numbers, inlined frames. A viewer re-symbolizes a mapping that lacks them.
+    /// Whether the frames of this mapping's locations carry function names (this and the next
+    /// three flags say what they carry; a viewer re-symbolizes a mapping that lacks them).
     pub has_functions: bool,
+    /// Whether they carry file names.
     pub has_filenames: bool,
+    /// Whether they carry line numbers.
     pub has_line_numbers: bool,
+    /// Whether they carry inlined frames.
     pub has_inline_frames: bool,
 }
 

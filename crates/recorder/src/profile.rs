@@ -47,7 +47,9 @@ pub const END_TIMESTAMP_LABEL: &str = "end_timestamp_ns";
 /// A string given either literally or as an id of the profile's [`StringStorage`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Str<'a> {
+    /// The text itself.
     Lit(&'a str),
+    /// An id of the profile's string storage.
     Id(StringId),
 }
 
@@ -68,8 +70,11 @@ impl From<StringId> for Str<'_> {
 pub enum Frame<'a> {
     /// Already symbolized.
     Symbol {
+        /// The function's name.
         name: Str<'a>,
+        /// The source file (empty when unknown).
         filename: Str<'a>,
+        /// The line (0: unknown).
         line: i64,
     },
     /// A return/instruction address, symbolized at encoding by the [`Symbolizer`] passed to
@@ -79,6 +84,7 @@ pub enum Frame<'a> {
 }
 
 impl<'a> Frame<'a> {
+    /// A symbolized frame from text.
     pub fn sym(name: &'a str, filename: &'a str, line: i64) -> Self {
         Frame::Symbol {
             name: Str::Lit(name),
@@ -100,18 +106,23 @@ impl<'a> Frame<'a> {
 /// A label value: a string or a number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LabelValue<'a> {
+    /// A string.
     Str(Str<'a>),
+    /// A number.
     Num(i64),
 }
 
 /// A (key, value) label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Label<'a> {
+    /// The label's key.
     pub key: Str<'a>,
+    /// Its value.
     pub value: LabelValue<'a>,
 }
 
 impl<'a> Label<'a> {
+    /// A string label.
     pub fn str(key: &'a str, value: &'a str) -> Self {
         Label {
             key: Str::Lit(key),
@@ -119,6 +130,7 @@ impl<'a> Label<'a> {
         }
     }
 
+    /// A numeric label.
     pub fn num(key: &'a str, value: i64) -> Self {
         Label {
             key: Str::Lit(key),
@@ -134,6 +146,7 @@ pub struct Sample<'a> {
     pub frames: &'a [Frame<'a>],
     /// Exactly one value per sample type of the profile.
     pub values: &'a [i64],
+    /// The sample's labels (distinct keys).
     pub labels: &'a [Label<'a>],
     /// Nanoseconds since the Unix epoch; 0 means "not timestamped" (aggregated).
     pub end_timestamp_ns: i64,
@@ -1625,10 +1638,12 @@ impl Profile {
                 <= self.cap - self.cap / DROPPED_ROWS_SHARE
     }
 
+    /// The profile's sample types, in the order of every sample's values.
     pub fn sample_types(&self) -> &[SampleType] {
         &self.types
     }
 
+    /// When the profile's recording began.
     pub fn start(&self) -> SystemTime {
         self.start
     }

@@ -13,13 +13,21 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
 pub enum SampleType {
+    /// `cpu-time` (nanoseconds): CPU time spent.
     CpuTime = 0,
+    /// `cpu-samples` (count): sampling events (CPU or wall ticks).
     CpuSamples = 1,
+    /// `wall-time` (nanoseconds): wall-clock time.
     WallTime = 2,
+    /// `alloc-samples` (count): allocations, estimated from the sampled ones.
     AllocSamples = 3,
+    /// `alloc-samples-unscaled` (count): sampled allocations, unweighted.
     AllocSamplesUnscaled = 4,
+    /// `heap-live-samples` (count): live objects, estimated.
     HeapLiveSamples = 5,
+    /// `heap-live-size` (bytes): live heap, estimated.
     HeapLiveSize = 6,
+    /// `timeline` (nanoseconds): wall time of timestamped samples.
     Timeline = 7,
     /// Added after the seed: estimated bytes allocated.
     AllocSpace = 8,
@@ -81,11 +89,15 @@ impl SampleType {
 /// [`SampleTypeExtras::cpu_and_wall`] turns them off).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SampleTypeConfig {
+    /// `cpu-time`.
     pub cpu_time: bool,
     /// Enables both `alloc-samples` and `alloc-samples-unscaled`.
     pub alloc_samples: bool,
+    /// `heap-live-samples`.
     pub heap_samples: bool,
+    /// `heap-live-size`.
     pub heap_size: bool,
+    /// `timeline`.
     pub timeline: bool,
 }
 
@@ -213,6 +225,7 @@ impl SampleLayout {
         self.enabled.len()
     }
 
+    /// Whether no type is enabled.
     pub fn is_empty(&self) -> bool {
         self.enabled.is_empty()
     }
@@ -261,15 +274,21 @@ pub struct ExtraValues {
 /// The values a sampler reports for one sample, by meaning rather than position.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SampleValues {
+    /// `cpu-time`, nanoseconds.
     pub cpu_time_ns: i64,
+    /// `cpu-samples`: sampling events.
     pub cpu_or_wall_samples: i64,
+    /// `wall-time`, nanoseconds.
     pub wall_time_ns: i64,
+    /// `alloc-samples`: allocations this sample stands for.
     pub alloc_samples: i64,
+    /// `alloc-samples-unscaled`: 1 per sampled allocation.
     pub alloc_samples_unscaled: i64,
     /// Normally filled by the heap recorder at serialization, not by samplers.
     pub heap_live_samples: i64,
     /// Normally filled by the heap recorder at serialization, not by samplers.
     pub heap_live_size: i64,
+    /// `timeline`, nanoseconds.
     pub timeline_wall_time_ns: i64,
     /// Managed-heap model: this allocation sample ends the heap recording begun by
     /// `StackRecorder::track_object`, committing it with this sample's frames.

@@ -3,10 +3,10 @@
 //! Two profiles, each behind its own gate. Samplers only *try* gates (two rounds over both slots)
 //! and get an error value instead of waiting; the serializer flips slots, adds the heap samples to
 //! the now-inactive slot, encodes it and advances the string generation. Unlike the seed, several
-//! sampler threads may record at once (see DESIGN in the README).
+//! sampler threads may record at once (see `docs/architecture.md`, "The two-slot protocol").
 //!
 //! ## Protocol
-//! Each slot is a [`Gate`] (closed bit + samplers inside) in front of a data mutex holding the
+//! Each slot is a gate (`gate.rs`: closed bit + samplers inside) in front of a data mutex holding the
 //! profile. A sampler enters the first open gate in two rounds over both slots, then takes the
 //! data mutex, which only other samplers contend for and only for one add. The serializer (one at
 //! a time, behind its own mutex) resets the inactive slot, opens its gate, closes the active gate
@@ -108,9 +108,11 @@ const HEAP_OBJECTS_PER_STEP: u64 = 512;
 /// Stack recorder configuration.
 #[derive(Debug, Clone, Default)]
 pub struct RecorderConfig {
+    /// Which of the seed's sample types are recorded.
     pub sample_types: SampleTypeConfig,
     /// Used only when heap samples or heap size are enabled.
     pub heap: HeapConfig,
+    /// How serialized profiles are compressed.
     pub compression: Compression,
     /// Cap on the memory of each in-flight profile's tables (see [`Profile::set_max_bytes`]):
     /// past it, samples of new stacks fold into a `[stacks dropped: over memory cap]` frame
@@ -134,8 +136,11 @@ pub struct RecorderExtras {
 pub struct ProfileStats {
     /// Individual (unweighted) samples recorded into the slot, heap samples included.
     pub recorded_samples: u64,
+    /// Time the whole serialization took.
     pub serialization_time_ns: u64,
+    /// Time preparing the heap iteration took (the update and snapshot).
     pub heap_iteration_prep_time_ns: u64,
+    /// Time adding the live heap's samples took.
     pub heap_profile_build_time_ns: u64,
     /// Samples (heap objects included) folded into the dropped-stacks frame because the
     /// profile was at its memory cap.
@@ -147,17 +152,24 @@ pub struct ProfileStats {
 /// Stats over the recorder's lifetime.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct LifetimeStats {
+    /// Serializations that succeeded.
     pub serialization_successes: u64,
+    /// Serializations that failed.
     pub serialization_failures: u64,
+    /// Shortest successful serialization (`None` before the first).
     pub serialization_time_ns_min: Option<u64>,
+    /// Longest successful serialization.
     pub serialization_time_ns_max: Option<u64>,
+    /// Time all successful serializations took.
     pub serialization_time_ns_total: Option<u64>,
+    /// Mean time of a successful serialization.
     pub serialization_time_ns_avg: Option<f64>,
 }
 
 /// What [`StackRecorder::stats`] returns.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RecorderStats {
+    /// Serializations so far.
     pub lifetime: LifetimeStats,
     /// `None` when heap profiling is disabled.
     pub heap: Option<HeapStats>,
@@ -169,9 +181,13 @@ pub struct RecorderStats {
 /// One serialization's result.
 #[derive(Debug, Clone)]
 pub struct SerializedProfile {
+    /// When the serialized profile's recording began.
     pub start: SystemTime,
+    /// When it was serialized.
     pub finish: SystemTime,
+    /// The encoded profile.
     pub encoded: EncodedProfile,
+    /// What serializing it took.
     pub stats: ProfileStats,
 }
 
@@ -240,6 +256,7 @@ pub struct StackRecorder {
 }
 
 impl StackRecorder {
+    /// A recorder of the seed's configuration (see [`Self::with_extras`] for more).
     pub fn new(config: RecorderConfig) -> Result<Self, RecorderError> {
         Self::with_extras(config, RecorderExtras::default())
     }
@@ -296,10 +313,12 @@ impl StackRecorder {
         })
     }
 
+    /// The sample types recorded and their positions in a sample's values.
     pub fn layout(&self) -> &SampleLayout {
         &self.layout
     }
 
+    /// The string storage the recorder's profiles and heap recorder share.
     pub fn strings(&self) -> &Arc<StringStorage> {
         &self.strings
     }
@@ -739,6 +758,7 @@ impl StackRecorder {
         })
     }
 
+    /// Serialization and heap statistics.
     pub fn stats(&self) -> RecorderStats {
         RecorderStats {
             lifetime: *self.lifetime.lock(),

@@ -21,8 +21,10 @@ use crate::error::StringError;
 pub struct StringId(pub(crate) u32);
 
 impl StringId {
+    /// The empty string's id.
     pub const EMPTY: StringId = StringId(0);
 
+    /// The raw value (see [`Self::from_raw`]).
     pub fn value(self) -> u32 {
         self.0
     }
@@ -318,6 +320,7 @@ impl std::fmt::Debug for StringStorage {
 }
 
 impl StringStorage {
+    /// An empty storage (holding `""` as id 0).
     pub fn new() -> Self {
         Self::default()
     }
@@ -428,6 +431,7 @@ impl StringStorage {
         self.table.lock().referenced
     }
 
+    /// Whether no string is referenced.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -33,7 +33,12 @@ pub enum DatadogTarget {
     AgentUnix(PathBuf),
     /// The intake directly (`https://intake.profile.datadoghq.com/api/v2/profile`), with an API
     /// key. Needs the `tls` feature for an `https` URL.
-    Agentless { url: String, api_key: Secret },
+    Agentless {
+        /// The intake's URL.
+        url: String,
+        /// The API key (`DD_API_KEY`).
+        api_key: Secret,
+    },
 }
 
 impl DatadogTarget {
@@ -88,6 +93,7 @@ impl DatadogTarget {
 /// Datadog exporter settings.
 #[derive(Debug, Clone)]
 pub struct DatadogConfig {
+    /// Where uploads go.
     pub target: DatadogTarget,
     /// `service` tag; falls back to the profile's service.
     pub service: Option<String>,
@@ -103,6 +109,7 @@ pub struct DatadogConfig {
     pub family: String,
     /// The `language` tag.
     pub language: String,
+    /// Queue, timeout and retries.
     pub queue: QueueConfig,
 }
 
@@ -144,31 +151,37 @@ impl DatadogConfig {
         }
     }
 
+    /// Sets the `service` tag.
     pub fn service(mut self, s: impl Into<String>) -> Self {
         self.service = Some(s.into());
         self
     }
 
+    /// Sets the `env` tag.
     pub fn env(mut self, s: impl Into<String>) -> Self {
         self.env = Some(s.into());
         self
     }
 
+    /// Sets the `version` tag.
     pub fn version(mut self, s: impl Into<String>) -> Self {
         self.version = Some(s.into());
         self
     }
 
+    /// Sets the `host` tag.
     pub fn hostname(mut self, s: impl Into<String>) -> Self {
         self.hostname = Some(s.into());
         self
     }
 
+    /// Adds a tag.
     pub fn tag(mut self, k: impl Into<String>, v: impl Into<String>) -> Self {
         self.tags.push((k.into(), v.into()));
         self
     }
 
+    /// Sets the queue, timeout and retries.
     pub fn queue(mut self, q: QueueConfig) -> Self {
         self.queue = q;
         self
@@ -180,6 +193,7 @@ impl DatadogConfig {
         Self::enabled_in(&|k| std::env::var(k).ok())
     }
 
+    /// [`Self::enabled_in_env`] with a custom variable lookup (for tests).
     pub fn enabled_in(env: &dyn Fn(&str) -> Option<String>) -> Result<bool, ExportError> {
         for key in ["FERROPROF_DATADOG", "DD_PROFILING_ENABLED"] {
             if let Some(v) = env(key) {
@@ -289,6 +303,8 @@ pub struct DatadogBackend {
 }
 
 impl DatadogBackend {
+    /// A backend for `config`; fails on an agentless target without an API key, or an `https` URL
+    /// in a build without the `tls` feature.
     pub fn new(config: DatadogConfig) -> Result<Self, ExportError> {
         if let DatadogTarget::Agentless { api_key, .. } = &config.target {
             if api_key.is_empty() {

@@ -89,6 +89,7 @@ impl DirExporter {
         }
     }
 
+    /// The directory profiles are written to.
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -3,9 +3,9 @@
 //! The export loop hands every serialized profile to each configured [`Exporter`], never waiting
 //! for one: exporters that talk to a network wrap themselves in a bounded background queue so
 //! `export` returns at once, and every other exporter gets a delivery thread and a bounded queue
-//! of its own from the profiler (see `handoff`). A backend being down or a write that never
-//! returns blocks neither the application nor the next serialization, and costs a bounded
-//! number of profiles of memory.
+//! of its own from the profiler (see [`Exporter::queues_profiles`]). A backend being down or a
+//! write that never returns blocks neither the application nor the next serialization, and
+//! costs a bounded number of profiles of memory.
 
 pub mod datadog;
 pub mod dir;
@@ -24,7 +24,9 @@ use ferroprof_recorder::{EncodedProfile, ProfileStats};
 /// One profile on its way out, with the metadata backends want.
 #[derive(Debug, Clone)]
 pub struct ExportedProfile {
+    /// The profile: its bytes (gzip pprof by default), start and end.
     pub encoded: EncodedProfile,
+    /// What recording and serializing it took.
     pub stats: ProfileStats,
     /// Service name (`service` tag).
     pub service: String,
@@ -37,10 +39,12 @@ pub struct ExportedProfile {
 }
 
 impl ExportedProfile {
+    /// When the profile's recording began.
     pub fn start(&self) -> SystemTime {
         self.encoded.start
     }
 
+    /// When it ended.
     pub fn end(&self) -> SystemTime {
         self.encoded.end
     }
@@ -49,26 +53,44 @@ impl ExportedProfile {
 /// Errors of an exporter.
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
+    /// Writing a file failed.
     #[error("cannot write profile to {path}: {source}")]
     Io {
+        /// The file or directory.
         path: String,
+        /// The system's error.
         #[source]
         source: std::io::Error,
     },
+    /// The backend answered with an error status.
     #[error("backend {backend} rejected the profile: HTTP {status}: {body}")]
     Rejected {
+        /// The exporter's name.
         backend: String,
+        /// The HTTP status.
         status: u16,
+        /// The answer's body (shortened).
         body: String,
     },
+    /// The backend could not be reached.
     #[error("cannot reach backend {backend} at {target}: {reason}")]
     Unreachable {
+        /// The exporter's name.
         backend: String,
+        /// Where it tried to connect.
         target: String,
+        /// Why it could not.
         reason: String,
     },
+    /// The backend, or an exporter at stop, did not finish in time.
     #[error("backend {backend} timed out after {after:?}")]
-    Timeout { backend: String, after: Duration },
+    Timeout {
+        /// The exporter's name (or names).
+        backend: String,
+        /// The time it was given.
+        after: Duration,
+    },
+    /// A setting is invalid (the message names the variable or field).
     #[error("invalid exporter configuration: {0}")]
     Config(String),
 }
@@ -89,6 +111,24 @@ pub trait Exporter: Send + 'static {
     /// profiler. Default false.
     fn queues_profiles(&self) -> bool {
         false
+    }
+}
+
+/// A boxed exporter is an exporter: `Box<dyn Exporter>` (what
+/// [`queue::network_exporters_from_env`] returns) goes to
+/// [`ProfilerBuilder::exporter`](crate::ProfilerBuilder::exporter) as it is.
+impl<E: Exporter + ?Sized> Exporter for Box<E> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn export(&mut self, profile: &ExportedProfile) -> Result<(), ExportError> {
+        (**self).export(profile)
+    }
+    fn shutdown(&mut self, deadline: Duration) {
+        (**self).shutdown(deadline)
+    }
+    fn queues_profiles(&self) -> bool {
+        (**self).queues_profiles()
     }
 }
 

@@ -16,10 +16,16 @@ use super::{ExportError, ExportedProfile};
 /// How requests authenticate.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum PyroscopeAuth {
+    /// No authentication.
     #[default]
     None,
     /// HTTP basic auth (Grafana Cloud: instance id and an access token).
-    Basic { user: String, password: Secret },
+    Basic {
+        /// The user (Grafana Cloud: the instance id).
+        user: String,
+        /// The password or token.
+        password: Secret,
+    },
     /// `Authorization: Bearer <token>`.
     Bearer(Secret),
 }
@@ -33,13 +39,16 @@ pub struct PyroscopeConfig {
     pub app: String,
     /// Tags added after the profile's own.
     pub tags: Vec<(String, String)>,
+    /// How requests authenticate.
     pub auth: PyroscopeAuth,
     /// Sent as `X-Scope-OrgID` for multi-tenant servers.
     pub tenant: Option<String>,
+    /// Queue, timeout and retries.
     pub queue: QueueConfig,
 }
 
 impl PyroscopeConfig {
+    /// Settings for the server at `url` (e.g. `http://localhost:4040`) and application `app`.
     pub fn new(url: &str, app: &str) -> Self {
         PyroscopeConfig {
             url: url.trim().trim_end_matches('/').to_owned(),
@@ -51,11 +60,13 @@ impl PyroscopeConfig {
         }
     }
 
+    /// Adds a tag.
     pub fn tag(mut self, k: impl Into<String>, v: impl Into<String>) -> Self {
         self.tags.push((k.into(), v.into()));
         self
     }
 
+    /// Authenticates with HTTP basic auth.
     pub fn basic_auth(mut self, user: impl Into<String>, password: Secret) -> Self {
         self.auth = PyroscopeAuth::Basic {
             user: user.into(),
@@ -64,16 +75,19 @@ impl PyroscopeConfig {
         self
     }
 
+    /// Authenticates with `Authorization: Bearer <token>`.
     pub fn bearer_token(mut self, token: Secret) -> Self {
         self.auth = PyroscopeAuth::Bearer(token);
         self
     }
 
+    /// Sets the `X-Scope-OrgID` tenant.
     pub fn tenant(mut self, t: impl Into<String>) -> Self {
         self.tenant = Some(t.into());
         self
     }
 
+    /// Sets the queue, timeout and retries.
     pub fn queue(mut self, q: QueueConfig) -> Self {
         self.queue = q;
         self
@@ -168,6 +182,8 @@ pub struct PyroscopeBackend {
 }
 
 impl PyroscopeBackend {
+    /// A backend for `config`; fails on a bad URL or name, or an `https` URL in a build without the
+    /// `tls` feature.
     pub fn new(config: PyroscopeConfig) -> Result<Self, ExportError> {
         config.validate()?;
         transport::check_tls_available(&config.url)?;

@@ -146,6 +146,7 @@ pub struct ExportStats {
 pub struct ExportStatsHandle(Arc<Shared>);
 
 impl ExportStatsHandle {
+    /// The exporter's counters now.
     pub fn get(&self) -> ExportStats {
         self.0.stats()
     }
@@ -264,6 +265,7 @@ impl<B: Backend> QueuedExporter<B> {
         })
     }
 
+    /// The exporter's counters now.
     pub fn stats(&self) -> ExportStats {
         self.shared.stats()
     }
@@ -497,7 +499,7 @@ impl<B: Backend> Worker<B> {
 
 /// The network exporters the environment asks for: Datadog when `FERROPROF_DATADOG` or
 /// `DD_PROFILING_ENABLED` is true, Pyroscope when `FERROPROF_PYROSCOPE_URL` is set (see the README's
-/// "Configuration (environment)"). Started and ready to hand to the profiler builder.
+/// "Configuration"). Started and ready to hand to the profiler builder.
 pub fn network_exporters_from_env() -> Result<Vec<Box<dyn Exporter>>, ExportError> {
     network_exporters_from_lookup(&|k| std::env::var(k).ok())
 }

@@ -20,7 +20,12 @@ pub enum Endpoint {
     /// A full `http://` or `https://` URL.
     Url(String),
     /// A unix socket and the request path to use on it.
-    Unix { socket: PathBuf, path: String },
+    Unix {
+        /// The socket's path.
+        socket: PathBuf,
+        /// The request path.
+        path: String,
+    },
 }
 
 impl std::fmt::Display for Endpoint {
@@ -34,13 +39,16 @@ impl std::fmt::Display for Endpoint {
 
 /// One request body with its content type.
 pub struct Body {
+    /// The `Content-Type` header.
     pub content_type: String,
+    /// The body.
     pub bytes: Vec<u8>,
 }
 
 /// A non-error (2xx) response.
 #[derive(Debug)]
 pub struct Response {
+    /// The HTTP status.
     pub status: u16,
 }
 
@@ -299,6 +307,7 @@ pub struct Multipart {
 }
 
 impl Multipart {
+    /// An empty body.
     pub fn new() -> Self {
         Multipart { parts: Vec::new() }
     }
@@ -314,6 +323,7 @@ impl Multipart {
         self
     }
 
+    /// The body with a boundary that occurs in no part, and its content type.
     pub fn finish(self) -> Body {
         let mut rng = Rng::new();
         // A random boundary essentially never occurs in the content; check anyway, since a
@@ -489,6 +499,7 @@ mod tests {
 pub struct Secret(String);
 
 impl Secret {
+    /// Wraps a credential.
     pub fn new(value: impl Into<String>) -> Self {
         Secret(value.into())
     }
@@ -498,6 +509,7 @@ impl Secret {
         &self.0
     }
 
+    /// Whether the credential is empty.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
