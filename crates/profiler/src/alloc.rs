@@ -443,9 +443,8 @@ fn in_place_room(sp: u64) -> bool {
 
 fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     let (p, size, weight) = (job.p, job.size, job.weight);
-    if !sh.alloc_enabled() {
-        return;
-    }
+    // The allocation profile and the live heap are separate choices: `heap` alone samples too.
+    let (alloc_on, heap_on) = (sh.alloc_enabled(), sh.heap_enabled());
     let frames: Vec<Frame<'static>> = addrs.iter().map(|&a| Frame::Address(a)).collect();
     let tid = state::current_tid();
     let mut name_buf = [0u8; 16];
@@ -467,15 +466,16 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     tls::in_recorder(|| {
         // Never inside the recorder while a fork is under way (see `fork`).
         fork::outside_fork(|| {
-            if sh
-                .recorder
-                .record_sample_with(&frames, &values, &extra, labels, 0)
-                .is_err()
+            if alloc_on
+                && sh
+                    .recorder
+                    .record_sample_with(&frames, &values, &extra, labels, 0)
+                    .is_err()
             {
                 sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
             }
             sh.stats.alloc_samples.add(1);
-            if sh.heap_enabled() {
+            if heap_on {
                 // The heap profile's allocation columns (since the start).
                 sh.alloc_totals.add(addrs, [weight, 1, job.space]);
                 let w = weight.clamp(1, u32::MAX as i64) as u32;
