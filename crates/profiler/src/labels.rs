@@ -19,6 +19,10 @@
 //! # Bounds
 //! * At most [`MAX_LABELS`] user labels at a time on a thread; one more (not replacing a key
 //!   already set) is dropped and counted ([`LabelStats::labels_dropped`]).
+//! * A key the profiler writes itself ([`RESERVED_KEYS`]: `thread id`, `span id`,
+//!   `trace endpoint`, ...) is refused, counted ([`LabelStats::labels_reserved`]): a sample
+//!   never carries two labels of one key, or a user's value where a backend expects the
+//!   profiler's.
 //! * Keys and values are interned for the life of the process: at most [`MAX_STRINGS`] distinct
 //!   strings of at most [`MAX_STR_LEN`] bytes (longer ones are cut at a character boundary,
 //!   counted). A label whose string does not fit in a full table is dropped, counted: memory
@@ -56,6 +60,29 @@ pub const MAX_THREADS: usize = SLOT_CHUNK * SLOT_CHUNKS;
 pub const SPAN_ID_LABEL: &str = "span id";
 /// Numeric label of the active trace's local root span (see `record_endpoint`).
 pub const LOCAL_ROOT_SPAN_ID_LABEL: &str = ferroprof_recorder::profile::LOCAL_ROOT_SPAN_ID_LABEL;
+/// String label of the endpoint of the sample's trace (see `record_endpoint`).
+pub const TRACE_ENDPOINT_LABEL: &str = ferroprof_recorder::profile::TRACE_ENDPOINT_LABEL;
+/// String label marking the samples of a thread parked waiting for work ([`on_thread_park`]):
+/// value [`IDLE`].
+pub const THREAD_STATE_LABEL: &str = "thread state";
+/// The value of [`THREAD_STATE_LABEL`] while a thread is parked.
+pub const IDLE: &str = "idle";
+
+/// Label keys the profiler writes itself; user labels with these keys are refused.
+pub const RESERVED_KEYS: &[&str] = &[
+    "thread id",
+    "thread name",
+    SPAN_ID_LABEL,
+    LOCAL_ROOT_SPAN_ID_LABEL,
+    TRACE_ENDPOINT_LABEL,
+    THREAD_STATE_LABEL,
+    // The heap profile's.
+    "gc gen age",
+    "allocation class",
+    // What the Pyroscope exporter adds for Grafana's span profiles.
+    "span_id",
+    "span_name",
+];
 
 const SLOT_CHUNK: usize = 256;
 const SLOT_CHUNKS: usize = 64;
@@ -74,6 +101,10 @@ pub(crate) struct Ctx {
 
 impl Ctx {
     pub(crate) const EMPTY: Ctx = Ctx { words: [0; WORDS] };
+
+    pub(crate) fn local_root_span_id(&self) -> u64 {
+        self.words[1]
+    }
 
     fn labels(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
         self.words[2..]
@@ -139,6 +170,7 @@ impl Ctx {
 // Counters.
 
 static LABELS_DROPPED: AtomicU64 = AtomicU64::new(0);
+static LABELS_RESERVED: AtomicU64 = AtomicU64::new(0);
 static STRINGS_TRUNCATED: AtomicU64 = AtomicU64::new(0);
 static STRINGS_FULL: AtomicU64 = AtomicU64::new(0);
 static THREADS_FULL: AtomicU64 = AtomicU64::new(0);
@@ -150,6 +182,8 @@ pub struct LabelStats {
     /// Labels not set: [`MAX_LABELS`] were set already, or a string did not fit in the
     /// interner ([`MAX_STRINGS`]).
     pub labels_dropped: u64,
+    /// Labels refused because their key is one the profiler writes ([`RESERVED_KEYS`]).
+    pub labels_reserved: u64,
     /// Keys or values cut to [`MAX_STR_LEN`] bytes.
     pub strings_truncated: u64,
     /// Distinct strings refused because [`MAX_STRINGS`] were interned already.
@@ -164,6 +198,7 @@ pub struct LabelStats {
 pub fn stats() -> LabelStats {
     LabelStats {
         labels_dropped: LABELS_DROPPED.load(Ordering::Relaxed),
+        labels_reserved: LABELS_RESERVED.load(Ordering::Relaxed),
         strings_truncated: STRINGS_TRUNCATED.load(Ordering::Relaxed),
         strings_refused: STRINGS_FULL.load(Ordering::Relaxed),
         threads_refused: THREADS_FULL.load(Ordering::Relaxed),
@@ -459,10 +494,14 @@ pub struct LabelSet {
 
 impl LabelSet {
     /// Interns `labels` (at most [`MAX_LABELS`]; more, or strings the interner refuses, are
-    /// dropped and counted).
+    /// dropped and counted; keys in [`RESERVED_KEYS`] are refused, counted).
     pub fn new(labels: &[(&str, &str)]) -> LabelSet {
         let mut set = LabelSet::default();
         for &(k, v) in labels {
+            if RESERVED_KEYS.contains(&k) {
+                LABELS_RESERVED.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let (k, v) = (intern(k), intern(v));
             let slot = set.ids[..set.len as usize]
                 .iter()
@@ -596,6 +635,75 @@ pub fn record_endpoint(local_root_span_id: u64, endpoint: &str) {
             }
         })
     });
+}
+
+/// Marks the calling thread parked waiting for work until [`on_thread_unpark`]: its samples
+/// carry `thread state` = `idle` meanwhile. Made for tokio's runtime hooks, so the wall time
+/// of idle workers is told apart from the time they spend polling requests:
+///
+/// ```no_run
+/// let rt = tokio::runtime::Builder::new_multi_thread()
+///     .enable_all()
+///     .on_thread_park(ferroprof::labels::on_thread_park)
+///     .on_thread_unpark(ferroprof::labels::on_thread_unpark)
+///     .build()
+///     .unwrap();
+/// # drop(rt);
+/// ```
+///
+/// A few nanoseconds (the thread's slot, taken on the first call, is published once); the
+/// thread's other labels and span are kept. A no-op when the thread has no slot
+/// ([`MAX_THREADS`]) or holds [`MAX_LABELS`] user labels already (counted in
+/// [`LabelStats::labels_dropped`]).
+pub fn on_thread_park() {
+    let (key, idle) = idle_ids();
+    if key == 0 {
+        return;
+    }
+    let Some(s) = own_slot_or_claim() else {
+        return;
+    };
+    let mut ctx = s.own();
+    if !ctx.set_label(key, idle) {
+        LABELS_DROPPED.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    s.publish(&ctx);
+}
+
+/// Ends [`on_thread_park`]'s marking: the thread polls tasks again.
+pub fn on_thread_unpark() {
+    let (key, _) = idle_ids();
+    let idx = STATE.with(|s| s.label_slot.get());
+    let Some(s) = idx.checked_sub(1).and_then(slot) else {
+        return;
+    };
+    let mut ctx = s.own();
+    let mut changed = false;
+    for w in &mut ctx.words[2..] {
+        if *w != 0 && (*w >> 32) as u32 == key {
+            *w = 0;
+            changed = true;
+        }
+    }
+    if changed {
+        s.publish(&ctx);
+    }
+}
+
+/// The interner ids of `thread state` and `idle` (0s when the interner was full).
+fn idle_ids() -> (u32, u32) {
+    static IDS: AtomicU64 = AtomicU64::new(0);
+    let ids = IDS.load(Ordering::Relaxed);
+    if ids != 0 {
+        return ((ids >> 32) as u32, ids as u32);
+    }
+    let (k, v) = (intern(THREAD_STATE_LABEL), intern(IDLE));
+    if k == 0 || v == 0 {
+        return (0, 0);
+    }
+    IDS.store((k as u64) << 32 | v as u64, Ordering::Relaxed);
+    (k, v)
 }
 
 /// Runs `f` with `labels` added to the calling thread's context; the previous context comes
