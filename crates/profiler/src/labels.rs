@@ -819,6 +819,48 @@ mod tests {
     }
 
     #[test]
+    fn parked_threads_are_idle_until_unparked_and_keep_their_labels() {
+        let state = |c: &[(String, String)]| {
+            c.iter()
+                .find(|(k, _)| k == THREAD_STATE_LABEL)
+                .map(|(_, v)| v.clone())
+        };
+        std::thread::spawn(move || {
+            // A thread that never had a slot: parking claims one.
+            on_thread_park();
+            assert_eq!(state(&__current()), Some(IDLE.into()));
+            on_thread_unpark();
+            assert!(__current().is_empty());
+            with(&[("worker", "1")], || {
+                on_thread_park();
+                let c = __current();
+                assert_eq!(state(&c), Some(IDLE.into()));
+                assert!(c.contains(&("worker".into(), "1".into())));
+                on_thread_unpark();
+                assert_eq!(__current(), vec![("worker".into(), "1".into())]);
+            });
+            // Unparking a thread that is not parked changes nothing.
+            on_thread_unpark();
+            assert!(__current().is_empty());
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn reserved_keys_are_refused_and_counted() {
+        let before = stats().labels_reserved;
+        with(
+            &[("span id", "1"), ("tenant", "a"), ("trace endpoint", "/x")],
+            || assert_eq!(__current(), vec![("tenant".into(), "a".into())]),
+        );
+        assert!(stats().labels_reserved >= before + 2);
+        for key in RESERVED_KEYS {
+            assert!(LabelSet::new(&[(key, "v")]) == LabelSet::default(), "{key}");
+        }
+    }
+
+    #[test]
     fn restored_on_panic() {
         let r = std::panic::catch_unwind(|| with(&[("p", "x")], || panic!("boom")));
         assert!(r.is_err());
