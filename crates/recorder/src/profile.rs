@@ -41,6 +41,12 @@ pub const MAX_FRAMES: usize = 3000;
 pub const LOCAL_ROOT_SPAN_ID_LABEL: &str = "local root span id";
 /// Label key added at encoding for samples whose span has an endpoint.
 pub const TRACE_ENDPOINT_LABEL: &str = "trace endpoint";
+/// Distinct endpoint names a profile keeps: a name beyond them is counted (and labels its
+/// samples) as [`OTHER_ENDPOINTS`], so a caller naming endpoints by raw path cannot grow a profile
+/// without bound.
+pub const MAX_ENDPOINT_NAMES: usize = 4096;
+/// What endpoints past [`MAX_ENDPOINT_NAMES`] are counted as.
+pub const OTHER_ENDPOINTS: &str = "[other endpoints]";
 /// Endpoints kept for roots no sample of the profile carried yet when named
 /// ([`Profile::set_endpoint`]): the most recent ones, for samples recorded after their request
 /// ended (a sampler that waited for a CPU records a tick's captures late). About 2 MiB at most;
@@ -2317,6 +2323,7 @@ impl Profile {
         endpoint: &str,
     ) -> Result<(), ProfileError> {
         check_table_len(self.t.strings.len(), "string")?;
+        let endpoint = self.bounded_endpoint(endpoint);
         let id = self.t.strings.intern(endpoint);
         let t = &mut self.t;
         let rec = LabelRec {
@@ -2337,8 +2344,20 @@ impl Profile {
         self.add_endpoint_count(endpoint, 1)
     }
 
-    /// Adds `value` to the endpoint's count (reported in `EncodedProfile::endpoint_counts`).
+    /// `endpoint`, or [`OTHER_ENDPOINTS`] when the profile holds [`MAX_ENDPOINT_NAMES`] others.
+    fn bounded_endpoint<'e>(&self, endpoint: &'e str) -> &'e str {
+        let counts = &self.t.endpoint_counts;
+        if counts.len() >= MAX_ENDPOINT_NAMES && !counts.contains_key(endpoint) {
+            OTHER_ENDPOINTS
+        } else {
+            endpoint
+        }
+    }
+
+    /// Adds `value` to the endpoint's count (reported in `EncodedProfile::endpoint_counts`);
+    /// past [`MAX_ENDPOINT_NAMES`] names, to [`OTHER_ENDPOINTS`].
     pub fn add_endpoint_count(&mut self, endpoint: &str, value: i64) -> Result<(), ProfileError> {
+        let endpoint = self.bounded_endpoint(endpoint);
         match self.t.endpoint_counts.get_mut(endpoint) {
             Some(c) => *c = c.saturating_add(value),
             None => {
@@ -3270,6 +3289,38 @@ mod tests {
         // A sampled root keeps its mapping in the profile's own table.
         p.set_endpoint(1, "GET /late").unwrap();
         assert_eq!(p.t.endpoints.len(), 1);
+    }
+
+    #[test]
+    fn endpoint_names_are_bounded() {
+        let mut p = profile();
+        let n = MAX_ENDPOINT_NAMES + 10;
+        for i in 0..n {
+            p.set_endpoint(i as u64 + 1, &format!("GET /raw/{i}"))
+                .unwrap();
+        }
+        // A name already kept still counts as itself.
+        p.add_endpoint_count("GET /raw/0", 1).unwrap();
+        let enc = p
+            .encode(
+                t0(),
+                &EncodeOptions {
+                    compression: Compression::None,
+                },
+                None,
+            )
+            .unwrap();
+        assert_eq!(enc.endpoint_counts.len(), MAX_ENDPOINT_NAMES + 1);
+        let count = |name: &str| {
+            enc.endpoint_counts
+                .iter()
+                .find(|(e, _)| e == name)
+                .map(|(_, c)| *c)
+        };
+        assert_eq!(count(OTHER_ENDPOINTS), Some(10));
+        assert_eq!(count("GET /raw/0"), Some(2));
+        let total: i64 = enc.endpoint_counts.iter().map(|(_, c)| c).sum();
+        assert_eq!(total, n as i64 + 1);
     }
 
     #[test]
