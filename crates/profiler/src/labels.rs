@@ -285,6 +285,7 @@ static OWNERS_GEN: AtomicU64 = AtomicU64::new(0);
 /// Slots handed out so far, and freed ones.
 static FREE: parking_lot::Mutex<(u32, Vec<u32>)> = parking_lot::const_mutex((0, Vec::new()));
 
+#[inline]
 fn slot(idx: u32) -> Option<&'static Slot> {
     let idx = idx as usize;
     let chunk = CHUNKS.get(idx / SLOT_CHUNK)?.load(Ordering::Acquire);
@@ -361,11 +362,19 @@ thread_local! {
 
 /// The calling thread's slot, claimed on first use (not async-signal-safe); None when every
 /// slot is taken or the thread is exiting.
+#[inline]
 fn own_slot_or_claim() -> Option<&'static Slot> {
     let idx = STATE.with(|s| s.label_slot.get());
     if idx != 0 {
         return slot(idx - 1);
     }
+    claim_slot()
+}
+
+/// [`own_slot_or_claim`]'s first use on a thread.
+#[cold]
+#[inline(never)]
+fn claim_slot() -> Option<&'static Slot> {
     // Registers the release first: a thread already tearing down its TLS gets no slot.
     RELEASE.try_with(|_| ()).ok()?;
     let idx = tls::with_guard(|| {
@@ -588,6 +597,7 @@ pub fn set_span(span_id: u64, local_root_span_id: u64) -> ContextGuard {
 /// keep their own stack of contexts (the `tracing` layer): no guard, no allocation, no lock once
 /// the thread has its slot.
 #[cfg(feature = "tracing")]
+#[inline]
 pub(crate) fn replace_span(span_id: u64, local_root_span_id: u64) -> Option<(u64, u64)> {
     let s = own_slot_or_claim()?;
     let mut ctx = s.own();

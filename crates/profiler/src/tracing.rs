@@ -260,7 +260,13 @@ where
             let Some(i) = stack.iter().rposition(|e| e.id == span_id) else {
                 return; // entered before the layer was installed, or past MAX_DEPTH
             };
-            let gone = stack.remove(i);
+            // The usual exit is of the span entered last.
+            let gone = if i + 1 == stack.len() {
+                stack.pop()
+            } else {
+                Some(stack.remove(i))
+            };
+            let Some(gone) = gone else { return };
             match stack.get_mut(i) {
                 // Exited out of order: the enter above it now restores what this one replaced.
                 Some(above) => above.prev = gone.prev,
