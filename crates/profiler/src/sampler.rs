@@ -1522,6 +1522,8 @@ impl Sampler {
         // in between, and halves are unbiased with a third of the variance of booking the whole
         // interval to one side.
         let mut moved_to = Moved::Nowhere;
+        // Its stack was read now (it stands still in a system call): `t.stack` is where it is.
+        let mut read_now = false;
         if ran || t.stack.is_empty() {
             if ran {
                 t.hot_until = now + HOT_LINGER_NS;
@@ -1551,6 +1553,7 @@ impl Sampler {
                 Where::Read(n) if t.stack[..] != self.remote_frames[..n] => {
                     moved_to = Moved::Read(n);
                 }
+                Where::Read(_) => read_now = true,
                 Where::Ran if t.stack != t.ran => moved_to = Moved::Ran,
                 _ => {}
             }
@@ -1568,8 +1571,8 @@ impl Sampler {
             }
             // Each stack with the labels seen with it: a stack read now with the labels read
             // now (the thread stood still), where it last ran with its labels there. A thread
-            // whose labels changed ran meanwhile: where it last ran, rather than an older stack
-            // under the new labels.
+            // whose labels changed ran meanwhile: unless its stack was just read where it
+            // stands, where it last ran, rather than an older stack under the new labels.
             match moved_to {
                 Moved::Read(n) => {
                     t.stack.clear();
@@ -1580,7 +1583,7 @@ impl Sampler {
                     t.stack.clone_from(&t.ran);
                     t.wall_ctx = t.ran_ctx;
                 }
-                Moved::Nowhere if ran && !t.ran.is_empty() => {
+                Moved::Nowhere if ran && !read_now && !t.ran.is_empty() => {
                     if t.stack != t.ran {
                         t.stack.clone_from(&t.ran);
                     }
