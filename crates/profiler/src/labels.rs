@@ -3,7 +3,10 @@
 //!
 //! Every sample (CPU, wall, allocation) carries the context of its thread at that moment as
 //! labels: `span id` and `local root span id` (numeric, as the Ruby profiler writes them; the
-//! recorder's endpoints key on the latter) and up to [`MAX_LABELS`] user labels (strings).
+//! recorder's endpoints key on the latter) and up to [`MAX_LABELS`] user labels (strings). A
+//! live-heap sample carries the `local root span id` of the request that allocated the object,
+//! and that request's `trace endpoint` once [`record_endpoint`] named it, for as long as the
+//! object lives. See `docs/services.md` for a service's view of them.
 //!
 //! ```
 //! use ferroprof::labels::{self, WithLabelsExt};
@@ -613,8 +616,9 @@ pub(crate) fn replace_span(span_id: u64, local_root_span_id: u64) -> Option<(u64
 /// Names the endpoint of the trace rooted at `local_root_span_id`: in the profile being
 /// collected, every sample carrying that `local root span id` (taken before or after this call)
 /// also carries `trace endpoint` = `endpoint`, and the endpoint's request count (the Datadog
-/// event's `endpoint_counts`) goes up by one. Call it once per request, typically when its root
-/// span ends (the `tracing` layer does). Any thread; a no-op when no profiler runs or the id is
+/// event's `endpoint_counts`) goes up by one; the live objects the trace allocated carry it in
+/// every later heap profile. Call it once per request, typically when its root span ends (the
+/// `tracing` layer does). Any thread; a no-op when no profiler runs or the id is
 /// 0. Not for signal handlers: it takes the recorder's lock and may allocate.
 ///
 /// A request whose samples straddle two exported profiles has the endpoint only in the profile
