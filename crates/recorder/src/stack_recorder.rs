@@ -973,6 +973,62 @@ mod tests {
     }
 
     #[test]
+    fn live_heap_samples_keep_their_request_across_profiles() {
+        let r = StackRecorder::new(RecorderConfig {
+            heap: HeapConfig::native(),
+            ..RecorderConfig::default()
+        })
+        .unwrap();
+        let frames = [Frame::sym("cache_insert", "c.rs", 3)];
+        // Request 7 allocates two objects (one freed), request 8 one, then both end; 9 never
+        // allocated anything.
+        r.track_allocation_in(0x10, 1, 100, None, &frames, 7)
+            .unwrap();
+        r.track_allocation_in(0x20, 1, 200, None, &frames, 7)
+            .unwrap();
+        r.track_allocation_in(0x30, 1, 400, None, &frames, 8)
+            .unwrap();
+        r.track_allocation(0x40, 1, 800, None, &frames).unwrap();
+        assert!(r.untrack_allocation(0x20));
+        r.record_endpoint(7, "GET /cache").unwrap();
+        r.record_endpoint(8, "GET /other").unwrap();
+        r.record_endpoint(9, "GET /none").unwrap();
+        assert_eq!(r.stats().heap.unwrap().num_contexts, 2);
+        // Later profiles too: the objects live on, their requests are long gone.
+        for round in 0..2 {
+            let p = r.serialize(None).unwrap();
+            let d = ferroprof_pprof::decode(&p.encoded.bytes).unwrap();
+            let size = d.value_index("heap-live-size").unwrap();
+            let mut live: Vec<(i64, Option<i64>, Option<&str>)> = d
+                .sample
+                .iter()
+                .filter(|s| s.value[size] > 0)
+                .map(|s| {
+                    (
+                        s.value[size],
+                        d.label_num(s, LOCAL_ROOT_SPAN_ID_LABEL),
+                        d.label_str(s, TRACE_ENDPOINT_LABEL),
+                    )
+                })
+                .collect();
+            live.sort();
+            assert_eq!(
+                live,
+                vec![
+                    (100, Some(7), Some("GET /cache")),
+                    (400, Some(8), Some("GET /other")),
+                    (800, None, None),
+                ],
+                "round {round}"
+            );
+        }
+        for id in [0x10, 0x30, 0x40] {
+            assert!(r.untrack_allocation(id));
+        }
+        assert_eq!(r.stats().heap.unwrap().num_contexts, 0);
+    }
+
+    #[test]
     fn new_recorder_has_slot_one_active() {
         let r = StackRecorder::new(no_heap()).unwrap();
         assert_eq!(r.active_slot(), 1);
