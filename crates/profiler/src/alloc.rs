@@ -453,7 +453,8 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     labels[0] = Label::num(state::THREAD_ID_LABEL, tid as i64);
     labels[1] = Label::str(state::THREAD_NAME_LABEL, name);
     // The allocating thread's request labels (its own slot: see `crate::labels`).
-    let n = 2 + crate::labels::own_ctx().fill((&mut labels[2..]).try_into().expect("WORDS"));
+    let ctx = crate::labels::own_ctx();
+    let n = 2 + ctx.fill((&mut labels[2..]).try_into().expect("WORDS"));
     let labels = &labels[..n];
     let values = SampleValues {
         alloc_samples: weight,
@@ -479,9 +480,12 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
                 // The heap profile's allocation columns (since the start).
                 sh.alloc_totals.add(addrs, [weight, 1, job.space]);
                 let w = weight.clamp(1, u32::MAX as i64) as u32;
+                // The live object keeps its request's local root span id: its heap sample
+                // carries it, and the request's endpoint once the request names it.
+                let root = ctx.local_root_span_id();
                 match sh
                     .recorder
-                    .track_allocation(p as u64, w, size as u64, None, &frames)
+                    .track_allocation_in(p as u64, w, size as u64, None, &frames, root)
                 {
                     Ok(()) => FILTER.insert(p as usize),
                     Err(_) => {
