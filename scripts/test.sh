@@ -20,7 +20,7 @@ echo "== cargo test (builds the examples too; tests/readme.rs checks the README 
 cargo test --workspace
 echo "== cargo test: the tracing layer (feature tracing)"
 cargo clippy -p ferroprof --all-targets --features tracing -- -D warnings
-cargo test -p ferroprof --features tracing --lib --test tracing_layer
+cargo test -p ferroprof --features tracing --lib --test tracing_layer --test service_spans
 echo "== soak (short): memory after exports, with and without the profiler"
 ./scripts/soak.sh ci
 

@@ -444,9 +444,8 @@ fn in_place_room(sp: u64) -> bool {
 
 fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     let (p, size, weight) = (job.p, job.size, job.weight);
-    if !sh.alloc_enabled() {
-        return;
-    }
+    // The allocation profile and the live heap are separate choices: `heap` alone samples too.
+    let (alloc_on, heap_on) = (sh.alloc_enabled(), sh.heap_enabled());
     let frames: Vec<Frame<'static>> = addrs.iter().map(|&a| Frame::Address(a)).collect();
     let tid = state::current_tid();
     let mut name_buf = [0u8; 16];
@@ -455,7 +454,8 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     labels[0] = Label::num(state::THREAD_ID_LABEL, tid as i64);
     labels[1] = Label::str(state::THREAD_NAME_LABEL, name);
     // The allocating thread's request labels (its own slot: see `crate::labels`).
-    let n = 2 + crate::labels::own_ctx().fill((&mut labels[2..]).try_into().expect("WORDS"));
+    let ctx = crate::labels::own_ctx();
+    let n = 2 + ctx.fill((&mut labels[2..]).try_into().expect("WORDS"));
     let labels = &labels[..n];
     let values = SampleValues {
         alloc_samples: weight,
@@ -468,21 +468,25 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     tls::in_recorder(|| {
         // Never inside the recorder while a fork is under way (see `fork`).
         fork::outside_fork(|| {
-            if sh
-                .recorder
-                .record_sample_with(&frames, &values, &extra, labels, 0)
-                .is_err()
+            if alloc_on
+                && sh
+                    .recorder
+                    .record_sample_with(&frames, &values, &extra, labels, 0)
+                    .is_err()
             {
                 sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
             }
             sh.stats.alloc_samples.add(1);
-            if sh.heap_enabled() {
+            if heap_on {
                 // The heap profile's allocation columns (since the start).
                 sh.alloc_totals.add(addrs, [weight, 1, job.space]);
                 let w = weight.clamp(1, u32::MAX as i64) as u32;
+                // The live object keeps its request's local root span id: its heap sample
+                // carries it, and the request's endpoint once the request names it.
+                let root = ctx.local_root_span_id();
                 match sh
                     .recorder
-                    .track_allocation(p as u64, w, size as u64, None, &frames)
+                    .track_allocation_in(p as u64, w, size as u64, None, &frames, root)
                 {
                     Ok(()) => FILTER.insert(p as usize),
                     Err(_) => {

@@ -92,6 +92,13 @@ impl AllocTotals {
         }
     }
 
+    /// In a forked child: the parent's allocations are not the child's, whose totals start at
+    /// the fork (as its other profiles do). The lock is only taken inside the fork gate, so it
+    /// is free here; the rows are dropped, not kept for reuse.
+    pub fn clear_after_fork(&self) {
+        *self.inner.lock() = Rows::default();
+    }
+
     /// Adds one sampled allocation's values to its stack's row.
     pub fn add(&self, stack: &[u64], values: AllocValues) {
         let mut hash = foldhash::fast::FixedState::default().hash_one(stack);

@@ -253,6 +253,7 @@ extern "C" fn child() {
         // SAFETY: this is the forked child's only thread.
         unsafe { sh.after_fork_in_child() };
         sh.recorder.reset_after_fork();
+        sh.alloc_totals.clear_after_fork();
         open_gate(true);
         if sh.settings.restart_after_fork && !sh.stopping.load(Ordering::SeqCst) {
             // Not now: a child that execs right away must neither pay for a start nor have a

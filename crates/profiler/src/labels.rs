@@ -3,7 +3,10 @@
 //!
 //! Every sample (CPU, wall, allocation) carries the context of its thread at that moment as
 //! labels: `span id` and `local root span id` (numeric, as the Ruby profiler writes them; the
-//! recorder's endpoints key on the latter) and up to [`MAX_LABELS`] user labels (strings).
+//! recorder's endpoints key on the latter) and up to [`MAX_LABELS`] user labels (strings). A
+//! live-heap sample carries the `local root span id` of the request that allocated the object,
+//! and that request's `trace endpoint` once [`record_endpoint`] named it, for as long as the
+//! object lives. See `docs/services.md` for a service's view of them.
 //!
 //! ```
 //! use ferroprof::labels::{self, WithLabelsExt};
@@ -19,6 +22,10 @@
 //! # Bounds
 //! * At most [`MAX_LABELS`] user labels at a time on a thread; one more (not replacing a key
 //!   already set) is dropped and counted ([`LabelStats::labels_dropped`]).
+//! * A key the profiler writes itself ([`RESERVED_KEYS`]: `thread id`, `span id`,
+//!   `trace endpoint`, ...) is refused, counted ([`LabelStats::labels_reserved`]): a sample
+//!   never carries two labels of one key, or a user's value where a backend expects the
+//!   profiler's.
 //! * Keys and values are interned for the life of the process: at most [`MAX_STRINGS`] distinct
 //!   strings of at most [`MAX_STR_LEN`] bytes (longer ones are cut at a character boundary,
 //!   counted). A label whose string does not fit in a full table is dropped, counted: memory
@@ -56,6 +63,29 @@ pub const MAX_THREADS: usize = SLOT_CHUNK * SLOT_CHUNKS;
 pub const SPAN_ID_LABEL: &str = "span id";
 /// Numeric label of the active trace's local root span (see `record_endpoint`).
 pub const LOCAL_ROOT_SPAN_ID_LABEL: &str = ferroprof_recorder::profile::LOCAL_ROOT_SPAN_ID_LABEL;
+/// String label of the endpoint of the sample's trace (see `record_endpoint`).
+pub const TRACE_ENDPOINT_LABEL: &str = ferroprof_recorder::profile::TRACE_ENDPOINT_LABEL;
+/// String label marking the samples of a thread parked waiting for work ([`on_thread_park`]):
+/// value [`IDLE`].
+pub const THREAD_STATE_LABEL: &str = "thread state";
+/// The value of [`THREAD_STATE_LABEL`] while a thread is parked.
+pub const IDLE: &str = "idle";
+
+/// Label keys the profiler writes itself; user labels with these keys are refused.
+pub const RESERVED_KEYS: &[&str] = &[
+    "thread id",
+    "thread name",
+    SPAN_ID_LABEL,
+    LOCAL_ROOT_SPAN_ID_LABEL,
+    TRACE_ENDPOINT_LABEL,
+    THREAD_STATE_LABEL,
+    // The heap profile's.
+    "gc gen age",
+    "allocation class",
+    // What the Pyroscope exporter adds for Grafana's span profiles.
+    "span_id",
+    "span_name",
+];
 
 const SLOT_CHUNK: usize = 256;
 const SLOT_CHUNKS: usize = 64;
@@ -74,6 +104,10 @@ pub(crate) struct Ctx {
 
 impl Ctx {
     pub(crate) const EMPTY: Ctx = Ctx { words: [0; WORDS] };
+
+    pub(crate) fn local_root_span_id(&self) -> u64 {
+        self.words[1]
+    }
 
     fn labels(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
         self.words[2..]
@@ -139,6 +173,7 @@ impl Ctx {
 // Counters.
 
 static LABELS_DROPPED: AtomicU64 = AtomicU64::new(0);
+static LABELS_RESERVED: AtomicU64 = AtomicU64::new(0);
 static STRINGS_TRUNCATED: AtomicU64 = AtomicU64::new(0);
 static STRINGS_FULL: AtomicU64 = AtomicU64::new(0);
 static THREADS_FULL: AtomicU64 = AtomicU64::new(0);
@@ -150,6 +185,8 @@ pub struct LabelStats {
     /// Labels not set: [`MAX_LABELS`] were set already, or a string did not fit in the
     /// interner ([`MAX_STRINGS`]).
     pub labels_dropped: u64,
+    /// Labels refused because their key is one the profiler writes ([`RESERVED_KEYS`]).
+    pub labels_reserved: u64,
     /// Keys or values cut to [`MAX_STR_LEN`] bytes.
     pub strings_truncated: u64,
     /// Distinct strings refused because [`MAX_STRINGS`] were interned already.
@@ -164,6 +201,7 @@ pub struct LabelStats {
 pub fn stats() -> LabelStats {
     LabelStats {
         labels_dropped: LABELS_DROPPED.load(Ordering::Relaxed),
+        labels_reserved: LABELS_RESERVED.load(Ordering::Relaxed),
         strings_truncated: STRINGS_TRUNCATED.load(Ordering::Relaxed),
         strings_refused: STRINGS_FULL.load(Ordering::Relaxed),
         threads_refused: THREADS_FULL.load(Ordering::Relaxed),
@@ -250,6 +288,7 @@ static OWNERS_GEN: AtomicU64 = AtomicU64::new(0);
 /// Slots handed out so far, and freed ones.
 static FREE: parking_lot::Mutex<(u32, Vec<u32>)> = parking_lot::const_mutex((0, Vec::new()));
 
+#[inline]
 fn slot(idx: u32) -> Option<&'static Slot> {
     let idx = idx as usize;
     let chunk = CHUNKS.get(idx / SLOT_CHUNK)?.load(Ordering::Acquire);
@@ -326,11 +365,19 @@ thread_local! {
 
 /// The calling thread's slot, claimed on first use (not async-signal-safe); None when every
 /// slot is taken or the thread is exiting.
+#[inline]
 fn own_slot_or_claim() -> Option<&'static Slot> {
     let idx = STATE.with(|s| s.label_slot.get());
     if idx != 0 {
         return slot(idx - 1);
     }
+    claim_slot()
+}
+
+/// [`own_slot_or_claim`]'s first use on a thread.
+#[cold]
+#[inline(never)]
+fn claim_slot() -> Option<&'static Slot> {
     // Registers the release first: a thread already tearing down its TLS gets no slot.
     RELEASE.try_with(|_| ()).ok()?;
     let idx = tls::with_guard(|| {
@@ -459,10 +506,14 @@ pub struct LabelSet {
 
 impl LabelSet {
     /// Interns `labels` (at most [`MAX_LABELS`]; more, or strings the interner refuses, are
-    /// dropped and counted).
+    /// dropped and counted; keys in [`RESERVED_KEYS`] are refused, counted).
     pub fn new(labels: &[(&str, &str)]) -> LabelSet {
         let mut set = LabelSet::default();
         for &(k, v) in labels {
+            if RESERVED_KEYS.contains(&k) {
+                LABELS_RESERVED.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let (k, v) = (intern(k), intern(v));
             let slot = set.ids[..set.len as usize]
                 .iter()
@@ -549,6 +600,7 @@ pub fn set_span(span_id: u64, local_root_span_id: u64) -> ContextGuard {
 /// keep their own stack of contexts (the `tracing` layer): no guard, no allocation, no lock once
 /// the thread has its slot.
 #[cfg(feature = "tracing")]
+#[inline]
 pub(crate) fn replace_span(span_id: u64, local_root_span_id: u64) -> Option<(u64, u64)> {
     let s = own_slot_or_claim()?;
     let mut ctx = s.own();
@@ -564,8 +616,9 @@ pub(crate) fn replace_span(span_id: u64, local_root_span_id: u64) -> Option<(u64
 /// Names the endpoint of the trace rooted at `local_root_span_id`: in the profile being
 /// collected, every sample carrying that `local root span id` (taken before or after this call)
 /// also carries `trace endpoint` = `endpoint`, and the endpoint's request count (the Datadog
-/// event's `endpoint_counts`) goes up by one. Call it once per request, typically when its root
-/// span ends (the `tracing` layer does). Any thread; a no-op when no profiler runs or the id is
+/// event's `endpoint_counts`) goes up by one; the live objects the trace allocated carry it in
+/// every later heap profile. Call it once per request, typically when its root span ends (the
+/// `tracing` layer does). Any thread; a no-op when no profiler runs or the id is
 /// 0. Not for signal handlers: it takes the recorder's lock and may allocate.
 ///
 /// A request whose samples straddle two exported profiles has the endpoint only in the profile
@@ -596,6 +649,75 @@ pub fn record_endpoint(local_root_span_id: u64, endpoint: &str) {
             }
         })
     });
+}
+
+/// Marks the calling thread parked waiting for work until [`on_thread_unpark`]: its samples
+/// carry `thread state` = `idle` meanwhile. Made for tokio's runtime hooks, so the wall time
+/// of idle workers is told apart from the time they spend polling requests:
+///
+/// ```no_run
+/// let rt = tokio::runtime::Builder::new_multi_thread()
+///     .enable_all()
+///     .on_thread_park(ferroprof::labels::on_thread_park)
+///     .on_thread_unpark(ferroprof::labels::on_thread_unpark)
+///     .build()
+///     .unwrap();
+/// # drop(rt);
+/// ```
+///
+/// A few nanoseconds (the thread's slot, taken on the first call, is published once); the
+/// thread's other labels and span are kept. A no-op when the thread has no slot
+/// ([`MAX_THREADS`]) or holds [`MAX_LABELS`] user labels already (counted in
+/// [`LabelStats::labels_dropped`]).
+pub fn on_thread_park() {
+    let (key, idle) = idle_ids();
+    if key == 0 {
+        return;
+    }
+    let Some(s) = own_slot_or_claim() else {
+        return;
+    };
+    let mut ctx = s.own();
+    if !ctx.set_label(key, idle) {
+        LABELS_DROPPED.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    s.publish(&ctx);
+}
+
+/// Ends [`on_thread_park`]'s marking: the thread polls tasks again.
+pub fn on_thread_unpark() {
+    let (key, _) = idle_ids();
+    let idx = STATE.with(|s| s.label_slot.get());
+    let Some(s) = idx.checked_sub(1).and_then(slot) else {
+        return;
+    };
+    let mut ctx = s.own();
+    let mut changed = false;
+    for w in &mut ctx.words[2..] {
+        if *w != 0 && (*w >> 32) as u32 == key {
+            *w = 0;
+            changed = true;
+        }
+    }
+    if changed {
+        s.publish(&ctx);
+    }
+}
+
+/// The interner ids of `thread state` and `idle` (0s when the interner was full).
+fn idle_ids() -> (u32, u32) {
+    static IDS: AtomicU64 = AtomicU64::new(0);
+    let ids = IDS.load(Ordering::Relaxed);
+    if ids != 0 {
+        return ((ids >> 32) as u32, ids as u32);
+    }
+    let (k, v) = (intern(THREAD_STATE_LABEL), intern(IDLE));
+    if k == 0 || v == 0 {
+        return (0, 0);
+    }
+    IDS.store((k as u64) << 32 | v as u64, Ordering::Relaxed);
+    (k, v)
 }
 
 /// Runs `f` with `labels` added to the calling thread's context; the previous context comes
@@ -708,6 +830,48 @@ mod tests {
             assert!(__current().contains(&("span id".into(), "5".into())));
         });
         assert!(__current().is_empty());
+    }
+
+    #[test]
+    fn parked_threads_are_idle_until_unparked_and_keep_their_labels() {
+        let state = |c: &[(String, String)]| {
+            c.iter()
+                .find(|(k, _)| k == THREAD_STATE_LABEL)
+                .map(|(_, v)| v.clone())
+        };
+        std::thread::spawn(move || {
+            // A thread that never had a slot: parking claims one.
+            on_thread_park();
+            assert_eq!(state(&__current()), Some(IDLE.into()));
+            on_thread_unpark();
+            assert!(__current().is_empty());
+            with(&[("worker", "1")], || {
+                on_thread_park();
+                let c = __current();
+                assert_eq!(state(&c), Some(IDLE.into()));
+                assert!(c.contains(&("worker".into(), "1".into())));
+                on_thread_unpark();
+                assert_eq!(__current(), vec![("worker".into(), "1".into())]);
+            });
+            // Unparking a thread that is not parked changes nothing.
+            on_thread_unpark();
+            assert!(__current().is_empty());
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn reserved_keys_are_refused_and_counted() {
+        let before = stats().labels_reserved;
+        with(
+            &[("span id", "1"), ("tenant", "a"), ("trace endpoint", "/x")],
+            || assert_eq!(__current(), vec![("tenant".into(), "a".into())]),
+        );
+        assert!(stats().labels_reserved >= before + 2);
+        for key in RESERVED_KEYS {
+            assert!(LabelSet::new(&[(key, "v")]) == LabelSet::default(), "{key}");
+        }
     }
 
     #[test]

@@ -976,6 +976,11 @@ pub struct ProfilerStats {
     /// the sampling allocator is not the global allocator or allocation profiling is off (the
     /// debug info is then parsed on the heap).
     pub symbolizer_arena_bytes: u64,
+    /// What the bounds of request labels cost so far (process-wide; see [`crate::labels`]).
+    pub labels: crate::labels::LabelStats,
+    /// Request contexts (traces with live objects) the heap profile holds, each shared by its
+    /// objects: never more than `heap_tracked_objects`.
+    pub heap_contexts: u64,
 }
 
 /// The running profiler. Dropping it (or [`Self::stop`]) stops profiling and exports a last
@@ -1072,6 +1077,9 @@ impl ProfilerGuard {
         let s = &self.shared.stats;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let done = l(&s.handler_count).max(1);
+        // The heap recorder's shard locks, briefly: inside the fork gate, as every lock a fork
+        // must not catch.
+        let heap = tls::with_guard(|| fork::outside_fork(|| self.shared.recorder.stats().heap));
         ProfilerStats {
             cpu_samples: l(&s.cpu_samples),
             cpu_ticks: l(&s.cpu_ticks),
@@ -1112,12 +1120,9 @@ impl ProfilerGuard {
             export_queue_bytes: crate::export::queued_bytes(),
             // The heap recorder's shard locks, briefly: inside the fork gate, as every lock a
             // fork must not catch.
-            heap_tracked_objects: tls::with_guard(|| {
-                fork::outside_fork(|| {
-                    let heap = self.shared.recorder.stats().heap;
-                    heap.map_or(0, |h| h.num_object_records)
-                })
-            }),
+            heap_tracked_objects: heap.as_ref().map_or(0, |h| h.num_object_records),
+            heap_contexts: heap.as_ref().map_or(0, |h| h.num_contexts),
+            labels: crate::labels::stats(),
             alloc_totals_bytes: tls::with_guard(|| {
                 fork::outside_fork(|| self.shared.alloc_totals.bytes() as u64)
             }),
@@ -1200,6 +1205,29 @@ impl Source {
     }
 }
 
+/// The request labels of a live object's heap sample (as the periodic heap profile writes
+/// them): its trace's local root span id and, once named, endpoint.
+fn request_labels(
+    obj: &ferroprof_recorder::heap::LiveObject,
+) -> Vec<ferroprof_recorder::Label<'static>> {
+    use ferroprof_recorder::profile::{LOCAL_ROOT_SPAN_ID_LABEL, TRACE_ENDPOINT_LABEL};
+    use ferroprof_recorder::{Label, LabelValue, Str, StringId};
+    let mut out = Vec::new();
+    if obj.local_root_span_id != 0 {
+        out.push(Label::num(
+            LOCAL_ROOT_SPAN_ID_LABEL,
+            obj.local_root_span_id as i64,
+        ));
+        if obj.endpoint != StringId::EMPTY {
+            out.push(Label {
+                key: Str::Lit(TRACE_ENDPOINT_LABEL),
+                value: LabelValue::Str(Str::Id(obj.endpoint)),
+            });
+        }
+    }
+    out
+}
+
 impl ProfileSource for Source {
     fn cpu_profile(&self, duration: Duration) -> Result<Vec<u8>, String> {
         self.capture(TapKind::Cpu, duration)
@@ -1241,10 +1269,11 @@ impl ProfileSource for Source {
                             heap_live_size: w.saturating_mul(obj.size as i64),
                             ..SampleValues::default()
                         });
+                        let labels = request_labels(obj);
                         let sample = Sample {
                             frames,
                             values: &values[..n],
-                            labels: &[],
+                            labels: labels.as_slice(),
                             end_timestamp_ns: 0,
                         };
                         if let Err(e) = profile.add(&sample) {

@@ -830,8 +830,12 @@ struct ThreadInfo {
     /// Where its timer last caught it running, and its labels then.
     ran: Vec<u64>,
     ran_ctx: Ctx,
-    /// The labels `idle_wall` was spent under (read from the thread's slot at visits).
+    /// The labels `idle_wall` is booked under: those seen together with `stack` (read from the
+    /// thread's slot at the visit that read the stack, or `ran_ctx` when the stack is `ran`),
+    /// so a wall sample never pairs a stack with labels the thread did not have there.
     wall_ctx: Ctx,
+    /// The thread's labels as read at its last visit (a change is a move).
+    seen_ctx: Ctx,
     /// Off-CPU wall time on `stack` not recorded yet.
     idle_wall: u64,
     /// Wall time recorded but not yet counted as a whole tick in `cpu-samples`.
@@ -1186,6 +1190,7 @@ impl Sampler {
             ran: Vec::new(),
             ran_ctx: Ctx::EMPTY,
             wall_ctx: Ctx::EMPTY,
+            seen_ctx: Ctx::EMPTY,
             idle_wall: 0,
             tick_rest: 0,
             hot_until: now + HOT_LINGER_NS,
@@ -1517,6 +1522,8 @@ impl Sampler {
         // in between, and halves are unbiased with a third of the variance of booking the whole
         // interval to one side.
         let mut moved_to = Moved::Nowhere;
+        // Its stack was read now (it stands still in a system call): `t.stack` is where it is.
+        let mut read_now = false;
         if ran || t.stack.is_empty() {
             if ran {
                 t.hot_until = now + HOT_LINGER_NS;
@@ -1546,28 +1553,44 @@ impl Sampler {
                 Where::Read(n) if t.stack[..] != self.remote_frames[..n] => {
                     moved_to = Moved::Read(n);
                 }
+                Where::Read(_) => read_now = true,
                 Where::Ran if t.stack != t.ran => moved_to = Moved::Ran,
                 _ => {}
             }
         }
         // Labels changed since the last visit: the change is a move too (same split).
         let ctx = self.labels.read(t.tid);
-        if moved_to == Moved::Nowhere && ctx == t.wall_ctx {
+        let relabelled = ctx != t.seen_ctx;
+        t.seen_ctx = ctx;
+        if moved_to == Moved::Nowhere && !relabelled {
             t.idle_wall += off;
         } else {
             t.idle_wall += off / 2;
             if !t.probation {
                 self.flush_idle(&mut t);
             }
+            // Each stack with the labels seen with it: a stack read now with the labels read
+            // now (the thread stood still), where it last ran with its labels there. A thread
+            // whose labels changed ran meanwhile: unless its stack was just read where it
+            // stands, where it last ran, rather than an older stack under the new labels.
             match moved_to {
                 Moved::Read(n) => {
                     t.stack.clear();
                     t.stack.extend_from_slice(&self.remote_frames[..n]);
+                    t.wall_ctx = ctx;
                 }
-                Moved::Ran => t.stack.clone_from(&t.ran),
-                Moved::Nowhere => {}
+                Moved::Ran => {
+                    t.stack.clone_from(&t.ran);
+                    t.wall_ctx = t.ran_ctx;
+                }
+                Moved::Nowhere if ran && !read_now && !t.ran.is_empty() => {
+                    if t.stack != t.ran {
+                        t.stack.clone_from(&t.ran);
+                    }
+                    t.wall_ctx = t.ran_ctx;
+                }
+                Moved::Nowhere => t.wall_ctx = ctx,
             }
-            t.wall_ctx = ctx;
             t.idle_wall += off - off / 2;
         }
         if (ran || t.idle_wall >= IDLE_FLUSH_NS) && !t.probation {
@@ -1612,18 +1635,18 @@ impl Sampler {
         }
         let wall = std::mem::take(&mut t.idle_wall);
         let count = t.ticks_of(wall, self.period);
-        // (Wall time is booked under the labels read at the visits, whichever stack.)
-        let stack = if !t.stack.is_empty() {
-            &t.stack
+        // (Each stack with the labels seen with it: see `wall_ctx`.)
+        let (stack, ctx) = if !t.stack.is_empty() {
+            (&t.stack, &t.wall_ctx)
         } else {
-            &t.ran
+            (&t.ran, &t.ran_ctx)
         };
         record(
             &self.shared,
             &mut self.frames,
             t,
             stack,
-            &t.wall_ctx,
+            ctx,
             0,
             wall as i64,
             count,

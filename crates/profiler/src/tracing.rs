@@ -23,11 +23,14 @@
 //!   [`crate::labels::record_endpoint`]: the profile collecting then labels every sample of that
 //!   trace with `trace endpoint` and counts one request for the endpoint (Datadog's
 //!   `endpoint_counts`).
-//! * **Cost and memory.** Enter and exit touch no lock of the layer: two lookups in the span
-//!   registry (the span and its parent; a deeper span whose parent is not the span the thread
-//!   entered last walks up to its root) and one publish into the thread's slot. Per-span data
-//!   (a root span's endpoint) lives in the span's extensions and goes with the span; the
-//!   per-thread stack is as deep as the spans entered at once (capped at [`MAX_DEPTH`]).
+//! * **Cost and memory.** Enter and exit take no lock and, once the thread has its label slot,
+//!   allocate nothing: a span's root is found when the span is created and kept in a fixed,
+//!   direct-mapped table of 4,096 entries (an entry another span took over is found again in
+//!   the registry), so an enter is a table read and one publish into the thread's slot, an exit
+//!   one publish. Per-span data (a root span's endpoint) lives in the span's extensions and
+//!   goes with the span; the per-thread stack is as deep as the spans entered at once (capped at
+//!   [`MAX_DEPTH`]). Nothing grows with the number of distinct spans. A root span's close
+//!   records its endpoint into the running profile (the recorder's short locks, as a sample).
 //!
 //! Not yet: OpenTelemetry span and trace ids (`tracing-opentelemetry`) in place of the tracing
 //! ids.
@@ -35,6 +38,7 @@
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tracing_core::field::{Field, Visit};
 use tracing_core::span::{Attributes, Id, Record};
@@ -107,12 +111,64 @@ impl Visit for EndpointVisitor<'_> {
 #[derive(Clone, Copy)]
 struct Entered {
     id: u64,
-    root: u64,
     prev: (u64, u64),
 }
 
 thread_local! {
     static STACK: RefCell<Vec<Entered>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Entries of [`ROOTS`].
+const ROOT_CACHE: usize = 4096;
+
+/// Span id -> local root span id, written when a span is created, so entering it needs no
+/// registry lookup (two lookups, each a pair of atomic read-modify-writes on the span's slot, were
+/// most of an enter's cost). Direct-mapped by id: a later span may take an entry over; an entry
+/// is three words written without a lock, and a reader trusts it only when its check word
+/// matches its id and root (a torn read of two writers fails it), else asks the registry.
+struct RootEntry {
+    id: AtomicU64,
+    root: AtomicU64,
+    check: AtomicU64,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const NO_ROOT: RootEntry = RootEntry {
+    id: AtomicU64::new(0),
+    root: AtomicU64::new(0),
+    check: AtomicU64::new(0),
+};
+static ROOTS: [RootEntry; ROOT_CACHE] = [NO_ROOT; ROOT_CACHE];
+
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+fn root_entry(id: u64) -> &'static RootEntry {
+    &ROOTS[mix(id) as usize % ROOT_CACHE]
+}
+
+fn root_check(id: u64, root: u64) -> u64 {
+    mix(id ^ root.rotate_left(32)) | 1
+}
+
+fn cache_root(id: u64, root: u64) {
+    let e = root_entry(id);
+    e.id.store(id, Ordering::Relaxed);
+    e.root.store(root, Ordering::Relaxed);
+    e.check.store(root_check(id, root), Ordering::Relaxed);
+}
+
+fn cached_root(id: u64) -> Option<u64> {
+    let e = root_entry(id);
+    let (eid, root, check) = (
+        e.id.load(Ordering::Relaxed),
+        e.root.load(Ordering::Relaxed),
+        e.check.load(Ordering::Relaxed),
+    );
+    (eid == id && check == root_check(id, root)).then_some(root)
 }
 
 impl<S> Layer<S> for FerroprofLayer
@@ -123,9 +179,18 @@ where
         let Some(span) = ctx.span(id) else {
             return;
         };
-        if span.parent().is_some() {
+        if let Some(parent) = span.parent() {
+            let parent_id = parent.id().into_u64();
+            let root = cached_root(parent_id).unwrap_or_else(|| {
+                parent
+                    .scope()
+                    .last()
+                    .map_or(parent_id, |r| r.id().into_u64())
+            });
+            cache_root(id.into_u64(), root);
             return; // only root spans name an endpoint
         }
+        cache_root(id.into_u64(), id.into_u64());
         let mut v = EndpointVisitor {
             field: &self.endpoint_field,
             found: None,
@@ -155,9 +220,6 @@ where
     }
 
     fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
-        let Some(span) = ctx.span(id) else {
-            return;
-        };
         let span_id = id.into_u64();
         let _ = STACK.try_with(|stack| {
             let Ok(mut stack) = stack.try_borrow_mut() else {
@@ -166,18 +228,16 @@ where
             if stack.len() >= MAX_DEPTH {
                 return;
             }
-            let root = match span.parent() {
-                None => span_id,
-                Some(parent) => {
-                    let parent_id = parent.id().into_u64();
-                    match stack.last() {
-                        // The usual nesting: the parent is the span entered last here.
-                        Some(top) if top.id == parent_id => top.root,
-                        _ => parent
-                            .scope()
-                            .last()
-                            .map_or(parent_id, |r| r.id().into_u64()),
-                    }
+            // Known since the span's creation, unless another span took its cache entry.
+            let root = match cached_root(span_id) {
+                Some(root) => root,
+                None => {
+                    let Some(span) = ctx.span(id) else {
+                        return;
+                    };
+                    let root = span.scope().last().map_or(span_id, |r| r.id().into_u64());
+                    cache_root(span_id, root);
+                    root
                 }
             };
             let Some(prev) = labels::replace_span(span_id, root) else {
@@ -187,11 +247,7 @@ where
                 // The stack is the profiler's memory, not the application's.
                 crate::tls::with_guard(|| stack.reserve(16));
             }
-            stack.push(Entered {
-                id: span_id,
-                root,
-                prev,
-            });
+            stack.push(Entered { id: span_id, prev });
         });
     }
 
@@ -204,7 +260,13 @@ where
             let Some(i) = stack.iter().rposition(|e| e.id == span_id) else {
                 return; // entered before the layer was installed, or past MAX_DEPTH
             };
-            let gone = stack.remove(i);
+            // The usual exit is of the span entered last.
+            let gone = if i + 1 == stack.len() {
+                stack.pop()
+            } else {
+                Some(stack.remove(i))
+            };
+            let Some(gone) = gone else { return };
             match stack.get_mut(i) {
                 // Exited out of order: the enter above it now restores what this one replaced.
                 Some(above) => above.prev = gone.prev,

@@ -303,3 +303,103 @@ fn allocation_capture_sees_its_window_without_stealing() {
     );
     assert!(tap.value_index("heap-live-size").is_none());
 }
+
+/// `profiles = heap` alone: the live heap is profiled, the allocation types are not written.
+#[test]
+fn heap_profiling_alone_tracks_the_live_heap() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("heap-only");
+    let guard = Profiler::builder()
+        .service("heap-only")
+        .profiles(Profiles {
+            cpu: false,
+            wall: false,
+            alloc: false,
+            heap: true,
+        })
+        .alloc_interval_bytes(INTERVAL)
+        .period(Duration::from_secs(600))
+        .output_dir(&dir)
+        .start()
+        .expect("profiler starts");
+
+    let n_live = 16 * 1024; // 16 MiB of 1 KiB blocks: ~1000 samples at 16 KiB
+    let mut kept = Vec::with_capacity(n_live);
+    keep_live(&mut kept, n_live);
+
+    let p = heap_now(&guard);
+    let truth = (n_live * 1024) as f64;
+    let kl = live(&p, "keep_live") as f64;
+    assert!(
+        (kl / truth - 1.0).abs() < 0.15,
+        "heap-only: keep_live live {kl} vs {truth}"
+    );
+    guard.stop().expect("stop");
+    drop(kept);
+
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "pprof"))
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let p = ferroprof_pprof::decode(&std::fs::read(&files[0]).unwrap()).unwrap();
+    assert!(
+        p.value_index("alloc-samples").is_none(),
+        "alloc off, yet alloc-samples written"
+    );
+    let written = sum_where(&p, "heap-live-size", |p, s| has_fn(p, s, "keep_live")) as f64;
+    assert!(
+        (written / truth - 1.0).abs() < 0.15,
+        "heap-only file: keep_live live {written} vs {truth}"
+    );
+}
+
+/// A forked child's `/heap` allocation columns start at the fork: what the parent allocated
+/// before is not the child's. Its live heap is the memory it inherited.
+#[test]
+fn a_forked_childs_allocation_totals_start_at_the_fork() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("fork-totals");
+    let guard = Profiler::builder()
+        .service("fork-totals")
+        .profiles(alloc_heap())
+        .alloc_interval_bytes(INTERVAL)
+        .period(Duration::from_secs(600))
+        .output_dir(&dir)
+        .start()
+        .expect("profiler starts");
+    let churned = churn(50_000);
+    let mut kept = Vec::with_capacity(8 * 1024);
+    keep_live(&mut kept, 8 * 1024);
+    let space = |p: &Profile, f: &str| sum_where(p, "alloc-space", |p, s| has_fn(p, s, f));
+    let before = heap_now(&guard);
+    assert!(
+        space(&before, "churn") as f64 > 0.8 * churned as f64,
+        "parent: churn alloc-space {} of {churned}",
+        space(&before, "churn")
+    );
+
+    // SAFETY: the child runs the profiler's code and ours, then leaves with _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let p = heap_now(&guard);
+        let (child_churn, child_live) = (space(&p, "churn"), live(&p, "keep_live"));
+        eprintln!("child: churn alloc-space {child_churn}, keep_live live {child_live}");
+        let ok = child_churn == 0 && child_live > 0;
+        // SAFETY: leave the child without running the test harness's exit path.
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "child crashed: status {status}");
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "the child's heap profile is wrong"
+    );
+    drop(kept);
+    guard.stop().expect("stop");
+}

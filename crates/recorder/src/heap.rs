@@ -18,6 +18,12 @@
 //!   outside every lock. While a snapshot exists, stacks whose last object goes away keep their slot
 //!   and strings ("pinned"), and class strings are released only at
 //!   [`HeapRecorder::finish_iteration`], so everything the snapshot refers to stays valid.
+//! - Request contexts ([`HeapRecorder::track_in`]): an object may carry the local root span id
+//!   of the trace that allocated it, kept in a table shared by the objects of one trace
+//!   (refcounted: an entry lives exactly as long as one of its objects) together with the
+//!   trace's endpoint once it is named ([`HeapRecorder::name_context`]). The context travels in
+//!   a `u32` array beside the records, which a shard only has once one of its objects got a
+//!   context: an object without one costs what it did before.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -163,6 +169,11 @@ pub struct LiveObject {
     pub gen_age: u64,
     /// Whether it can no longer change size.
     pub frozen: bool,
+    /// The local root span id of the trace that allocated the object
+    /// ([`HeapRecorder::track_in`]); 0 when none.
+    pub local_root_span_id: u64,
+    /// That trace's endpoint ([`HeapRecorder::name_context`]); `StringId::EMPTY` when not named.
+    pub endpoint: StringId,
 }
 
 /// Sizes of a prepared snapshot (see [`HeapRecorder::snapshot_sizes`]).
@@ -250,6 +261,10 @@ pub struct HeapStats {
     pub lifetime_deferred_recordings_skipped_buffer_full: u64,
     /// Deferred recordings committed.
     pub lifetime_deferred_recordings_finalized: u64,
+    /// Request contexts (traces with tracked objects) held now.
+    pub num_contexts: u64,
+    /// Objects tracked without their context because [`MAX_CONTEXTS`] were held.
+    pub lifetime_contexts_refused: u64,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -273,6 +288,9 @@ const ADDRESS_STACK: u64 = 1 << 63;
 const INLINE_FRAMES: usize = 64;
 /// Entries of the symbol-stack hint table (see [`HeapRecorder::hinted_stack`]).
 const STACK_HINTS: usize = 64;
+/// Request contexts held at once (each has at least one tracked object); objects tracked past
+/// that have none (counted in [`HeapStats::lifetime_contexts_refused`]).
+pub const MAX_CONTEXTS: usize = 1 << 24;
 
 /// One tracked object: 32 bytes, the whole per-object cost apart from a few index bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -413,6 +431,9 @@ fn probe_delete<T: Copy + PartialEq + Default>(
 struct ObjShard {
     /// Dense, unordered; removal swaps the last record into the hole.
     recs: Vec<ObjRecord>,
+    /// The context of each record (0 = none), position for position with `recs`; empty until a
+    /// record of this shard has one, so objects without contexts never pay for it.
+    ctxs: Vec<u32>,
     /// Linear-probing index, a power of two long, at most half full: 0 is empty, otherwise the
     /// position in `recs` plus one.
     slots: Vec<u32>,
@@ -468,7 +489,13 @@ impl ObjShard {
     }
 
     /// Inserts `rec`, or returns the record already holding its id.
+    #[cfg(test)]
     fn insert(&mut self, rec: ObjRecord, hash: u64) -> Result<(), ObjRecord> {
+        self.insert_ctx(rec, hash, 0)
+    }
+
+    /// Inserts `rec` with context `ctx`, or returns the record already holding its id.
+    fn insert_ctx(&mut self, rec: ObjRecord, hash: u64, ctx: u32) -> Result<(), ObjRecord> {
         if let Some(i) = self.find(rec.id, hash) {
             return Err(self.recs[self.slots[i] as usize - 1]);
         }
@@ -479,13 +506,31 @@ impl ObjShard {
             // Grow by a quarter rather than doubling: the records are the per-object budget.
             self.recs.reserve_exact((self.recs.capacity() / 4).max(16));
         }
+        if ctx != 0 && self.ctxs.is_empty() {
+            // The shard's first context: every record so far has none.
+            self.ctxs.reserve_exact(self.recs.capacity());
+            self.ctxs.resize(self.recs.len(), 0);
+        }
         let pos = self.recs.len();
         self.recs.push(rec);
+        if !self.ctxs.is_empty() || ctx != 0 {
+            if self.ctxs.len() == self.ctxs.capacity() {
+                self.ctxs
+                    .reserve_exact(self.recs.capacity() - self.ctxs.len());
+            }
+            self.ctxs.push(ctx);
+        }
         self.place(hash, pos as u32 + 1);
         Ok(())
     }
 
+    #[cfg(test)]
     fn remove(&mut self, id: u64, hash: u64) -> Option<ObjRecord> {
+        self.remove_ctx(id, hash).map(|(rec, _)| rec)
+    }
+
+    /// Removes the record of `id`; returns it with its context.
+    fn remove_ctx(&mut self, id: u64, hash: u64) -> Option<(ObjRecord, u32)> {
         let i = self.find(id, hash)?;
         let pos = self.slots[i] as usize - 1;
         let recs = &self.recs;
@@ -512,8 +557,13 @@ impl ObjShard {
             }
         }
         let rec = self.recs.swap_remove(pos);
+        let ctx = if self.ctxs.is_empty() {
+            0
+        } else {
+            self.ctxs.swap_remove(pos)
+        };
         self.maybe_shrink();
-        Some(rec)
+        Some((rec, ctx))
     }
 
     /// Gives memory back once most objects died (with hysteresis so churn does not thrash).
@@ -526,7 +576,120 @@ impl ObjShard {
         if cap > 64 && self.recs.len() < cap / 2 {
             let len = self.recs.len();
             self.recs.shrink_to(len + len / 4 + 16);
+            self.ctxs.shrink_to(len + len / 4 + 16);
         }
+        if self.recs.is_empty() && !self.ctxs.is_empty() {
+            self.ctxs = Vec::new();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request contexts
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, Default)]
+struct ContextEntry {
+    /// Local root span id of the trace.
+    root: u64,
+    /// The trace's endpoint (one reference held), `StringId::EMPTY` until named.
+    endpoint: StringId,
+    /// Objects (committed or being committed) with this context.
+    refs: u32,
+}
+
+/// The contexts of tracked objects (see the module docs). Context ids are positions in
+/// `entries` plus one; 0 is none.
+#[derive(Default)]
+struct Contexts {
+    /// Live entries by root: a root whose entry went (even one quarantined) gets a new entry.
+    by_root: std::collections::HashMap<u64, u32, foldhash::fast::FixedState>,
+    entries: Vec<ContextEntry>,
+    free: Vec<u32>,
+    /// Set while a snapshot exists: released entries keep their root and endpoint until
+    /// `finish_iteration`, as the snapshot may refer to them.
+    pinned: bool,
+    quarantine: Vec<u32>,
+    refused: u64,
+}
+
+impl Contexts {
+    /// Takes one reference on the context of `root`, made if new; 0 when none can be made.
+    fn acquire(&mut self, root: u64) -> u32 {
+        if let Some(&id) = self.by_root.get(&root) {
+            self.entries[id as usize - 1].refs += 1;
+            return id;
+        }
+        let pos = match self.free.pop() {
+            Some(pos) => pos as usize,
+            None if self.entries.len() < MAX_CONTEXTS => {
+                self.entries.push(ContextEntry::default());
+                self.entries.len() - 1
+            }
+            None => {
+                self.refused += 1;
+                return 0;
+            }
+        };
+        self.entries[pos] = ContextEntry {
+            root,
+            endpoint: StringId::EMPTY,
+            refs: 1,
+        };
+        let id = pos as u32 + 1;
+        self.by_root.insert(root, id);
+        id
+    }
+
+    /// Drops one reference on `id`; returns the endpoint string to release when the entry went.
+    fn release(&mut self, id: u32) -> Option<StringId> {
+        let pos = (id as usize).checked_sub(1)?;
+        let e = self.entries.get_mut(pos)?;
+        if e.refs == 0 {
+            debug_assert!(false, "context released more often than acquired");
+            return None;
+        }
+        e.refs -= 1;
+        if e.refs > 0 {
+            return None;
+        }
+        let (root, endpoint) = (e.root, e.endpoint);
+        if self.by_root.get(&root) == Some(&id) {
+            self.by_root.remove(&root);
+        }
+        if self.pinned {
+            self.quarantine.push(pos as u32);
+            return None;
+        }
+        self.entries[pos] = ContextEntry::default();
+        self.free.push(pos as u32);
+        self.maybe_shrink();
+        Some(endpoint)
+    }
+
+    /// Gives memory back once most contexts went.
+    fn maybe_shrink(&mut self) {
+        if self.by_root.is_empty() && self.quarantine.is_empty() && self.entries.len() > 64 {
+            self.entries = Vec::new();
+            self.free = Vec::new();
+            self.by_root = Default::default();
+        }
+    }
+
+    /// Ends a snapshot: quarantined entries are freed; returns their endpoints to release.
+    fn unpin(&mut self, out: &mut Vec<StringId>) {
+        self.pinned = false;
+        for pos in std::mem::take(&mut self.quarantine) {
+            let pos = pos as usize;
+            if self.entries[pos].refs == 0 {
+                if self.entries[pos].endpoint != StringId::EMPTY {
+                    out.push(self.entries[pos].endpoint);
+                }
+                self.entries[pos] = ContextEntry::default();
+                self.free.push(pos as u32);
+            }
+        }
+        self.maybe_shrink();
     }
 }
 
@@ -925,6 +1088,11 @@ struct Snapshot {
     /// Generation ages are computed against (the full update's for managed heaps).
     gen: u64,
     records: Vec<ObjRecord>,
+    /// The records' contexts, position for position; empty when none has one.
+    ctxs: Vec<u32>,
+    /// Context id - 1 -> (root, endpoint), as the contexts table held them after `records` were
+    /// copied (entries are pinned first, so those the records refer to are still theirs).
+    contexts: Vec<(u64, StringId)>,
     /// Per stack shard, slot -> words (every stack a snapshot record refers to is present: stacks
     /// are pinned before records are copied).
     stacks: Vec<Vec<Option<Arc<[u64]>>>>,
@@ -1033,6 +1201,8 @@ pub struct HeapRecorder {
     iter: Mutex<IterState>,
     /// `Some` while iterating: class strings of objects dropped meanwhile, released at finish.
     deferred_classes: Mutex<Option<Vec<StringId>>>,
+    /// Request contexts of tracked objects (see [`Self::track_in`]).
+    contexts: SpinLock<Contexts>,
 }
 
 impl std::fmt::Debug for HeapRecorder {
@@ -1080,6 +1250,7 @@ impl HeapRecorder {
             update_stats: Mutex::new(UpdateStats::default()),
             iter: Mutex::new(IterState::default()),
             deferred_classes: Mutex::new(None),
+            contexts: SpinLock::new(Contexts::default()),
         })
     }
 
@@ -1302,6 +1473,21 @@ impl HeapRecorder {
         class: Option<&str>,
         frames: &[Frame<'_>],
     ) -> Result<(), HeapError> {
+        self.track_in(id, weight, size, class, frames, 0)
+    }
+
+    /// [`Self::track`] for an allocation made inside the trace whose local root span id is
+    /// `local_root_span_id` (0: none): its heap sample carries that id and, once
+    /// [`Self::name_context`] named it, the trace's endpoint, for as long as the object lives.
+    pub fn track_in(
+        &self,
+        id: u64,
+        weight: u32,
+        size: u64,
+        class: Option<&str>,
+        frames: &[Frame<'_>],
+        local_root_span_id: u64,
+    ) -> Result<(), HeapError> {
         let Some(every) = self.sample_tick() else {
             return Ok(());
         };
@@ -1319,14 +1505,59 @@ impl HeapRecorder {
                 return Err(e);
             }
         };
-        self.commit(ObjRecord {
-            id,
-            size,
-            weight: weight.saturating_mul(every),
-            stack_and_frozen: stack,
-            class: class.0,
-            alloc_gen: self.current_gen() as u32,
-        })
+        let ctx = if local_root_span_id == 0 {
+            0
+        } else {
+            self.contexts.lock().acquire(local_root_span_id)
+        };
+        self.commit_ctx(
+            ObjRecord {
+                id,
+                size,
+                weight: weight.saturating_mul(every),
+                stack_and_frozen: stack,
+                class: class.0,
+                alloc_gen: self.current_gen() as u32,
+            },
+            ctx,
+        )
+    }
+
+    /// Names the endpoint of the trace rooted at `local_root_span_id`: the heap samples of its
+    /// objects still tracked carry it (last call wins). Nothing is kept for a trace without
+    /// tracked objects.
+    pub fn name_context(&self, local_root_span_id: u64, endpoint: &str) -> Result<(), HeapError> {
+        if local_root_span_id == 0 || endpoint.is_empty() {
+            return Ok(());
+        }
+        let current = {
+            let c = self.contexts.lock();
+            let Some(&id) = c.by_root.get(&local_root_span_id) else {
+                return Ok(());
+            };
+            c.entries[id as usize - 1].endpoint
+        };
+        // The usual case, a trace named once: nothing to intern.
+        if current != StringId::EMPTY
+            && self.strings.with_str(current, |t| t == endpoint) == Ok(true)
+        {
+            return Ok(());
+        }
+        // Interned outside the contexts' lock (the string table has its own).
+        let name = self.strings.intern(endpoint)?;
+        let old = {
+            let mut c = self.contexts.lock();
+            match c.by_root.get(&local_root_span_id).copied() {
+                Some(id) => {
+                    let e = &mut c.entries[id as usize - 1];
+                    std::mem::replace(&mut e.endpoint, name)
+                }
+                // Its objects went meanwhile.
+                None => name,
+            }
+        };
+        self.release_class(old);
+        Ok(())
     }
 
     /// Native model: the allocation `id` was freed. Returns whether it was tracked.
@@ -1334,10 +1565,10 @@ impl HeapRecorder {
         let hash = mix64(id);
         let removed = self.objs[shard_of(hash, OBJ_SHARDS)]
             .lock()
-            .remove(id, hash);
+            .remove_ctx(id, hash);
         match removed {
-            Some(rec) => {
-                self.release_record(&rec);
+            Some((rec, ctx)) => {
+                self.release_record_ctx(&rec, ctx);
                 true
             }
             None => false,
@@ -1617,18 +1848,34 @@ impl HeapRecorder {
 
     /// Drops what one record references (its stack and class).
     fn release_record(&self, rec: &ObjRecord) {
+        self.release_record_ctx(rec, 0);
+    }
+
+    /// Drops what one record references (its stack, class and context).
+    fn release_record_ctx(&self, rec: &ObjRecord, ctx: u32) {
         // Errors can only come from an internal refcount mistake; the record is gone either way.
         let _ = self.release_stack(rec.stack());
         self.release_class(rec.class());
+        if ctx != 0 {
+            let endpoint = self.contexts.lock().release(ctx);
+            if let Some(e) = endpoint {
+                self.release_class(e);
+            }
+        }
     }
 
     /// Inserts a fully built record; a duplicate id is an error describing both records (the
     /// new one is dropped, the existing one kept).
     fn commit(&self, rec: ObjRecord) -> Result<(), HeapError> {
+        self.commit_ctx(rec, 0)
+    }
+
+    /// [`Self::commit`] with a context (one reference of it held, handed to the record).
+    fn commit_ctx(&self, rec: ObjRecord, ctx: u32) -> Result<(), HeapError> {
         let hash = mix64(rec.id);
         let existing = self.objs[shard_of(hash, OBJ_SHARDS)]
             .lock()
-            .insert(rec, hash)
+            .insert_ctx(rec, hash, ctx)
             .err();
         let Some(previous) = existing else {
             return Ok(());
@@ -1637,7 +1884,7 @@ impl HeapRecorder {
             previous: self.describe(&previous),
             new: self.describe(&rec),
         };
-        self.release_record(&rec);
+        self.release_record_ctx(&rec, ctx);
         Err(err)
     }
 
@@ -1724,7 +1971,7 @@ impl HeapRecorder {
         let mut counts = UpdateCounts::default();
         let mut todo: Vec<(u64, bool)> = Vec::new();
         let mut results: Vec<Option<ObjectInfo>> = Vec::new();
-        let mut dead: Vec<ObjRecord> = Vec::new();
+        let mut dead: Vec<(ObjRecord, u32)> = Vec::new();
         for shard in self.objs.iter() {
             // Collect under the lock, ask the runtime without it, apply under it again: lookups
             // may be slow or re-enter the runtime, and allocating threads must not wait on them.
@@ -1752,9 +1999,9 @@ impl HeapRecorder {
                     let hash = mix64(id);
                     match info {
                         None => {
-                            if let Some(rec) = g.remove(id, hash) {
+                            if let Some(dead_rec) = g.remove_ctx(id, hash) {
                                 counts.dead += 1;
-                                dead.push(rec);
+                                dead.push(dead_rec);
                             }
                         }
                         Some(info) => {
@@ -1773,8 +2020,8 @@ impl HeapRecorder {
                     }
                 }
             }
-            for rec in dead.drain(..) {
-                self.release_record(&rec);
+            for (rec, ctx) in dead.drain(..) {
+                self.release_record_ctx(&rec, ctx);
             }
         }
 
@@ -1820,23 +2067,43 @@ impl HeapRecorder {
         for shard in self.stacks.iter() {
             shard.lock().pinned = true;
         }
+        self.contexts.lock().pinned = true;
         *self.deferred_classes.lock() = Some(Vec::new());
 
         let total: usize = self.objs.iter().map(|s| s.lock().recs.len()).sum();
         let mut records: Vec<ObjRecord> = Vec::with_capacity(total + total / 8 + 16);
+        let mut ctxs: Vec<u32> = Vec::new();
         for shard in self.objs.iter() {
             loop {
                 let g = shard.lock();
                 let n = g.recs.len();
-                if records.capacity() - records.len() >= n {
+                let ctx_room = g.ctxs.is_empty() || ctxs.capacity() >= records.len() + n;
+                if records.capacity() - records.len() >= n && ctx_room {
+                    if !g.ctxs.is_empty() {
+                        ctxs.resize(records.len(), 0);
+                        ctxs.extend_from_slice(&g.ctxs);
+                    }
                     records.extend_from_slice(&g.recs);
                     break;
                 }
                 // Grow outside the lock: allocating threads only ever wait for a memcpy.
                 drop(g);
                 records.reserve(n + n / 8 + 16);
+                if !ctx_room {
+                    ctxs.reserve_exact(records.capacity() - ctxs.len());
+                }
             }
         }
+        if !ctxs.is_empty() {
+            ctxs.resize(records.len(), 0);
+        }
+        // After the records: every context they refer to is pinned, so still theirs.
+        let contexts = if ctxs.is_empty() {
+            Vec::new()
+        } else {
+            let c = self.contexts.lock();
+            c.entries.iter().map(|e| (e.root, e.endpoint)).collect()
+        };
         let stacks = self.stacks.iter().map(|s| copy_stack_slots(s)).collect();
         if self.source.is_none() {
             // Native ages count serializations survived: later ones see these objects older.
@@ -1845,6 +2112,8 @@ impl HeapRecorder {
         self.iter.lock().snapshot = Some(Arc::new(Snapshot {
             gen,
             records,
+            ctxs,
+            contexts,
             stacks,
         }));
         Ok(())
@@ -1934,6 +2203,12 @@ impl HeapRecorder {
                 index: shard_base.get(shard).map_or(base, |b| b + slot),
                 words,
             };
+            let (local_root_span_id, endpoint) = snapshot
+                .ctxs
+                .get(i)
+                .and_then(|&c| (c as usize).checked_sub(1))
+                .and_then(|c| snapshot.contexts.get(c).copied())
+                .unwrap_or((0, StringId::EMPTY));
             let live = LiveObject {
                 id: rec.id,
                 weight: rec.weight,
@@ -1942,6 +2217,8 @@ impl HeapRecorder {
                 alloc_gen: snapshot.gen.wrapping_sub(delta as u64),
                 gen_age: age,
                 frozen: rec.frozen(),
+                local_root_span_id,
+                endpoint,
             };
             if !f(&live, stack) {
                 return Ok(false);
@@ -1975,6 +2252,7 @@ impl HeapRecorder {
                     }
                 }
             }
+            self.contexts.lock().unpin(&mut to_release);
             if let Some(classes) = self.deferred_classes.lock().take() {
                 to_release.extend(classes);
             }
@@ -1992,6 +2270,10 @@ impl HeapRecorder {
         let num_object_records = self.objs.iter().map(|s| s.lock().recs.len() as u64).sum();
         let num_heap_records = self.stacks.iter().map(|s| s.lock().indexed as u64).sum();
         let pending_recordings_count = self.pending.lock().len() as u64;
+        let (num_contexts, contexts_refused) = {
+            let c = self.contexts.lock();
+            (c.by_root.len() as u64, c.refused)
+        };
         let st = self.update_stats.lock();
         HeapStats {
             num_object_records,
@@ -2015,6 +2297,8 @@ impl HeapRecorder {
                 .deferred_skipped_full
                 .load(Ordering::Relaxed),
             lifetime_deferred_recordings_finalized: self.deferred_finalized.load(Ordering::Relaxed),
+            num_contexts,
+            lifetime_contexts_refused: contexts_refused,
         }
     }
 
@@ -2208,6 +2492,108 @@ mod tests {
         let out = collect(rec, strings);
         rec.finish_iteration().unwrap();
         out
+    }
+
+    #[test]
+    fn contexts_name_live_objects_and_go_with_them() {
+        let (rec, strings) = native();
+        // Two objects of trace 7, one of trace 9, one without a trace.
+        rec.track_in(1, 1, 10, None, &stack("a.rs"), 7).unwrap();
+        rec.track_in(2, 1, 20, None, &stack("a.rs"), 7).unwrap();
+        rec.track_in(3, 1, 30, None, &stack("b.rs"), 9).unwrap();
+        rec.track(4, 1, 40, None, &stack("b.rs")).unwrap();
+        assert_eq!(rec.stats().num_contexts, 2);
+        // Named after the allocations (as when a request's root span closes); a trace without
+        // tracked objects keeps nothing.
+        rec.name_context(7, "GET /users").unwrap();
+        rec.name_context(7, "GET /users").unwrap();
+        rec.name_context(8, "GET /none").unwrap();
+        let out = serialize(&rec, &strings);
+        let ctx: Vec<(u64, u64, String)> = out
+            .iter()
+            .map(|(o, _)| {
+                let e = if o.endpoint == StringId::EMPTY {
+                    String::new()
+                } else {
+                    strings.get(o.endpoint).unwrap()
+                };
+                (o.id, o.local_root_span_id, e)
+            })
+            .collect();
+        assert_eq!(
+            ctx,
+            vec![
+                (1, 7, "GET /users".into()),
+                (2, 7, "GET /users".into()),
+                (3, 9, String::new()),
+                (4, 0, String::new()),
+            ]
+        );
+        // Renamed: last call wins, the old name's reference goes.
+        rec.name_context(9, "POST /orders").unwrap();
+        rec.name_context(9, "PUT /orders").unwrap();
+        let out = serialize(&rec, &strings);
+        assert_eq!(strings.get(out[2].0.endpoint).unwrap(), "PUT /orders");
+        // The last object of a trace takes its context and endpoint along.
+        assert!(rec.untrack(1));
+        assert_eq!(rec.stats().num_contexts, 2);
+        assert!(rec.untrack(2));
+        assert!(rec.untrack(3));
+        assert_eq!(rec.stats().num_contexts, 0);
+        assert!(rec.untrack(4));
+        assert_eq!(strings.len(), 0, "every string given back");
+    }
+
+    #[test]
+    fn a_snapshot_keeps_the_contexts_of_objects_freed_meanwhile() {
+        let (rec, strings) = native();
+        rec.track_in(1, 1, 10, None, &stack("a.rs"), 7).unwrap();
+        rec.name_context(7, "GET /a").unwrap();
+        rec.prepare_iteration().unwrap();
+        // Freed after the snapshot: its context may not be reused by another trace until the
+        // iteration finishes, nor its endpoint released.
+        assert!(rec.untrack(1));
+        rec.track_in(2, 1, 20, None, &stack("a.rs"), 8).unwrap();
+        rec.name_context(8, "GET /b").unwrap();
+        let out = collect(&rec, &strings);
+        rec.finish_iteration().unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0.local_root_span_id, 7);
+        assert_eq!(strings.get(out[0].0.endpoint).unwrap(), "GET /a");
+        let out = serialize(&rec, &strings);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0.local_root_span_id, 8);
+        assert_eq!(strings.get(out[0].0.endpoint).unwrap(), "GET /b");
+        assert!(rec.untrack(2));
+        assert_eq!(rec.stats().num_contexts, 0);
+        assert_eq!(strings.len(), 0);
+    }
+
+    #[test]
+    fn contexts_follow_records_through_shard_churn() {
+        // Records move within a shard on removal (swap_remove): their contexts move with them.
+        let (rec, strings) = native();
+        let n = 2_000u64;
+        for i in 0..n {
+            // Odd objects without a context, even ones in trace i % 7 + 1.
+            let root = if i % 2 == 0 { i % 7 + 1 } else { 0 };
+            rec.track_in(0x1000 + i * 16, 1, i, None, &stack("a.rs"), root)
+                .unwrap();
+        }
+        for i in (0..n).filter(|i| i % 3 == 0) {
+            assert!(rec.untrack(0x1000 + i * 16));
+        }
+        for (o, _) in serialize(&rec, &strings) {
+            let i = o.size;
+            assert_eq!(o.id, 0x1000 + i * 16);
+            let root = if i % 2 == 0 { i % 7 + 1 } else { 0 };
+            assert_eq!(o.local_root_span_id, root, "object {i}");
+        }
+        for i in (0..n).filter(|i| i % 3 != 0) {
+            assert!(rec.untrack(0x1000 + i * 16));
+        }
+        assert_eq!(rec.stats().num_contexts, 0);
+        assert_eq!(strings.len(), 0);
     }
 
     #[test]

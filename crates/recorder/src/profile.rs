@@ -41,6 +41,17 @@ pub const MAX_FRAMES: usize = 3000;
 pub const LOCAL_ROOT_SPAN_ID_LABEL: &str = "local root span id";
 /// Label key added at encoding for samples whose span has an endpoint.
 pub const TRACE_ENDPOINT_LABEL: &str = "trace endpoint";
+/// Distinct endpoint names a profile keeps: a name beyond them is counted (and labels its
+/// samples) as [`OTHER_ENDPOINTS`], so a caller naming endpoints by raw path cannot grow a profile
+/// without bound.
+pub const MAX_ENDPOINT_NAMES: usize = 4096;
+/// What endpoints past [`MAX_ENDPOINT_NAMES`] are counted as.
+pub const OTHER_ENDPOINTS: &str = "[other endpoints]";
+/// Endpoints kept for roots no sample of the profile carried yet when named
+/// ([`Profile::set_endpoint`]): the most recent ones, for samples recorded after their request
+/// ended (a sampler that waited for a CPU records a tick's captures late). About 2 MiB at most;
+/// 65,536 requests are over 3 s of a service serving 20,000 a second.
+pub const LATE_ENDPOINTS: usize = 65_536;
 /// Numeric label carried by timestamped samples.
 pub const END_TIMESTAMP_LABEL: &str = "end_timestamp_ns";
 
@@ -708,8 +719,12 @@ struct Tables {
     agg_values: Vec<i64>,
     timed: Vec<TimedRec>,
     timed_values: Vec<i64>,
-    /// Local root span id -> endpoint string id.
+    /// Local root span id -> endpoint string id, for the roots samples of this profile carry.
     endpoints: HashMap<u64, u32, foldhash::fast::RandomState>,
+    /// The same for the last [`LATE_ENDPOINTS`] roots named before any sample carried them
+    /// (samples recorded a little after their request ended); oldest first in `late_order`.
+    late_endpoints: HashMap<u64, u32, foldhash::fast::RandomState>,
+    late_order: std::collections::VecDeque<u64>,
     endpoint_counts: HashMap<String, i64, foldhash::fast::RandomState>,
     /// Storage id -> local string id + 1 (0: not cached). Valid for `cache_generation` only.
     id_cache: Vec<u32>,
@@ -792,6 +807,8 @@ impl Tables {
             timed: Vec::new(),
             timed_values: Vec::new(),
             endpoints: HashMap::default(),
+            late_endpoints: HashMap::default(),
+            late_order: std::collections::VecDeque::new(),
             endpoint_counts: HashMap::default(),
             id_cache: Vec::new(),
             function_src: Vec::new(),
@@ -2310,19 +2327,52 @@ impl Profile {
     }
 
     /// Associates an endpoint with a local root span id (last call wins) and counts it.
+    ///
+    /// The mapping is kept for a root that samples of this profile carry already, and for the
+    /// last [`LATE_ENDPOINTS`] others (samples of a request may be recorded shortly after it
+    /// ended): a service naming every request keeps memory in proportion to the requests it
+    /// sampled, not to all it served.
     pub fn set_endpoint(
         &mut self,
         local_root_span_id: u64,
         endpoint: &str,
     ) -> Result<(), ProfileError> {
         check_table_len(self.t.strings.len(), "string")?;
+        let endpoint = self.bounded_endpoint(endpoint);
         let id = self.t.strings.intern(endpoint);
-        self.t.endpoints.insert(local_root_span_id, id);
+        let t = &mut self.t;
+        let rec = LabelRec {
+            key: t.preset.local_root_span_id,
+            str: NONE,
+            num: local_root_span_id as i64,
+        };
+        if t.labels.find(rec, hash_label(rec)).is_some() {
+            t.endpoints.insert(local_root_span_id, id);
+        } else if t.late_endpoints.insert(local_root_span_id, id).is_none() {
+            t.late_order.push_back(local_root_span_id);
+            if t.late_order.len() > LATE_ENDPOINTS {
+                if let Some(old) = t.late_order.pop_front() {
+                    t.late_endpoints.remove(&old);
+                }
+            }
+        }
         self.add_endpoint_count(endpoint, 1)
     }
 
-    /// Adds `value` to the endpoint's count (reported in `EncodedProfile::endpoint_counts`).
+    /// `endpoint`, or [`OTHER_ENDPOINTS`] when the profile holds [`MAX_ENDPOINT_NAMES`] others.
+    fn bounded_endpoint<'e>(&self, endpoint: &'e str) -> &'e str {
+        let counts = &self.t.endpoint_counts;
+        if counts.len() >= MAX_ENDPOINT_NAMES && !counts.contains_key(endpoint) {
+            OTHER_ENDPOINTS
+        } else {
+            endpoint
+        }
+    }
+
+    /// Adds `value` to the endpoint's count (reported in `EncodedProfile::endpoint_counts`);
+    /// past [`MAX_ENDPOINT_NAMES`] names, to [`OTHER_ENDPOINTS`].
     pub fn add_endpoint_count(&mut self, endpoint: &str, value: i64) -> Result<(), ProfileError> {
+        let endpoint = self.bounded_endpoint(endpoint);
         match self.t.endpoint_counts.get_mut(endpoint) {
             Some(c) => *c = c.saturating_add(value),
             None => {
@@ -2567,7 +2617,11 @@ fn encode_label_sets(t: &Tables) -> LabelBytes {
         }
         // A sample that already names its endpoint keeps it; never two `trace endpoint` labels.
         if let (Some(span), false) = (span_id, has_endpoint) {
-            if let Some(&ep) = t.endpoints.get(&span) {
+            let ep = t
+                .endpoints
+                .get(&span)
+                .or_else(|| t.late_endpoints.get(&span));
+            if let Some(&ep) = ep {
                 push_label(&mut out.bytes, t.preset.trace_endpoint, ep, 0);
             }
         }
@@ -3193,6 +3247,95 @@ mod tests {
             let name = &d.stack_names(s)[0];
             assert_eq!(s.value[0], if *name == a { 3 } else { 30 });
         }
+    }
+
+    #[test]
+    fn endpoints_of_unsampled_requests_are_bounded_and_late_samples_named() {
+        let mut p = profile();
+        let f = [Frame::sym("handler", "h.rs", 1)];
+        // Named before any of its samples (recorded a little after the request ended).
+        p.set_endpoint(1, "GET /late").unwrap();
+        // Many requests nothing sampled: counted, their mappings not all kept.
+        for root in 100..100 + 3 * LATE_ENDPOINTS as u64 {
+            p.set_endpoint(root, "GET /busy").unwrap();
+        }
+        assert!(p.t.endpoints.is_empty());
+        assert_eq!(p.t.late_endpoints.len(), LATE_ENDPOINTS);
+        assert_eq!(p.t.late_order.len(), LATE_ENDPOINTS);
+        // The most recent unsampled request's samples still get its endpoint; root 1 went.
+        let last = 100 + 3 * LATE_ENDPOINTS as i64 - 1;
+        for root in [1, last] {
+            add(
+                &mut p,
+                &f,
+                &[1, 0],
+                &[Label::num(LOCAL_ROOT_SPAN_ID_LABEL, root)],
+                0,
+            );
+        }
+        let enc = p
+            .encode(
+                t0(),
+                &EncodeOptions {
+                    compression: Compression::None,
+                },
+                None,
+            )
+            .unwrap();
+        assert_eq!(
+            enc.endpoint_counts,
+            vec![
+                ("GET /busy".into(), 3 * LATE_ENDPOINTS as i64),
+                ("GET /late".into(), 1)
+            ]
+        );
+        let d = ferroprof_pprof::decode(&enc.bytes).unwrap();
+        let eps: Vec<(i64, Option<&str>)> = d
+            .sample
+            .iter()
+            .map(|s| {
+                (
+                    d.label_num(s, LOCAL_ROOT_SPAN_ID_LABEL).unwrap(),
+                    d.label_str(s, TRACE_ENDPOINT_LABEL),
+                )
+            })
+            .collect();
+        assert_eq!(eps, vec![(1, None), (last, Some("GET /busy"))]);
+        // A sampled root keeps its mapping in the profile's own table.
+        p.set_endpoint(1, "GET /late").unwrap();
+        assert_eq!(p.t.endpoints.len(), 1);
+    }
+
+    #[test]
+    fn endpoint_names_are_bounded() {
+        let mut p = profile();
+        let n = MAX_ENDPOINT_NAMES + 10;
+        for i in 0..n {
+            p.set_endpoint(i as u64 + 1, &format!("GET /raw/{i}"))
+                .unwrap();
+        }
+        // A name already kept still counts as itself.
+        p.add_endpoint_count("GET /raw/0", 1).unwrap();
+        let enc = p
+            .encode(
+                t0(),
+                &EncodeOptions {
+                    compression: Compression::None,
+                },
+                None,
+            )
+            .unwrap();
+        assert_eq!(enc.endpoint_counts.len(), MAX_ENDPOINT_NAMES + 1);
+        let count = |name: &str| {
+            enc.endpoint_counts
+                .iter()
+                .find(|(e, _)| e == name)
+                .map(|(_, c)| *c)
+        };
+        assert_eq!(count(OTHER_ENDPOINTS), Some(10));
+        assert_eq!(count("GET /raw/0"), Some(2));
+        let total: i64 = enc.endpoint_counts.iter().map(|(_, c)| c).sum();
+        assert_eq!(total, n as i64 + 1);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::heap::{HeapConfig, HeapRecorder, HeapStats, LiveObject};
 use crate::pprof::{Compression, EncodeOptions, EncodedProfile, Symbolizer};
 use crate::profile::{
     BulkBuffers, Frame, Label, LabelSetId, LabelValue, PrefetchedStack, Profile, ProfileMetadata,
-    RowId, Sample, StackId, Str,
+    RowId, Sample, StackId, Str, LOCAL_ROOT_SPAN_ID_LABEL, TRACE_ENDPOINT_LABEL,
 };
 use crate::sample_types::{
     ExtraValues, SampleLayout, SampleTypeConfig, SampleTypeExtras, SampleValues,
@@ -31,13 +31,15 @@ use crate::strings::{StringId, StringStorage};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
-/// The labels of a live object's heap sample: its class (when known) and its age.
+/// The labels of a live object's heap sample: its class (when known), its age, and the
+/// request context it was allocated in (when it has one: the local root span id, and the
+/// trace's endpoint once named).
 fn heap_labels(obj: &LiveObject) -> Vec<Label<'static>> {
     let age = Label {
         key: Str::Lit(GC_GEN_AGE_LABEL),
         value: LabelValue::Num(i64::try_from(obj.gen_age).unwrap_or(i64::MAX)),
     };
-    if obj.class == StringId::EMPTY {
+    let mut labels = if obj.class == StringId::EMPTY {
         vec![age]
     } else {
         let class = Label {
@@ -45,7 +47,21 @@ fn heap_labels(obj: &LiveObject) -> Vec<Label<'static>> {
             value: LabelValue::Str(Str::Id(obj.class)),
         };
         vec![class, age]
+    };
+    if obj.local_root_span_id != 0 {
+        // As samplers write it: the id's 64 bits as an i64.
+        labels.push(Label::num(
+            LOCAL_ROOT_SPAN_ID_LABEL,
+            obj.local_root_span_id as i64,
+        ));
+        if obj.endpoint != StringId::EMPTY {
+            labels.push(Label {
+                key: Str::Lit(TRACE_ENDPOINT_LABEL),
+                value: LabelValue::Str(Str::Id(obj.endpoint)),
+            });
+        }
     }
+    labels
 }
 
 /// Label key of the class of a live heap object.
@@ -403,16 +419,21 @@ impl StackRecorder {
         Ok(())
     }
 
-    /// Sampler path: never blocks on a serialization.
+    /// Sampler path: never blocks on a serialization. Also names the heap objects still
+    /// tracked for that trace ([`Self::track_allocation_in`]).
     pub fn record_endpoint(
         &self,
         local_root_span_id: u64,
         endpoint: &str,
     ) -> Result<(), RecorderError> {
+        let named = match &self.heap {
+            Some(heap) => heap.name_context(local_root_span_id, endpoint),
+            None => Ok(()),
+        };
         let entered = self.enter()?;
         let mut data = entered.slot.data.lock();
         data.profile.set_endpoint(local_root_span_id, endpoint)?;
-        Ok(())
+        Ok(named?)
     }
 
     fn heap_or_disabled(&self) -> Result<&HeapRecorder, RecorderError> {
@@ -444,6 +465,28 @@ impl StackRecorder {
         Ok(self
             .heap_or_disabled()?
             .track(id, weight, size, class, frames)?)
+    }
+
+    /// [`Self::track_allocation`] for an allocation made inside the trace whose local root span
+    /// id is `local_root_span_id` (0: none): the object's heap sample carries that id, and the
+    /// `trace endpoint` [`Self::record_endpoint`] gives the trace, for as long as it lives.
+    pub fn track_allocation_in(
+        &self,
+        id: u64,
+        weight: u32,
+        size: u64,
+        class: Option<&str>,
+        frames: &[Frame<'_>],
+        local_root_span_id: u64,
+    ) -> Result<(), RecorderError> {
+        Ok(self.heap_or_disabled()?.track_in(
+            id,
+            weight,
+            size,
+            class,
+            frames,
+            local_root_span_id,
+        )?)
     }
 
     /// Native model: allocation `id` was freed. Returns whether it was tracked.
@@ -633,10 +676,12 @@ impl StackRecorder {
         // Rows of a stack's further label sets (objects of one stack with other classes/ages).
         let mut other_rows: HashMap<(usize, LabelSetId), RowId, foldhash::fast::RandomState> =
             HashMap::default();
-        // (class, age) -> label set; ages are few, so the last one answers most lookups.
-        let mut label_sets: HashMap<(StringId, u64), LabelSetId, foldhash::fast::RandomState> =
+        // (class, age, context) -> label set; ages are few, so the last one answers most
+        // lookups.
+        type LabelKey = (StringId, u64, u64, StringId);
+        let mut label_sets: HashMap<LabelKey, LabelSetId, foldhash::fast::RandomState> =
             HashMap::default();
-        let mut last_labels: Option<((StringId, u64), LabelSetId)> = None;
+        let mut last_labels: Option<(LabelKey, LabelSetId)> = None;
         let profile = &mut data.profile;
         // One object's work, on its stack's frames (decoded one object ahead).
         let mut add_one = |profile: &mut Profile,
@@ -651,7 +696,7 @@ impl StackRecorder {
                 ..SampleValues::default()
             });
             let values = &placed[..n];
-            let key = (obj.class, obj.gen_age);
+            let key = (obj.class, obj.gen_age, obj.local_root_span_id, obj.endpoint);
             let labels = match last_labels {
                 Some((k, id)) if k == key => id,
                 _ => {
@@ -945,6 +990,62 @@ mod tests {
         };
         r.record_sample(&[Frame::sym("f", "f.rs", 1)], &v, &[], 0)
             .unwrap();
+    }
+
+    #[test]
+    fn live_heap_samples_keep_their_request_across_profiles() {
+        let r = StackRecorder::new(RecorderConfig {
+            heap: HeapConfig::native(),
+            ..RecorderConfig::default()
+        })
+        .unwrap();
+        let frames = [Frame::sym("cache_insert", "c.rs", 3)];
+        // Request 7 allocates two objects (one freed), request 8 one, then both end; 9 never
+        // allocated anything.
+        r.track_allocation_in(0x10, 1, 100, None, &frames, 7)
+            .unwrap();
+        r.track_allocation_in(0x20, 1, 200, None, &frames, 7)
+            .unwrap();
+        r.track_allocation_in(0x30, 1, 400, None, &frames, 8)
+            .unwrap();
+        r.track_allocation(0x40, 1, 800, None, &frames).unwrap();
+        assert!(r.untrack_allocation(0x20));
+        r.record_endpoint(7, "GET /cache").unwrap();
+        r.record_endpoint(8, "GET /other").unwrap();
+        r.record_endpoint(9, "GET /none").unwrap();
+        assert_eq!(r.stats().heap.unwrap().num_contexts, 2);
+        // Later profiles too: the objects live on, their requests are long gone.
+        for round in 0..2 {
+            let p = r.serialize(None).unwrap();
+            let d = ferroprof_pprof::decode(&p.encoded.bytes).unwrap();
+            let size = d.value_index("heap-live-size").unwrap();
+            let mut live: Vec<(i64, Option<i64>, Option<&str>)> = d
+                .sample
+                .iter()
+                .filter(|s| s.value[size] > 0)
+                .map(|s| {
+                    (
+                        s.value[size],
+                        d.label_num(s, LOCAL_ROOT_SPAN_ID_LABEL),
+                        d.label_str(s, TRACE_ENDPOINT_LABEL),
+                    )
+                })
+                .collect();
+            live.sort();
+            assert_eq!(
+                live,
+                vec![
+                    (100, Some(7), Some("GET /cache")),
+                    (400, Some(8), Some("GET /other")),
+                    (800, None, None),
+                ],
+                "round {round}"
+            );
+        }
+        for id in [0x10, 0x30, 0x40] {
+            assert!(r.untrack_allocation(id));
+        }
+        assert_eq!(r.stats().heap.unwrap().num_contexts, 0);
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub(crate) mod handoff;
 pub use handoff::CAPACITY as HANDOFF_CAPACITY;
 pub mod pyroscope;
 pub mod queue;
+mod span_labels;
 pub mod transport;
 
 use std::time::{Duration, SystemTime};

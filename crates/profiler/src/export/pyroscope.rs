@@ -2,6 +2,10 @@
 //! `POST /ingest?name=APP{tags}&from=&until=&format=pprof` with a multipart body holding the
 //! `profile` and a `sample_type_config` that tells Pyroscope the units and aggregation of each of
 //! our sample types.
+//!
+//! Samples taken inside a trace also get the labels Grafana's span profiles read: `span_id`
+//! (the trace's local root span id, 16 hex digits) and `span_name` (its endpoint), next to the
+//! numeric `local root span id` and `trace endpoint` every exporter gets.
 
 use std::time::{Duration, SystemTime};
 
@@ -260,12 +264,15 @@ impl PyroscopeBackend {
 
     /// Headers and body of the ingest request for `profile`.
     pub fn request(&self, profile: &ExportedProfile) -> (Vec<(String, String)>, Body) {
+        // Grafana's span profiles: `span_id` in hex and `span_name` (see the module docs).
+        let bytes = super::span_labels::add(&profile.encoded.bytes, profile.encoded.compression)
+            .unwrap_or_else(|| profile.encoded.bytes.clone());
         let body = Multipart::new()
             .file(
                 "profile",
                 "profile.pprof",
                 "application/octet-stream",
-                profile.encoded.bytes.clone(),
+                bytes,
             )
             .file(
                 "sample_type_config",
