@@ -36,9 +36,10 @@
 //! `thread name`.
 //!
 //! # Supported platforms
-//! Linux on x86_64 and aarch64 with glibc. The profiler must be linked into the executable (not
-//! into a `dlopen`ed library: its signal handler reads thread-locals, which are only
-//! async-signal-safe in the executable's static TLS block). Only one profiler runs per process.
+//! Linux on x86_64 and aarch64 with glibc. The profiler must be linked into the executable, or
+//! into a library loaded at startup (the `ferroprof record` preload library), not into a
+//! `dlopen`ed library: its signal handler reads thread-locals, which are only async-signal-safe
+//! in the static TLS block. Only one profiler runs per process.
 
 pub mod export;
 pub mod http;
@@ -67,6 +68,8 @@ mod unwind;
 #[cfg(target_arch = "x86_64")]
 mod unwind_rules;
 
+#[doc(hidden)]
+pub use alloc::{__disable_arena, __raw_allocated, __raw_freeing};
 pub use alloc::{sample_weight, SamplingAllocator, DEFAULT_SAMPLING_INTERVAL};
 pub use error::ProfilerError;
 pub use ferroprof_recorder as recorder;
