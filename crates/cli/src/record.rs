@@ -549,7 +549,16 @@ fn report(
         (last, _) => last.clone(),
     };
     println!("profiles: {count} from {procs} process(es)");
-    for ((comm, p), files) in written {
+    // The command's files first, then the others; past LIST_MAX processes, a count per command.
+    const LIST_MAX: usize = 12;
+    let mut order: Vec<_> = written.iter().collect();
+    order.sort_by_key(|((_, p), _)| *p != pid);
+    let mut rest: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, ((comm, p), files)) in order.into_iter().enumerate() {
+        if i >= LIST_MAX {
+            *rest.entry(comm.as_str()).or_default() += 1;
+            continue;
+        }
         for f in files {
             // The command's last profile is shown where it is now (FILE, when given).
             let shown = match (&original, &main_last) {
@@ -559,6 +568,21 @@ fn report(
             let role = if *p == pid { " (the command)" } else { "" };
             println!("  {}  {comm} pid {p}{role}", shown.display());
         }
+    }
+    if !rest.is_empty() {
+        let more: Vec<String> = rest.iter().map(|(c, n)| format!("{c} x{n}")).collect();
+        println!(
+            "  ... and {} more process(es): {} (all in {})",
+            rest.values().sum::<usize>(),
+            more.join(", "),
+            written
+                .values()
+                .flatten()
+                .next()
+                .and_then(|f| f.parent())
+                .map(|d| d.display().to_string())
+                .unwrap_or_default()
+        );
     }
     let Some(last) = main_last else {
         println!(
