@@ -50,6 +50,8 @@ fn start() {
         .filter(|d| !d.is_empty())
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| "./profiles".into());
+    // Made absolute now: the program may change its working directory before it writes.
+    let dir = std::path::absolute(&dir).unwrap_or(dir);
     let exporter = match exporter::PerProcessFiles::new(dir) {
         Ok(e) => e,
         Err(e) => {
