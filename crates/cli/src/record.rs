@@ -124,6 +124,13 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     if let Some(p) = args.period {
         command.env("FERROPROF_PERIOD_SECS", p.to_string());
     }
+    // Sample counts for the progress line, written by each profiled process (see the preload
+    // library's `progress`); only for a terminal.
+    let tty = std::io::stderr().is_terminal();
+    let progress_dir = dir.join(format!(".ferroprof-progress-{}", std::process::id()));
+    if tty && std::fs::create_dir_all(&progress_dir).is_ok() {
+        command.env("FERROPROF_RECORD_PROGRESS", &progress_dir);
+    }
     // SAFETY: runs in the forked child before exec, and only calls sigprocmask
     // (async-signal-safe) on a set built before the fork.
     unsafe {
@@ -146,9 +153,15 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
 
     let exited = Arc::new(AtomicBool::new(false));
     forward_signals(pid, exited.clone());
-    let progress = std::io::stderr()
-        .is_terminal()
-        .then(|| spawn_progress(dir.clone(), before.clone(), started, exited.clone()));
+    let progress = tty.then(|| {
+        spawn_progress(
+            dir.clone(),
+            progress_dir.clone(),
+            before.clone(),
+            started,
+            exited.clone(),
+        )
+    });
 
     // Waits without reaping first: the pid stays ours (a zombie) until the signal thread knows
     // the child is gone, so a late forward never reaches a recycled pid.
@@ -160,6 +173,7 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     if let Some(h) = progress {
         let _ = h.join();
     }
+    let _ = std::fs::remove_dir_all(&progress_dir);
     let code = exit_code(status);
     let how = match std::os::unix::process::ExitStatusExt::signal(&status) {
         Some(sig) => format!("was killed by signal {sig}"),
@@ -245,6 +259,7 @@ fn wait_no_reap(pid: i32) {
 
 fn spawn_progress(
     dir: PathBuf,
+    progress_dir: PathBuf,
     before: Snapshot,
     started: Instant,
     exited: Arc<AtomicBool>,
@@ -258,22 +273,39 @@ fn spawn_progress(
             if tick % 5 != 0 {
                 continue;
             }
-            let files = new_profiles(&dir, &before);
-            let procs = files
-                .keys()
-                .map(|k| k.1)
-                .collect::<std::collections::BTreeSet<_>>();
+            let (procs, cpu, alloc) = sample_counts(&progress_dir);
+            let files: usize = new_profiles(&dir, &before).values().map(Vec::len).sum();
             let _ = write!(
                 err,
-                "\r  {:>6.1}s  profiles written: {} from {} process(es)",
+                "\r  {:>6.1}s  {procs} process(es)  cpu/wall samples {cpu:>7}  alloc samples \
+                 {alloc:>7}  profiles written {files}",
                 started.elapsed().as_secs_f64(),
-                files.values().map(Vec::len).sum::<usize>(),
-                procs.len()
             );
             let _ = err.flush();
         }
-        let _ = write!(err, "\r{:60}\r", "");
+        let _ = write!(err, "\r{:100}\r", "");
     })
+}
+
+/// Processes reporting, and their CPU/wall and allocation samples, summed.
+fn sample_counts(progress_dir: &Path) -> (usize, u64, u64) {
+    let (mut procs, mut cpu, mut alloc) = (0, 0, 0);
+    for e in std::fs::read_dir(progress_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let Ok(text) = std::fs::read_to_string(e.path()) else {
+            continue;
+        };
+        let mut it = text.split_whitespace().map(str::parse::<u64>);
+        if let (Some(Ok(c)), Some(Ok(a))) = (it.next(), it.next()) {
+            procs += 1;
+            cpu += c;
+            alloc += a;
+        }
+    }
+    (procs, cpu, alloc)
 }
 
 /// CMD as a path: as given when it holds a `/`, else the first match on `PATH`.

@@ -16,6 +16,7 @@
 
 mod exporter;
 mod hooks;
+mod progress;
 mod tls_check;
 
 use std::sync::Mutex;
@@ -83,12 +84,22 @@ fn start() {
             if unsafe { libc::atexit(at_exit) } != 0 {
                 eprintln!("ferroprof: cannot register the exit handler: no profile at exit");
             }
+            if let Some(dir) = std::env::var_os(progress::ENV).filter(|d| !d.is_empty()) {
+                progress::start(dir.into(), || {
+                    GUARD
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_ref()
+                        .map(|g| g.stats())
+                });
+            }
         }
         Err(e) => eprintln!("ferroprof: not profiling: {e}"),
     }
 }
 
 extern "C" fn at_exit() {
+    progress::stop();
     let stop = || {
         let guard = GUARD.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some(guard) = guard else { return };
