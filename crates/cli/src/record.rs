@@ -98,7 +98,7 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     let before = snapshot(&dir);
 
     // Blocked before any thread starts (every thread inherits it), so the signal thread alone
-    // receives them; the child gets an empty mask from `Command::spawn`.
+    // receives them; the child unblocks them before exec (below).
     let mask = forwarded_set();
     // SAFETY: a valid, initialized signal set; no old mask wanted.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &mask, std::ptr::null_mut()) };
@@ -186,7 +186,10 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     );
 
     let written = new_profiles(&dir, &before);
-    report(&written, pid, file.as_deref(), profiles, args.n)?;
+    // The program's status stands whatever the report meets (an unreadable profile...).
+    if let Err(e) = report(&written, pid, file.as_deref(), profiles, args.n) {
+        eprintln!("ferroprof record: {e:#}");
+    }
     Ok(code)
 }
 
