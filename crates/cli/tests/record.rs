@@ -57,7 +57,8 @@ fn fixture(static_link: bool) -> &'static Path {
         let mut cc = Command::new("gcc");
         cc.args(["-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o"])
             .arg(&out)
-            .arg(&src);
+            .arg(&src)
+            .arg("-ldl");
         if static_link {
             cc.arg("-static");
         }
@@ -349,4 +350,37 @@ fn programs_preload_cannot_reach_are_refused_with_the_reason() {
         eprintln!("not root: the setuid case is not exercised");
     }
     assert!(profiles(&dir).is_empty(), "nothing was run");
+}
+
+/// The load-time check: loaded with `dlopen` (its TLS then outside the static TLS block), the
+/// library says why it does not profile and leaves the program alone.
+#[test]
+fn a_library_loaded_too_late_for_static_tls_does_not_start() {
+    let dir = work_dir("dlopen");
+    let mut child = Command::new(fixture(false))
+        .args(["dlopen"])
+        .arg(preload())
+        .env("FERROPROF_OUTPUT_DIR", &dir)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A profiler started from a dlopen'd copy hangs the program (seen without the check):
+    // bounded, so a regression fails instead of stalling the test run.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the program did not finish within 60 s after dlopen of the library");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("not profiling") && err.contains("static TLS"),
+        "{err}"
+    );
+    assert!(profiles(&dir).is_empty(), "no profiler ran");
 }
