@@ -12,6 +12,17 @@ if ! command -v go >/dev/null 2>&1; then
     fi
 fi
 
+# gcc and the static glibc (libc6-dev's libc.a) build the C program `ferroprof record` is tested
+# on (crates/cli/tests/record.rs), dynamically and statically linked.
+if ! command -v gcc >/dev/null 2>&1 || ! ls /usr/lib/*-linux-gnu/libc.a >/dev/null 2>&1; then
+    echo "test-deps: installing gcc and libc6-dev (for the record tests)"
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null
+    else
+        echo "test-deps: not root, cannot apt-get install gcc libc6-dev" >&2
+    fi
+fi
+
 # The Datadog test agent (PyPI ddapm-test-agent) receives uploads in crates/profiler/tests/export_datadog.rs.
 # It lives in its own venv so it never touches the system Python; the test finds it through
 # FERROPROF_DDAPM_TEST_AGENT.

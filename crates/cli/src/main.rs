@@ -2,6 +2,7 @@
 
 mod demo;
 mod filter;
+mod record;
 mod report;
 
 use std::io::Write;
@@ -44,6 +45,9 @@ struct Cli {
 enum Command {
     /// Profile a built-in workload with a known CPU split and live heap, then report what was found.
     Demo(demo::DemoArgs),
+    /// Run a program with ferroprof injected (LD_PRELOAD), without changing its code:
+    /// `ferroprof record [OPTIONS] -- CMD [ARGS...]`. Exits with the program's status.
+    Record(record::RecordArgs),
     /// Print the functions with the largest values for one sample type.
     Top {
         /// A pprof file (gzip-compressed or not).
@@ -101,8 +105,13 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli.command, cli.max_decompressed_size) {
-        Ok(()) => ExitCode::SUCCESS,
+    let result = match cli.command {
+        // The program's own exit status, whatever it is.
+        Command::Record(args) => record::run(args).map(ExitCode::from),
+        cmd => run(cmd, cli.max_decompressed_size).map(|()| ExitCode::SUCCESS),
+    };
+    match result {
+        Ok(code) => code,
         Err(e) => {
             // Output closed early (`ferroprof top x | head`): not an error worth a message.
             if let Some(io) = e.downcast_ref::<std::io::Error>() {
@@ -133,6 +142,7 @@ fn run(cmd: Command, max_size: u64) -> anyhow::Result<()> {
     };
     match cmd {
         Command::Demo(args) => demo::run(args),
+        Command::Record(_) => unreachable!("handled in main"),
         Command::Top {
             file,
             sample_type,

@@ -358,9 +358,23 @@ pub fn is_alloc_type(name: &str) -> bool {
 /// Frames of the library code between the function that asked for memory and the allocator
 /// (Rust's `alloc` collections, `core` iterator plumbing, `std`, C allocation calls). The
 /// profiler's own allocator frames and the global-allocator shims are never written into an
-/// allocation or heap stack, so they need no case here.
+/// allocation or heap stack, so they need no case here. C++ `operator new` and `new[]`
+/// (Itanium-mangled `_Znw*`/`_Zna*`, or demangled) are machinery too: under `ferroprof record`
+/// they are the frame between a C++ allocation site and `malloc`.
 pub fn is_alloc_machinery(name: &str) -> bool {
-    const PREFIXES: &[&str] = &["alloc::", "core::", "std::", "malloc", "calloc", "realloc"];
+    const PREFIXES: &[&str] = &[
+        "alloc::",
+        "core::",
+        "std::",
+        "malloc",
+        "calloc",
+        "realloc",
+        "_Znwm",
+        "_Znam",
+        "_Znwj",
+        "_Znaj",
+        "operator new",
+    ];
     let path = name.strip_prefix('<').unwrap_or(name);
     PREFIXES.iter().any(|p| path.starts_with(p))
         || name.contains(" as alloc::")
@@ -700,6 +714,25 @@ mod tests {
         .sample(&["cold", "work", "main"], &[1_000_000_000, 0], &[])
         .sample(&["rec", "rec", "main"], &[500_000_000, 64 << 20], &[])
         .build()
+    }
+
+    #[test]
+    fn cpp_operator_new_is_machinery_and_the_caller_the_site() {
+        for name in [
+            "_Znwm",
+            "_Znam",
+            "_ZnwmRKSt9nothrow_t",
+            "operator new(unsigned long)",
+        ] {
+            assert!(is_alloc_machinery(name), "{name}");
+        }
+        assert!(!is_alloc_machinery("_Z5buildB5cxx11i"));
+        let p = ferroprof_pprof::ProfileBuilder::new(&[("alloc-space", "bytes")])
+            .sample(&["_Znwm", "_Z5buildi", "main"], &[100], &[])
+            .build();
+        let t = FunctionTable::build_sites(&p, 0);
+        let flat = |f: &str| t.rows.iter().find(|r| &*r.0 == f).map_or(0, |r| r.1);
+        assert_eq!((flat("_Z5buildi"), flat("_Znwm")), (100, 0));
     }
 
     #[test]

@@ -43,7 +43,8 @@
 //!   sampling path's own frames, deeper than the function the entry is inlined into);
 //! - of what remains, leading frames whose address lies in an allocator-path function are left
 //!   out ([`allocator_frames`]: the entry or a shim that is a real function, as in a debug
-//!   build, or `__rust_alloc` with the entry inlined into it). The functions' address ranges
+//!   build, or `__rust_alloc` with the entry inlined into it; in the preload library, its C
+//!   entry points `malloc`, `calloc`, ...). The functions' address ranges
 //!   come from the symbol table, read once when sampling is first enabled: the
 //!   `SamplingAllocator` methods are generic, monomorphized in the user's crate, so their
 //!   addresses are known only there;
@@ -257,6 +258,40 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.dealloc(ptr, layout) }
     }
+}
+
+/// For an interposed C allocator (the preload library): `p`, a block of `size` bytes the C
+/// allocator just handed out, goes through the same sampling and live tracking as an allocation
+/// of [`SamplingAllocator`]. Called in the allocator entry itself (`malloc`), after the inner
+/// allocator: the entry's stack pointer is read here, and frames deeper than it are the
+/// sampling path's own. Not API.
+#[doc(hidden)]
+#[inline(always)]
+pub fn __raw_allocated(p: *mut u8, size: usize) {
+    if p.is_null() {
+        return;
+    }
+    if let Some(interval) = crosses_sampling_point(size) {
+        on_alloc_slow(p, size, interval, unwind::current_sp());
+    }
+}
+
+/// For an interposed C allocator: `p` is about to be freed (or moved by `realloc`). C `free`
+/// has no size; the tracked-address filter needs none. Call before the memory goes back to the
+/// inner allocator. Not API.
+#[doc(hidden)]
+#[inline(always)]
+pub fn __raw_freeing(p: *mut u8) {
+    if FILTER.maybe_tracked(p as usize) {
+        on_free_slow(p);
+    }
+}
+
+/// For an interposed C allocator, before the profiler starts: never serve allocations from the
+/// symbolizer's arena (C `free` could not give an arena block back, having no size). Not API.
+#[doc(hidden)]
+pub fn __disable_arena() {
+    arena::disable();
 }
 
 /// Counts `size` bytes against this thread's countdown; the sampling interval when the
@@ -552,6 +587,22 @@ pub(crate) fn is_allocator_path(name: &str) -> bool {
         || last.starts_with("__rg_")
 }
 
+/// The C allocation API's entry points (see [`allocator_ranges`]).
+fn is_c_allocation_entry(name: &str) -> bool {
+    matches!(
+        name,
+        "malloc"
+            | "calloc"
+            | "realloc"
+            | "reallocarray"
+            | "posix_memalign"
+            | "aligned_alloc"
+            | "memalign"
+            | "valloc"
+            | "pvalloc"
+    )
+}
+
 /// Leaves out a location's innermost (inlined) frames of the allocator path, keeping at least
 /// its outermost frame (the function the address is in). Applied by the symbolizer to every
 /// resolved location.
@@ -607,7 +658,8 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
             }
             let Ok(raw) = sym.name() else { continue };
             // Cheap test on the mangled name before demangling (legacy and v0 manglings).
-            let maybe = raw.contains("ferroprof")
+            let maybe = is_c_allocation_entry(raw)
+                || raw.contains("ferroprof")
                 || raw.contains("__r")
                 || raw.contains("5alloc5alloc")
                 || raw.contains("alloc..alloc");
@@ -618,7 +670,10 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
                 Ok(d) => format!("{d:#}"),
                 Err(_) => raw.to_owned(),
             };
-            if is_allocator_path(&name) {
+            // The C allocation API, where ferroprof itself defines it (the preload library):
+            // its entries are the allocator path of a C program.
+            let c_entry = obj.contains(ours) && is_c_allocation_entry(raw);
+            if c_entry || is_allocator_path(&name) {
                 let start = sym.address().wrapping_add(obj.base);
                 out.push((start, start.saturating_add(sym.size())));
             }

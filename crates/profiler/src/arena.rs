@@ -18,7 +18,7 @@
 //! (its slow path is where arena mode is checked); otherwise allocations simply go to the heap.
 
 use std::alloc::Layout;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crate::tls::STATE;
 
@@ -39,6 +39,15 @@ static USED: AtomicUsize = AtomicUsize::new(0);
 static LAST_PASS_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// Heads of the free lists (addresses; 0 = empty). The first word of a free block is the next.
 static FREE: [AtomicUsize; CLASSES] = [const { AtomicUsize::new(0) }; CLASSES];
+/// Set for the whole process by an allocator that cannot serve arena blocks (see [`disable`]).
+static DISABLED: AtomicBool = AtomicBool::new(false);
+
+/// Never use the arena in this process: symbolization then allocates from the heap. For an
+/// allocator front end that cannot tell an arena block's size on free (the C `free` of the
+/// preload library), which therefore never serves from the arena.
+pub(crate) fn disable() {
+    DISABLED.store(true, Ordering::SeqCst);
+}
 
 /// Whether `ptr` is arena memory.
 #[inline(always)]
@@ -68,7 +77,7 @@ pub(crate) fn with<R>(owner: u64, f: impl FnOnce() -> R) -> R {
         || OWNER
             .compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
             .is_ok();
-    if !taken || !reserve() {
+    if !taken || DISABLED.load(Ordering::Relaxed) || !reserve() {
         return f();
     }
     // Every allocation of this thread then takes the sampling allocator's slow path, where

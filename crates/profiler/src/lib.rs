@@ -53,10 +53,11 @@
 //!
 //! # Supported platforms
 //! Linux on x86_64 with glibc, built and tested (from Linux 5.11 on, the CPU timers' signal
-//! arrives on the way back to user mode and never interrupts a system call). The aarch64 code paths exist but have never been built or
-//! run: not supported yet. The profiler must be linked into the executable (not into a
-//! `dlopen`ed library: its signal handler reads thread-locals, which are only
-//! async-signal-safe in the executable's static TLS block). One profiler runs per process.
+//! arrives on the way back to user mode and never interrupts a system call). The aarch64 code
+//! paths exist but have never been built or run: not supported yet. The profiler must be linked
+//! into the executable, or into a library loaded at startup (the `ferroprof record` preload
+//! library), not into a `dlopen`ed library: its signal handler reads thread-locals, which are
+//! only async-signal-safe in the static TLS block. One profiler runs per process.
 
 #![warn(missing_docs)]
 
@@ -88,6 +89,8 @@ mod unwind;
 #[cfg(target_arch = "x86_64")]
 mod unwind_rules;
 
+#[doc(hidden)]
+pub use alloc::{__disable_arena, __raw_allocated, __raw_freeing};
 pub use alloc::{sample_weight, SamplingAllocator, DEFAULT_SAMPLING_INTERVAL};
 pub use error::ProfilerError;
 pub use ferroprof_recorder as recorder;
@@ -101,5 +104,5 @@ pub use profiler::{
 pub use settings::Profiles;
 pub use symbolize::ProcessSymbolizer;
 #[doc(hidden)]
-pub use tls::__late_own_thread;
+pub use tls::{__late_own_thread, __spawn_own_thread};
 pub use unwind::MAX_FRAMES;

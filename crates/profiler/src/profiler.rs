@@ -171,8 +171,8 @@ impl ProfilerBuilder {
         self
     }
 
-    /// Writes the last profile when the process gets `SIGTERM` or `SIGINT` (default off):
-    /// ferroprof handles both, flushes (within the stop timeout), puts back the handler that was
+    /// Writes the last profile when the process gets `SIGTERM`, `SIGINT`, `SIGHUP` or `SIGQUIT`
+    /// (default off): ferroprof handles them, flushes (within the stop timeout), puts back the handler that was
     /// there before `start()` (the application's, or the default) and raises the signal again.
     /// A handler the application installs after `start()` replaces ferroprof's: call
     /// [`ProfilerGuard::stop`] from it instead.

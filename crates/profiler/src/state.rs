@@ -254,6 +254,9 @@ impl Shared {
             // Handles of the parent's threads: joining them in the child would wait forever.
             std::mem::forget(threads.sampler.take());
             std::mem::forget(threads.export.take());
+            // The parent's flush-on-termination thread too (its handler, still installed, knows
+            // it is not this process's: see `crate::termination`).
+            std::mem::forget(threads.termination.take());
             if self.taps.is_locked() {
                 self.taps.force_unlock_write();
                 std::mem::forget(std::ptr::read(self.taps.data_ptr()));

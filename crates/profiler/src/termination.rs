@@ -1,5 +1,6 @@
 //! Opt-in ([`crate::ProfilerBuilder::flush_on_termination`]): the last profile is written when
-//! the process is asked to terminate by `SIGTERM` or `SIGINT`.
+//! the process is asked to terminate by `SIGTERM`, `SIGINT`, `SIGHUP` or `SIGQUIT` (the signals
+//! `ferroprof record` forwards to the program it runs).
 //!
 //! The handler only writes the signal's number to a pipe (async-signal-safe). A profiler thread
 //! reading the pipe flushes the profile (bounded by the stop timeout), puts back the disposition
@@ -13,14 +14,14 @@ use std::sync::Arc;
 
 use crate::state::Shared;
 
-const SIGNALS: [libc::c_int; 2] = [libc::SIGTERM, libc::SIGINT];
+const SIGNALS: [libc::c_int; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT];
 
 /// The pipe's write end (-1: not armed) and the pid that armed it.
 static PIPE_W: AtomicI32 = AtomicI32::new(-1);
 static ARMED_PID: AtomicI32 = AtomicI32::new(0);
 /// The dispositions before ours, per entry of SIGNALS: (handler, flags).
-static PREV_HANDLER: [AtomicUsize; 2] = [const { AtomicUsize::new(0) }; 2];
-static PREV_FLAGS: [AtomicUsize; 2] = [const { AtomicUsize::new(0) }; 2];
+static PREV_HANDLER: [AtomicUsize; SIGNALS.len()] = [const { AtomicUsize::new(0) }; SIGNALS.len()];
+static PREV_FLAGS: [AtomicUsize; SIGNALS.len()] = [const { AtomicUsize::new(0) }; SIGNALS.len()];
 
 extern "C" fn on_termination(sig: libc::c_int) {
     // SAFETY: errno is thread-local; the handler leaves it as it found it.

@@ -92,6 +92,24 @@ pub(crate) fn enter_profiler_thread() {
     crate::state::register_own_thread();
 }
 
+/// For the preload library, not API: a thread of ferroprof's own (its allocations are never
+/// sampled, the sampler leaves it alone), running `f`.
+#[doc(hidden)]
+pub fn __spawn_own_thread(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    with_guard(|| {
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .stack_size(256 << 10)
+            .spawn(move || {
+                enter_profiler_thread();
+                f()
+            })
+    })
+}
+
 /// Test support, not API: a thread named `name` that, like one of ferroprof's threads the
 /// scheduler did not run right after its creation, waits `delay` before it registers as a
 /// profiler thread, then uses CPU for `busy`.

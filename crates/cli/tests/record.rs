@@ -1,0 +1,386 @@
+//! `ferroprof record -- CMD`: a C program of known allocations (tests/fixtures/record_fixture.c,
+//! compiled with gcc here) profiled through the preload library, its children, its ways of
+//! ending, and the programs `record` must refuse.
+//!
+//! Accuracy bounds come from the sampling statistics: with a mean interval `I` between sampled
+//! bytes, the estimate of `T` bytes has a standard deviation of at most `sqrt(T * I)` (each
+//! allocation of `s` bytes contributes `s^2 (1-p)/p <= s * I` to the variance). The workloads are
+//! sized so that the required 5% (allocated) and 10% (live) are beyond 5 standard deviations.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ferroprof");
+
+/// The preload library next to the binary, built (once per test run) when missing or stale:
+/// `cargo test -p ferroprof-cli` alone does not build it.
+fn preload() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let bin_dir = Path::new(BIN).parent().expect("the binary's directory");
+        let lib = bin_dir.join("libferroprof_preload.so");
+        let release = bin_dir.file_name().is_some_and(|n| n == "release");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let mut build = Command::new(cargo);
+        build.args(["build", "-q", "-p", "ferroprof-preload"]);
+        if release {
+            build.arg("--release");
+        }
+        let status = build
+            .status()
+            .expect("run cargo build -p ferroprof-preload");
+        assert!(status.success(), "cargo build -p ferroprof-preload failed");
+        assert!(lib.is_file(), "{} was not built", lib.display());
+        lib
+    })
+}
+
+fn work_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferroprof-record-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The fixture, compiled once: with frame pointers and debug info, as a C program built for
+/// profiling would be. `static_link`: a statically linked build (the refused case).
+fn fixture(static_link: bool) -> &'static Path {
+    static DYNAMIC: OnceLock<PathBuf> = OnceLock::new();
+    static STATIC: OnceLock<PathBuf> = OnceLock::new();
+    let cell = if static_link { &STATIC } else { &DYNAMIC };
+    cell.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/record_fixture.c");
+        let dir = work_dir(if static_link { "cc-static" } else { "cc" });
+        let out = dir.join("record_fixture");
+        let mut cc = Command::new("gcc");
+        cc.args(["-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .arg("-ldl");
+        if static_link {
+            cc.arg("-static");
+        }
+        let o = cc.output().expect("gcc runs (install gcc)");
+        assert!(
+            o.status.success(),
+            "gcc failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out
+    })
+}
+
+fn record(opts: &[&str], program: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .env("FERROPROF_PRELOAD", preload())
+        .arg("record")
+        .args(opts)
+        .arg("--")
+        .arg(program)
+        .args(args)
+        .output()
+        .expect("run ferroprof record")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// `<command>.<pid>.<n>.pprof` files in `dir`: (pid, path).
+fn profiles(dir: &Path) -> Vec<(i32, PathBuf)> {
+    let mut v: Vec<(i32, PathBuf)> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.to_owned();
+            let stem = name.strip_suffix(".pprof")?;
+            let mut parts = stem.rsplitn(3, '.');
+            let _n: u32 = parts.next()?.parse().ok()?;
+            let pid: i32 = parts.next()?.parse().ok()?;
+            Some((pid, p))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn load(path: &Path) -> ferroprof_pprof::Profile {
+    ferroprof_pprof::decode(&std::fs::read(path).unwrap()).expect("a pprof profile")
+}
+
+/// Sum of `type_name` over the samples whose stack passes through `function`.
+fn through(p: &ferroprof_pprof::Profile, type_name: &str, function: &str) -> i64 {
+    let i = p
+        .value_index(type_name)
+        .unwrap_or_else(|| panic!("no {type_name} in the profile"));
+    p.sample
+        .iter()
+        .filter(|s| p.stack_names(s).iter().any(|n| n == function))
+        .map(|s| s.value[i])
+        .sum()
+}
+
+fn field(stdout: &str, key: &str) -> u64 {
+    stdout
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in {stdout:?}"))
+}
+
+#[test]
+fn allocated_and_live_bytes_match_the_programs_own_count() {
+    const INTERVAL: u64 = 16 << 10;
+    let dir = work_dir("alloc");
+    let out = record(
+        &[
+            "--alloc-interval",
+            "16K",
+            "--profiles",
+            "alloc,heap",
+            "-o",
+            dir.to_str().unwrap(),
+        ],
+        fixture(false),
+        &["alloc", "256", "64"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let churned = field(&stdout, "churn_bytes");
+    let live = field(&stdout, "live_bytes");
+    let files = profiles(&dir);
+    assert_eq!(
+        files.len(),
+        1,
+        "one process, one profile: {files:?}\n{stdout}"
+    );
+    assert!(stdout.contains(files[0].1.to_str().unwrap()), "{stdout}");
+    let p = load(&files[0].1);
+
+    let check = |what: &str, truth: u64, found: i64, max_rel: f64| {
+        let sigma = (truth as f64 * INTERVAL as f64).sqrt();
+        // The bound required holds beyond 5 standard deviations of the sampling error.
+        assert!(
+            truth as f64 * max_rel >= 5.0 * sigma,
+            "{what}: workload too small"
+        );
+        let rel = found as f64 / truth as f64 - 1.0;
+        assert!(
+            rel.abs() <= max_rel,
+            "{what}: {found} estimated, {truth} true ({:+.2}%, sigma {:.2}%)",
+            rel * 100.0,
+            sigma / truth as f64 * 100.0
+        );
+    };
+    // Every C entry point is used by the churn (malloc, calloc, posix_memalign, aligned_alloc,
+    // memalign, realloc); the live set through malloc and calloc.
+    check(
+        "alloc-space in fixture_churn",
+        churned,
+        through(&p, "alloc-space", "fixture_churn"),
+        0.05,
+    );
+    check(
+        "alloc-space in fixture_churn and fixture_keep_live",
+        churned + live,
+        through(&p, "alloc-space", "fixture_churn")
+            + through(&p, "alloc-space", "fixture_keep_live"),
+        0.05,
+    );
+    check(
+        "heap-live-size in fixture_keep_live",
+        live,
+        through(&p, "heap-live-size", "fixture_keep_live"),
+        0.10,
+    );
+    // Freed blocks leave the live heap.
+    let churn_live = through(&p, "heap-live-size", "fixture_churn");
+    assert_eq!(churn_live, 0, "fixture_churn frees all it allocates");
+    // Stacks start at the allocating code: the interposed malloc is not the leaf.
+    let i = p.value_index("alloc-space").unwrap();
+    let leaf_malloc = p
+        .sample
+        .iter()
+        .filter(|s| s.value[i] > 0)
+        .filter(|s| p.stack_names(s).first().is_some_and(|n| n == "malloc"))
+        .count();
+    assert_eq!(leaf_malloc, 0, "malloc frames left on allocation stacks");
+}
+
+#[test]
+fn forked_and_execd_children_write_their_own_profiles() {
+    let dir = work_dir("fork");
+    let out = record(
+        &[
+            "--profiles",
+            "alloc,heap",
+            "--alloc-interval",
+            "64K",
+            "-o",
+            dir.to_str().unwrap(),
+        ],
+        fixture(false),
+        &["fork"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let files = profiles(&dir);
+    let pids: std::collections::BTreeSet<i32> = files.iter().map(|f| f.0).collect();
+    // The command, its forked child (no exec) and its exec'd child.
+    assert_eq!(pids.len(), 3, "{files:?}\n{stdout}");
+    assert!(stdout.contains("from 3 process(es)"), "{stdout}");
+    for (pid, f) in &files {
+        assert!(
+            stdout.contains(f.to_str().unwrap()),
+            "{} not listed",
+            f.display()
+        );
+        // Each keeps 8 MiB live in fixture_keep_live (the exec'd one as mode "leaf").
+        let live = through(&load(f), "heap-live-size", "fixture_keep_live");
+        assert!(
+            (4 << 20..16 << 20).contains(&live),
+            "pid {pid}: {live} bytes live in fixture_keep_live, about 8 MiB expected"
+        );
+    }
+}
+
+#[test]
+fn exit_from_another_thread_writes_the_last_profile_to_the_named_file() {
+    let dir = work_dir("exit-thread");
+    let file = dir.join("out.pprof");
+    let out = record(
+        &["--alloc-interval", "64K", "-o", file.to_str().unwrap()],
+        fixture(false),
+        &["exit-thread"],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "the program's status: {stdout}");
+    assert!(stdout.contains(file.to_str().unwrap()), "{stdout}");
+    let live = through(&load(&file), "heap-live-size", "fixture_keep_live");
+    assert!((4 << 20..16 << 20).contains(&live), "{live}");
+}
+
+#[test]
+fn sigterm_is_forwarded_and_the_program_flushes_before_it_ends() {
+    let dir = work_dir("sigterm");
+    let mut child = Command::new(BIN)
+        .env("FERROPROF_PRELOAD", preload())
+        .args(["record", "-o", dir.to_str().unwrap(), "--"])
+        .arg(fixture(false))
+        .arg("sigterm")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("a line").unwrap();
+    assert_eq!(first, "ready");
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let status = child.wait().unwrap();
+    let stdout = rest.join("\n");
+    // 128 + SIGTERM: the program ended by the signal, as it would have without ferroprof.
+    assert_eq!(status.code(), Some(143), "{stdout}");
+    let files = profiles(&dir);
+    assert_eq!(files.len(), 1, "{stdout}");
+    let p = load(&files[0].1);
+    assert!(through(&p, "cpu-time", "fixture_burn") > 0, "{stdout}");
+    assert!(through(&p, "heap-live-size", "fixture_keep_live") > 0);
+}
+
+#[test]
+fn a_program_without_malloc_gets_cpu_and_a_no_allocations_note() {
+    let dir = work_dir("noalloc");
+    let out = record(&["-o", dir.to_str().unwrap()], fixture(false), &["noalloc"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("no allocations seen"), "{stdout}");
+    let files = profiles(&dir);
+    assert_eq!(files.len(), 1);
+    assert!(through(&load(&files[0].1), "cpu-time", "fixture_burn") > 0);
+}
+
+fn refused(out: &Output) -> String {
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
+    text(&out.stderr)
+}
+
+#[test]
+fn programs_preload_cannot_reach_are_refused_with_the_reason() {
+    let dir = work_dir("limits");
+    let o = dir.to_str().unwrap();
+    let err = refused(&record(
+        &["-o", o],
+        Path::new("no-such-command-ferroprof"),
+        &[],
+    ));
+    assert!(err.contains("command not found"), "{err}");
+
+    let out = Command::new(BIN)
+        .args(["record", "-o", o, "--"])
+        .output()
+        .unwrap();
+    assert!(refused(&out).contains("no command to run"));
+
+    let err = refused(&record(&["-o", o], fixture(true), &["noalloc"]));
+    assert!(err.contains("statically linked"), "{err}");
+    assert!(err.contains("CPU and wall"), "{err}");
+
+    // Secure mode needs a set-user-ID file owned by someone else: only root can make one.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let suid = dir.join("suid-fixture");
+        std::fs::copy(fixture(false), &suid).unwrap();
+        let c = std::ffi::CString::new(suid.to_str().unwrap()).unwrap();
+        // SAFETY: a valid path; nobody's uid/gid (65534).
+        assert_eq!(unsafe { libc::chown(c.as_ptr(), 65534, 65534) }, 0);
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::chmod(c.as_ptr(), 0o4755) }, 0);
+        // AT_SECURE is set whenever exec changes the effective uid, for root too.
+        let err = refused(&record(&["-o", o], &suid, &["noalloc"]));
+        assert!(
+            err.contains("setuid") && err.contains("LD_PRELOAD"),
+            "{err}"
+        );
+    } else {
+        eprintln!("not root: the setuid case is not exercised");
+    }
+    assert!(profiles(&dir).is_empty(), "nothing was run");
+}
+
+/// The load-time check: loaded with `dlopen` (its TLS then outside the static TLS block), the
+/// library says why it does not profile and leaves the program alone.
+#[test]
+fn a_library_loaded_too_late_for_static_tls_does_not_start() {
+    let dir = work_dir("dlopen");
+    let mut child = Command::new(fixture(false))
+        .args(["dlopen"])
+        .arg(preload())
+        .env("FERROPROF_OUTPUT_DIR", &dir)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A profiler started from a dlopen'd copy hangs the program (seen without the check):
+    // bounded, so a regression fails instead of stalling the test run.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the program did not finish within 60 s after dlopen of the library");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("not profiling") && err.contains("static TLS"),
+        "{err}"
+    );
+    assert!(profiles(&dir).is_empty(), "no profiler ran");
+}

@@ -1,0 +1,70 @@
+//! One file per profile, named after the process that wrote it.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use ferroprof::export::{ExportError, ExportedProfile, Exporter};
+
+/// Profiles this process wrote (a forked child carries on the count; its pid tells it apart).
+static WRITTEN: AtomicU32 = AtomicU32::new(0);
+
+/// Writes each profile to `<dir>/<command>.<pid>.<n>.pprof` (`n` from 1), atomically (a
+/// temporary file renamed), so `ferroprof record` never reads half a profile. The pid and
+/// command are read at each write: a forked child writes under its own pid.
+pub(crate) struct PerProcessFiles {
+    dir: PathBuf,
+}
+
+impl PerProcessFiles {
+    pub(crate) fn new(dir: PathBuf) -> Result<Self, String> {
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create the output directory {}: {e}", dir.display()))?;
+        Ok(PerProcessFiles { dir })
+    }
+}
+
+/// The process's command name (the kernel's `comm`), safe in a file name.
+pub(crate) fn command_name() -> String {
+    let comm = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
+    let name: String = comm
+        .trim_end_matches('\n')
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if name.is_empty() {
+        "program".to_owned()
+    } else {
+        name
+    }
+}
+
+impl Exporter for PerProcessFiles {
+    fn name(&self) -> &str {
+        "record-files"
+    }
+
+    fn export(&mut self, profile: &ExportedProfile) -> Result<(), ExportError> {
+        let n = WRITTEN.fetch_add(1, Ordering::Relaxed) + 1;
+        let name = format!("{}.{}.{n}.pprof", command_name(), std::process::id());
+        let path = self.dir.join(&name);
+        let tmp = self.dir.join(format!(".{name}.tmp"));
+        let io = |p: &PathBuf| {
+            let p = p.display().to_string();
+            move |source| ExportError::Io { path: p, source }
+        };
+        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(&profile.encoded.bytes).map_err(io(&tmp))?;
+        drop(f);
+        std::fs::rename(&tmp, &path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io(&path)(e)
+        })
+    }
+}

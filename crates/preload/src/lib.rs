@@ -1,0 +1,120 @@
+//! `libferroprof_preload.so`: ferroprof injected into a program with `LD_PRELOAD`, as
+//! `ferroprof record -- CMD` runs it (see docs/record.md).
+//!
+//! * [`hooks`]: `malloc`, `free` and the rest of the C allocation API, over glibc's allocator,
+//!   with ferroprof's allocation sampling and live-heap tracking. C++ `new`/`delete` and Rust's
+//!   `System` allocator reach them through `malloc`.
+//! * A constructor starts the profiler with the settings of the environment (`FERROPROF_*`, as
+//!   `ProfilerBuilder::from_env` reads them), after checking that this library's thread-locals
+//!   are in the static TLS block (what makes them safe to read in the malloc hook and the
+//!   sampling signal handler; see [`tls_check`]).
+//! * Profiles go to `FERROPROF_OUTPUT_DIR` (default `./profiles`) as
+//!   `<command>.<pid>.<n>.pprof`: every process (forked or exec'd children too) writes its own.
+//! * The last profile is written at exit (`exit()` from any thread, or a return from `main`:
+//!   an `atexit` handler) and on `SIGTERM`, `SIGINT`, `SIGHUP` and `SIGQUIT` (the profiler's
+//!   flush on termination), after which the signal takes its course.
+
+mod exporter;
+mod hooks;
+mod progress;
+mod tls_check;
+
+use std::sync::Mutex;
+
+use ferroprof::{Profiler, ProfilerGuard};
+
+/// The running profiler, stopped by [`at_exit`].
+static GUARD: Mutex<Option<ProfilerGuard>> = Mutex::new(None);
+/// The process that started the profiler (a forked child differs).
+static STARTED_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Run by the dynamic loader when the library is loaded, before the program's `main`.
+#[used]
+#[link_section = ".init_array"]
+static INIT: extern "C" fn() = init;
+
+extern "C" fn init() {
+    // A panic must not unwind into the loader (nor abort the program): profiling just stays off.
+    if std::panic::catch_unwind(start).is_err() {
+        eprintln!("ferroprof: internal error while starting; the program runs unprofiled");
+    }
+}
+
+fn start() {
+    if let Err(why) = tls_check::check() {
+        eprintln!("ferroprof: not profiling: {why} (see docs/record.md)");
+        return;
+    }
+    // `free` has no size to give an arena block back with: symbolization uses the heap.
+    ferroprof::__disable_arena();
+    let dir = std::env::var_os("FERROPROF_OUTPUT_DIR")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "./profiles".into());
+    // Made absolute now: the program may change its working directory before it writes.
+    let dir = std::path::absolute(&dir).unwrap_or(dir);
+    let exporter = match exporter::PerProcessFiles::new(dir) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("ferroprof: not profiling: {e}");
+            return;
+        }
+    };
+    let service = exporter::command_name();
+    let started = Profiler::builder()
+        .service(service)
+        .flush_on_termination(true)
+        .exporter(Box::new(exporter))
+        // The exporter writes the directory: no second, `DirExporter`-named copy.
+        .from_vars(|k| {
+            (k != "FERROPROF_OUTPUT_DIR")
+                .then(|| std::env::var(k).ok())
+                .flatten()
+        })
+        .start();
+    match started {
+        Ok(guard) => {
+            *GUARD.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);
+            // SAFETY: getpid has no preconditions.
+            STARTED_PID.store(
+                unsafe { libc::getpid() },
+                std::sync::atomic::Ordering::SeqCst,
+            );
+            // SAFETY: registers a function of the right type; runs at `exit()` from any thread.
+            if unsafe { libc::atexit(at_exit) } != 0 {
+                eprintln!("ferroprof: cannot register the exit handler: no profile at exit");
+            }
+            if let Some(dir) = std::env::var_os(progress::ENV).filter(|d| !d.is_empty()) {
+                progress::start(dir.into(), || {
+                    GUARD
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_ref()
+                        .map(|g| g.stats())
+                });
+            }
+        }
+        Err(e) => eprintln!("ferroprof: not profiling: {e}"),
+    }
+}
+
+extern "C" fn at_exit() {
+    progress::stop();
+    let stop = || {
+        let guard = GUARD.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(guard) = guard else { return };
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() };
+        if pid != STARTED_PID.load(std::sync::atomic::Ordering::SeqCst) {
+            // A forked child whose profiler threads never resumed (it never had an allocation
+            // sampled): started now so the last profile has a thread to write it.
+            ferroprof::after_fork();
+        }
+        if let Err(e) = guard.stop() {
+            eprintln!("ferroprof: the last profile: {e}");
+        }
+    };
+    if std::panic::catch_unwind(stop).is_err() {
+        eprintln!("ferroprof: internal error while writing the last profile");
+    }
+}

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# `ferroprof record` against `perf record -e cpu-clock` on programs nobody here wrote, and the
+# wall-time overhead of each tool against a bare run.
+#
+#   scripts/record_compare.sh [--memory-tools] [--size MB] [--runs N]
+#
+# Workloads: `xz -9 -T1` compressing SIZE MB of text gathered from /usr/share, and a recursive
+# GNU `grep -E` with a back-reference over the same text split into a tree of 64 KiB files (a
+# ripgrep-like search; `rg` itself, with a plain regex, when it is on PATH).
+# CPU shares: ferroprof at --hz 1000 and perf at -F 1000, top-10 functions of perf's profile,
+# each program's stripped objects brought to common function identities through their
+# .eh_frame (scripts/record_compare_shares.py).
+# Overhead: median wall time of --runs runs: bare, ferroprof record (default rates), perf
+# record (default rate); with --memory-tools, heaptrack and valgrind --tool=massif too (slow).
+# Needs: a release build (cargo build --release), linux-perf, xz-utils, python3, binutils;
+# heaptrack and valgrind for --memory-tools. Timings are only meaningful on a quiet machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+FERROPROF=${FERROPROF:-$ROOT/target/release/ferroprof}
+SHARES="python3 $ROOT/scripts/record_compare_shares.py"
+SIZE_MB=32
+RUNS=3
+MEMORY_TOOLS=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --memory-tools) MEMORY_TOOLS=1 ;;
+        --size) SIZE_MB=$2; shift ;;
+        --runs) RUNS=$2; shift ;;
+        *) sed -n '2,16p' "$0"; exit 2 ;;
+    esac
+    shift
+done
+[ -x "$FERROPROF" ] || { echo "build first: cargo build --release ($FERROPROF missing)" >&2; exit 2; }
+command -v perf >/dev/null || { echo "perf not found (Debian: apt-get install linux-perf)" >&2; exit 2; }
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/record-compare.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+cd "$WORK"
+echo "work directory $WORK; $SIZE_MB MB of text, $RUNS runs per timing"
+find /usr/share -type f \( -name '*.txt' -o -name '*.html' -o -name '*.py' -o -name '*.pm' \
+    -o -name '*.h' \) 2>/dev/null | sort | xargs cat 2>/dev/null | head -c "${SIZE_MB}M" > data.txt || true
+mkdir tree
+split -b 64k -a 4 data.txt tree/part-
+
+XZ=(xz -9 -T1 -k -f data.txt)
+if command -v rg >/dev/null; then
+    SEARCH=(rg -c -e '[A-Z][a-z]+ing [a-z]+ion' tree)
+else
+    # A back-reference: GNU grep's backtracking matcher, the CPU-heavy path of a search.
+    SEARCH=(grep -r -c -E '\b([a-z]{4})[a-z]* \1' tree)
+fi
+
+now() { date +%s.%N; }
+# Median wall seconds of RUNS runs of "$@" (stdout and stderr discarded).
+median_time() {
+    local ts=() i s e
+    for ((i = 0; i < RUNS; i++)); do
+        s=$(now); "$@" >/dev/null 2>&1 || true; e=$(now)
+        ts+=("$(echo "$e - $s" | bc -l)")
+    done
+    printf '%s\n' "${ts[@]}" | sort -g | awk '{a[NR]=$1} END {printf "%.3f", a[int((NR+1)/2)]}'
+}
+
+compare_cpu() {
+    local name=$1; shift
+    echo
+    echo "== $name: CPU shares, perf record -e cpu-clock -F 1000 vs ferroprof record --hz 1000"
+    rm -rf fp && "$FERROPROF" record --hz 1000 --profiles cpu -o fp -- "$@" >/dev/null 2>&1 || true
+    perf record -q -e cpu-clock -F 1000 -o perf.data -- "$@" >/dev/null 2>&1 || true
+    perf script -i perf.data -F ip,dso --show-mmap-events > perf.txt 2>/dev/null
+    $SHARES perf perf.txt > perf.shares
+    # The command's profile: the largest file (a shell wrapper would write a small one).
+    $SHARES ferroprof "$(ls -S fp/*.pprof | head -1)" > fp.shares
+    $SHARES compare perf.shares fp.shares 10
+}
+
+overhead() {
+    local name=$1; shift
+    echo
+    echo "== $name: wall time, median of $RUNS (seconds)"
+    local bare fp pf
+    bare=$(median_time "$@")
+    fp=$(median_time "$FERROPROF" record -o fpo -- "$@")
+    pf=$(median_time perf record -q -e cpu-clock -o perf-o.data -- "$@")
+    printf '  %-28s %8s\n' "bare" "$bare"
+    printf '  %-28s %8s  %+6.1f%%\n' "ferroprof record (defaults)" "$fp" "$(echo "($fp / $bare - 1) * 100" | bc -l)"
+    printf '  %-28s %8s  %+6.1f%%\n' "perf record -e cpu-clock" "$pf" "$(echo "($pf / $bare - 1) * 100" | bc -l)"
+    if [ "$MEMORY_TOOLS" = 1 ]; then
+        local ht ms
+        if command -v heaptrack >/dev/null; then
+            ht=$(median_time heaptrack -o heaptrack.out "$@")
+            printf '  %-28s %8s  %+6.1f%%\n' "heaptrack" "$ht" "$(echo "($ht / $bare - 1) * 100" | bc -l)"
+        fi
+        if command -v valgrind >/dev/null; then
+            ms=$(median_time valgrind --tool=massif --massif-out-file=massif.out "$@")
+            printf '  %-28s %8s  %+6.1f%%\n' "valgrind --tool=massif" "$ms" "$(echo "($ms / $bare - 1) * 100" | bc -l)"
+        fi
+    fi
+}
+
+compare_cpu "xz -9" "${XZ[@]}"
+compare_cpu "${SEARCH[0]} (recursive search)" "${SEARCH[@]}"
+overhead "xz -9" "${XZ[@]}"
+overhead "${SEARCH[0]} (recursive search)" "${SEARCH[@]}"
