@@ -481,7 +481,8 @@ struct DebugInfo {
     endian: gimli::RunTimeEndian,
     /// Function symbols (address, name), sorted by address; read when a frame first needs
     /// one.
-    symbols: Option<Vec<(u64, &'static str)>>,
+    /// (address, size, name); see `symbols`.
+    symbols: Option<Vec<(u64, u64, &'static str)>>,
     _owned: Vec<Box<[u8]>>,
     maps: Vec<Mmap>,
 }
@@ -885,10 +886,10 @@ impl DebugInfo {
         let from = symbols.partition_point(|s| s.0 < entry);
         let to = from + symbols[from..].partition_point(|s| s.0 == entry);
         let at = &symbols[from..to];
-        if let Some((full, raw)) = at.iter().find_map(|s| Some((agreeing(s.1)?, s.1))) {
+        if let Some((full, raw)) = at.iter().find_map(|s| Some((agreeing(s.2)?, s.2))) {
             return (full, raw.to_owned());
         }
-        if let Some(&(_, raw)) = at.first() {
+        if let Some(&(_, _, raw)) = at.first() {
             // No symbol there names what DWARF names: a Rust symbol still names the function
             // (DWARF calls closures and shims otherwise); a C alias (`__GI___clone3` for
             // `clone3`) leaves DWARF's name.
@@ -906,16 +907,16 @@ impl DebugInfo {
         (short.unwrap_or_default(), String::new())
     }
 
-    /// The function symbols: (address, name), sorted by address, the preferred name first at
-    /// each (see `symbol`).
-    fn symbols(&mut self) -> &[(u64, &'static str)] {
+    /// The function symbols: (address, size, name), sorted by address, the preferred name first
+    /// at each (see `symbol`).
+    fn symbols(&mut self) -> &[(u64, u64, &'static str)] {
         let elf = &self.elf;
         self.symbols.get_or_insert_with(|| {
             // `symtab`, else the dynamic table (all a stripped object or the vDSO has).
             let Some(table) = elf.symbol_table().or_else(|| elf.dynamic_symbol_table()) else {
                 return Vec::new();
             };
-            let mut v: Vec<(u64, u8, usize, &'static str)> = table
+            let mut v: Vec<(u64, u8, usize, u64, &'static str)> = table
                 .symbols()
                 .filter(|s| s.is_definition())
                 .filter_map(|s| {
@@ -936,23 +937,31 @@ impl DebugInfo {
                         s.address(),
                         kind * 4 + scope,
                         usize::MAX - s.index().0,
+                        s.size(),
                         name,
                     ))
                 })
                 .collect();
             v.sort_unstable();
-            v.iter().map(|s| (s.0, s.3)).collect()
+            v.iter().map(|s| (s.0, s.3, s.4)).collect()
         })
     }
 
     /// The function symbol at or below `probe` (of several at one address, the preferred:
-    /// functions, exported, the later entry).
+    /// functions, exported, the later entry), unless its size says `probe` lies past its end:
+    /// in a stripped object (only exported symbols left) the nearest symbol below is mostly
+    /// some other function, and `object+0xoffset` is then the honest name. Symbols of size 0
+    /// (hand-written assembly) still name what follows them.
     fn symbol(&mut self, probe: u64) -> Option<&'static str> {
         let symbols = self.symbols();
         let i = symbols.partition_point(|s| s.0 <= probe);
         let at = symbols.get(i.checked_sub(1)?)?.0;
         let first = symbols.partition_point(|s| s.0 < at);
-        Some(symbols[first].1)
+        let size = symbols[first..i].iter().map(|s| s.1).max().unwrap_or(0);
+        if size > 0 && probe - at >= size {
+            return None;
+        }
+        Some(symbols[first].2)
     }
 }
 
