@@ -7,8 +7,9 @@
 //! memory-mapped; the addresses not in the cache are grouped by compilation unit and each unit
 //! is walked once for all of them (`crate::dwarf_walk`), inlined frames innermost first, Rust
 //! names demangled without their hash. Frames DWARF does not name, and objects without DWARF,
-//! take the symbol table's name; unknown addresses get `object+0xoffset`, or their address
-//! outside every object.
+//! take the symbol table's name (within the symbol's size); other addresses get
+//! `object+0xoffset` of the entry of their function where the unwind table (`.eh_frame_hdr`)
+//! knows it, else of themselves, or their address outside every object.
 //!
 //! Names are fully qualified at every debug level: a function's linkage name (`system_name`)
 //! comes from DWARF when it has one; with `debug = "line-tables-only"` it has only the short
@@ -369,9 +370,16 @@ impl ProcessSymbolizer {
                 frames = d.resolve_all(&probes, index);
             }
             frames.resize_with(probes.len(), Vec::new);
-            for ((&(_, k), probe), f) in group.iter().zip(&probes).zip(frames) {
+            for ((&(_, k), &probe), f) in group.iter().zip(&probes).zip(frames) {
                 out[k] = f;
                 if out[k].is_empty() {
+                    // Unnamed code (a stripped object's internal function) is named by its
+                    // function's entry where the unwind table knows it, so that the samples
+                    // of one function add up instead of spreading over its addresses.
+                    let at = debug
+                        .as_ref()
+                        .and_then(|d| d.function_start(probe))
+                        .unwrap_or(probe);
                     let module = od
                         .obj
                         .path
@@ -380,7 +388,7 @@ impl ProcessSymbolizer {
                         .map(|n| n.to_string_lossy().into_owned())
                         .unwrap_or_else(|| od.obj.name.clone());
                     out[k].push(ResolvedFrame {
-                        name: format!("{module}+{probe:#x}"),
+                        name: format!("{module}+{at:#x}"),
                         filename: od
                             .obj
                             .path
@@ -581,6 +589,42 @@ const READ_SECTIONS: [gimli::SectionId; 9] = [
 ];
 
 impl DebugInfo {
+    /// Where the function holding `probe` starts, from the binary-search table of
+    /// `.eh_frame_hdr` (every function with unwind info has an entry, stripped objects
+    /// included). Only the encodings linkers write (4-byte pointers, the table relative to the
+    /// section) are read; anything else is `None`.
+    fn function_start(&self, probe: u64) -> Option<u64> {
+        let section = self.elf.section_by_name(".eh_frame_hdr")?;
+        let (hdr, hdr_addr) = (section.data().ok()?, section.address());
+        const UDATA4: u8 = 0x03;
+        const SDATA4: u8 = 0x0b;
+        const DATAREL_SDATA4: u8 = 0x3b;
+        let (&[version, ptr_enc, count_enc, table_enc], rest) = hdr.split_first_chunk::<4>()?;
+        if version != 1 || ![UDATA4, SDATA4, 0x13, 0x1b].contains(&ptr_enc) {
+            return None;
+        }
+        if count_enc != UDATA4 || table_enc != DATAREL_SDATA4 || rest.len() < 8 {
+            return None;
+        }
+        let count = u32::from_le_bytes(rest[4..8].try_into().ok()?) as usize;
+        let table = rest.get(8..8 + count.checked_mul(8)?)?;
+        let start_of = |i: usize| {
+            let v = i32::from_le_bytes(table[i * 8..i * 8 + 4].try_into().expect("4 bytes"));
+            hdr_addr.wrapping_add_signed(i64::from(v))
+        };
+        // The table is sorted by start: the last entry at or below `probe`.
+        let (mut lo, mut hi) = (0, count);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if start_of(mid) <= probe {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo.checked_sub(1).map(start_of)
+    }
+
     fn load(obj: &LoadedObject) -> Result<DebugInfo, LoadError> {
         let mut maps = Vec::new();
         let mut owned: Vec<Box<[u8]>> = Vec::new();

@@ -64,5 +64,13 @@ fn an_internal_function_of_a_stripped_object_is_not_named_after_an_exported_one(
         !inside.iter().any(|n| n.contains("exported_entry")),
         "internal code named after the exported symbol below it: {inside:?}"
     );
+    // Named by the function's entry (from the unwind table), so that its addresses add up.
+    // SAFETY: Dl_info is plain data (pointers and integers): all zeroes is a valid value.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: `internal` is code of the loaded fixture; `info` is ours to fill.
+    assert_ne!(unsafe { libc::dladdr(internal as *const _, &mut info) }, 0);
+    let entry = format!("libstripped.so+{:#x}", internal - info.dli_fbase as u64);
+    assert_eq!(inside, vec![entry.clone()]);
+    assert_eq!(name_at(&mut s, internal + 30), vec![entry]);
     let _ = std::fs::remove_dir_all(so.parent().unwrap());
 }
