@@ -1,13 +1,13 @@
 //! `libferroprof_preload.so`: ferroprof injected into a program with `LD_PRELOAD`, as
 //! `ferroprof record -- CMD` runs it (see docs/record.md).
 //!
-//! * [`hooks`]: `malloc`, `free` and the rest of the C allocation API, over glibc's allocator,
+//! * `hooks`: `malloc`, `free` and the rest of the C allocation API, over glibc's allocator,
 //!   with ferroprof's allocation sampling and live-heap tracking. C++ `new`/`delete` and Rust's
 //!   `System` allocator reach them through `malloc`.
 //! * A constructor starts the profiler with the settings of the environment (`FERROPROF_*`, as
 //!   `ProfilerBuilder::from_env` reads them), after checking that this library's thread-locals
 //!   are in the static TLS block (what makes them safe to read in the malloc hook and the
-//!   sampling signal handler; see [`tls_check`]).
+//!   sampling signal handler; see `tls_check`).
 //! * Profiles go to `FERROPROF_OUTPUT_DIR` (default `./profiles`) as
 //!   `<command>.<pid>.<n>.pprof`: every process (forked or exec'd children too) writes its own.
 //! * The last profile is written at exit (`exit()` from any thread, or a return from `main`:
