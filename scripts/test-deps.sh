@@ -23,6 +23,23 @@ if ! command -v gcc >/dev/null 2>&1 || ! ls /usr/lib/*-linux-gnu/libc.a >/dev/nu
     fi
 fi
 
+# The Ruby extension (bindings/ruby, scripts/ruby-binding.sh): Ruby's headers, RSpec, the
+# protobuf runtime its specs decode profiles with, and libclang for rb-sys's bindgen.
+ferroprof_ruby_debs=""
+command -v ruby >/dev/null 2>&1 && [ -d "$(ruby -e 'print RbConfig::CONFIG["rubyhdrdir"]' 2>/dev/null)" ] \
+    || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-dev"
+command -v rspec >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-rspec"
+ruby -e 'require "google/protobuf"' >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-google-protobuf"
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs libclang-dev"
+if [ -n "$ferroprof_ruby_debs" ]; then
+    echo "test-deps: installing$ferroprof_ruby_debs (for the Ruby extension)"
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $ferroprof_ruby_debs >/dev/null
+    else
+        echo "test-deps: not root, cannot apt-get install$ferroprof_ruby_debs" >&2
+    fi
+fi
+
 # The Datadog test agent (PyPI ddapm-test-agent) receives uploads in crates/profiler/tests/export_datadog.rs.
 # It lives in its own venv so it never touches the system Python; the test finds it through
 # FERROPROF_DDAPM_TEST_AGENT.

@@ -21,6 +21,8 @@ cargo test --workspace
 echo "== cargo test: the tracing layer (feature tracing)"
 cargo clippy -p ferroprof --all-targets --features tracing -- -D warnings
 cargo test -p ferroprof --features tracing --lib --test tracing_layer --test service_spans
+echo "== the Ruby extension (bindings/ruby, its own workspace): fmt, clippy, build, rspec"
+./scripts/ruby-binding.sh
 echo "== soak (short): memory after exports, with and without the profiler"
 ./scripts/soak.sh ci
 

@@ -600,9 +600,11 @@ impl World {
         if let Some(heap) = self.rec.heap() {
             clear(heap.end_recording(&[]));
             clear(heap.finalize_pending_recordings());
+            // An iteration the program prepared is its own to finish: a serialization fails
+            // on it without closing it.
+            clear(heap.finish_iteration());
         }
-        // One serialization may fail for what the program left behind (an iteration it prepared
-        // itself); it always cleans up, so the next must succeed.
+        // One serialization may fail for what the program left behind; the next must succeed.
         if clear(self.rec.serialize(None)).is_none() {
             self.rec
                 .serialize(None)

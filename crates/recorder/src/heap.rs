@@ -69,6 +69,13 @@ pub trait LivenessSource: Send + Sync {
     /// `None` when object `id` is dead.
     fn lookup(&self, id: u64) -> Option<ObjectInfo>;
 
+    /// Whether object `id` is alive, without measuring it: what young updates ask (sizes are
+    /// re-measured only by full updates). Override when measuring costs more than the liveness
+    /// check (a runtime call per object).
+    fn is_alive(&self, id: u64) -> bool {
+        self.lookup(id).is_some()
+    }
+
     /// Deferred mode: `true` when ids cannot be computed while an allocation is being reported.
     /// [`HeapRecorder::start_recording`] then receives a *handle* instead of an id, and the
     /// recording is committed by [`HeapRecorder::finalize_pending_recordings`], which maps each
@@ -1992,7 +1999,17 @@ impl HeapRecorder {
                 continue;
             }
             results.clear();
-            results.extend(todo.iter().map(|&(id, _)| source.lookup(id)));
+            if full {
+                results.extend(todo.iter().map(|&(id, _)| source.lookup(id)));
+            } else {
+                // Young updates only drop the dead: no sizes asked for, none changed.
+                results.extend(todo.iter().map(|&(id, _)| {
+                    source.is_alive(id).then_some(ObjectInfo {
+                        size: 0,
+                        frozen: false,
+                    })
+                }));
+            }
             {
                 let mut g = shard.lock();
                 for (&(id, _), info) in todo.iter().zip(&results) {
@@ -2007,7 +2024,7 @@ impl HeapRecorder {
                         Some(info) => {
                             if let Some(rec) = g.get_mut(id, hash) {
                                 // Frozen objects cannot change size: skip re-measuring them.
-                                if self.size_enabled && !rec.frozen() {
+                                if full && self.size_enabled && !rec.frozen() {
                                     rec.size = info.size;
                                     rec.set_frozen(info.frozen);
                                 }

@@ -442,15 +442,41 @@ impl StackRecorder {
 
     /// Managed model: starts a heap recording ended by the next `record_sample` with
     /// `values.heap_sample`. Returns the deferred-mode "needs after-allocation callback" signal.
+    ///
+    /// With heap profiling off this does nothing and returns `false`, as the seed's does: an
+    /// allocation sampler calls it whatever the configuration.
     pub fn track_object(
         &self,
         obj_id: u64,
         weight: u32,
         class: Option<&str>,
     ) -> Result<bool, RecorderError> {
-        Ok(self
-            .heap_or_disabled()?
-            .start_recording(obj_id, weight, class)?)
+        match &self.heap {
+            Some(heap) => Ok(heap.start_recording(obj_id, weight, class)?),
+            None => Ok(false),
+        }
+    }
+
+    /// Managed model, deferred ids: commits the recordings awaiting their ids (from a safe
+    /// point of the runtime). Nothing to do with heap profiling off.
+    pub fn finalize_pending_heap_recordings(&self) -> Result<(), RecorderError> {
+        match &self.heap {
+            Some(heap) => Ok(heap.finalize_pending_recordings()?),
+            None => Ok(()),
+        }
+    }
+
+    /// Managed model, deferred ids: calls `f` with each handle awaiting its id (a runtime keeps
+    /// those objects alive, e.g. by marking them).
+    pub fn for_each_pending_heap_handle(&self, f: impl FnMut(u64)) {
+        if let Some(heap) = &self.heap {
+            heap.for_each_pending_handle(f);
+        }
+    }
+
+    /// Whether the heap recorder tracks object `id` (`false` with heap profiling off).
+    pub fn is_heap_object_recorded(&self, id: u64) -> bool {
+        self.heap.as_ref().is_some_and(|h| h.is_object_recorded(id))
     }
 
     /// Native model: one sampled live allocation.
@@ -534,7 +560,17 @@ impl StackRecorder {
         next.data.lock().reset(finish);
 
         let prep_start = Instant::now();
-        let prepared = self.heap.as_ref().map(HeapRecorder::prepare_iteration);
+        if let Some(heap) = &self.heap {
+            // Fails before the flip: the active profile keeps its samples for the next
+            // serialization, and an iteration someone else prepared is left to its holder.
+            if let Err(e) = heap.prepare_iteration() {
+                drop(step);
+                let mut lifetime = self.lifetime.lock();
+                lifetime.record_time(elapsed_ns(prep_start));
+                lifetime.serialization_failures += 1;
+                return Err(e.into());
+            }
+        }
         let heap_iteration_prep_time_ns = elapsed_ns(prep_start);
 
         let started = Instant::now();
@@ -550,13 +586,12 @@ impl StackRecorder {
         // The old slot is the serializer's alone from here (its gate is closed and empty).
         let mut data = old.data.lock();
         let build_start = Instant::now();
-        let heap_result = match (&self.heap, prepared) {
-            (Some(heap), Some(prepared)) => {
+        let heap_result = match &self.heap {
+            Some(heap) => {
                 // The snapshot's strings and the heap's locks are shared: in a step, paused
                 // every few hundred objects.
                 let step = Step::enter(gate);
-                let built =
-                    prepared.and_then(|()| self.add_heap_samples(heap, &mut data, &mut ser, &step));
+                let built = self.add_heap_samples(heap, &mut data, &mut ser, &step);
                 // Always finish, so a failed iteration never blocks the next one.
                 let finished = heap.finish_iteration();
                 drop(step);
@@ -565,7 +600,7 @@ impl StackRecorder {
                     Err(e) => Err(e.into()),
                 }
             }
-            _ => Ok(()),
+            None => Ok(()),
         };
         let heap_profile_build_time_ns = elapsed_ns(build_start);
 
@@ -1120,7 +1155,10 @@ mod tests {
     #[test]
     fn heap_calls_without_heap_are_errors_or_noops() {
         let r = StackRecorder::new(no_heap()).unwrap();
-        assert_eq!(r.track_object(1, 1, None), Err(RecorderError::HeapDisabled));
+        // The seed's track_object is a no-op without heap profiling; so is this one.
+        assert_eq!(r.track_object(1, 1, None), Ok(false));
+        assert!(!r.is_heap_object_recorded(1));
+        r.finalize_pending_heap_recordings().unwrap();
         assert_eq!(
             r.track_allocation(1, 1, 8, None, &[]),
             Err(RecorderError::HeapDisabled)
