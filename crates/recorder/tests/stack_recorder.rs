@@ -596,10 +596,13 @@ fn serialization_failure_is_counted_and_the_recorder_keeps_working() {
     let life = r.stats().lifetime;
     assert_eq!(life.serialization_failures, 1);
     assert_eq!(life.serialization_successes, 0);
-    // The failed serialization cleaned up after itself.
+    // The failed serialization failed before the slots flipped: the active profile keeps its
+    // sample, and the iteration its holder prepared stays the holder's to finish.
     r.record_sample(&stack(), &cpu(2), &[], 0).unwrap();
+    assert!(r.serialize(None).is_err(), "the holder's iteration is still open");
+    r.heap().unwrap().finish_iteration().unwrap();
     let p = r.serialize(None).unwrap();
-    assert_eq!(decode(&p).total("cpu-samples"), Some(2));
+    assert_eq!(decode(&p).total("cpu-samples"), Some(3));
     assert_eq!(r.stats().lifetime.serialization_successes, 1);
 }
 
