@@ -18,6 +18,7 @@ echo "== ruby binding: cargo build --release"
 cargo build --release
 # Ruby loads extensions by their file name: lib/ferroprof/ferroprof_ruby.so, found by
 # `require "ferroprof/ferroprof_ruby"` through the load path.
+mkdir -p lib/ferroprof
 ln -sf ../../target/release/libferroprof_ruby.so lib/ferroprof/ferroprof_ruby.so
 ruby -I lib -e 'require "ferroprof"; Ferroprof::StackRecorder.new.serialize'
 [ "$mode" = build ] && exit 0
