@@ -599,7 +599,10 @@ fn serialization_failure_is_counted_and_the_recorder_keeps_working() {
     // The failed serialization failed before the slots flipped: the active profile keeps its
     // sample, and the iteration its holder prepared stays the holder's to finish.
     r.record_sample(&stack(), &cpu(2), &[], 0).unwrap();
-    assert!(r.serialize(None).is_err(), "the holder's iteration is still open");
+    assert!(
+        r.serialize(None).is_err(),
+        "the holder's iteration is still open"
+    );
     r.heap().unwrap().finish_iteration().unwrap();
     let p = r.serialize(None).unwrap();
     assert_eq!(decode(&p).total("cpu-samples"), Some(3));
