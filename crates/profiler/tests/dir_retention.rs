@@ -1,9 +1,15 @@
 //! The output directory keeps a bounded number of profiles.
 
 use ferroprof::{Profiler, Profiles};
+use std::sync::Mutex;
+
+/// One profiler runs per process, and `start()` reports a running one before it validates the
+/// settings: the tests here take turns.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 #[test]
 fn the_output_directory_keeps_the_newest_profiles_only() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("ferroprof-retention-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -37,6 +43,7 @@ fn the_output_directory_keeps_the_newest_profiles_only() {
 
 #[test]
 fn a_bad_retention_variable_names_itself() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     for (var, bad) in [
         ("FERROPROF_KEEP_FILES", "many"),
         ("FERROPROF_KEEP_MB", "-5"),
