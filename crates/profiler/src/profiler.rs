@@ -898,6 +898,9 @@ pub struct ProfilerStats {
     /// Such reads discarded because the thread ran during the read (its previous stack was
     /// kept).
     pub wall_remote_retries: u64,
+    /// Stacks of runnable threads waiting for a CPU, found from the calls they made since
+    /// their stack was last read (the return addresses those calls left on the stack).
+    pub wall_recent_calls: u64,
     /// Threads the kernel gave no CPU-time timer (out of `RLIMIT_SIGPENDING`): they get wall
     /// samples only. Logged once.
     pub threads_without_timer: u64,
@@ -1089,6 +1092,7 @@ impl ProfilerGuard {
             cpu_captures_lost: sampler::lost_captures(),
             wall_remote_stacks: l(&s.wall_remote_stacks),
             wall_remote_retries: l(&s.wall_remote_retries),
+            wall_recent_calls: l(&s.wall_recent_calls),
             threads_without_timer: l(&s.threads_without_timer),
             signal_handler_replaced: l(&s.signal_handler_replaced),
             signal: self.shared.settings.signal,

@@ -91,9 +91,10 @@ impl RemoteUnwinder {
         }
     }
 
-    /// Copies the stack of a thread stopped at (`sp`, `pc`) and unwinds it into `out`; the
+    /// Copies the stack of a thread stopped at (`sp`, `pc`) and unwinds it into `out`, and
+    /// where the stack pointer stood in each frame into `sps` (as many as it holds); the
     /// number of frames, 0 when the stack cannot be read.
-    pub(crate) fn unwind(&mut self, sp: u64, pc: u64, out: &mut [u64]) -> usize {
+    pub(crate) fn unwind(&mut self, sp: u64, pc: u64, out: &mut [u64], sps: &mut [u64]) -> usize {
         if sp == 0 || pc == 0 {
             return 0;
         }
@@ -103,9 +104,118 @@ impl RemoteUnwinder {
         }
         // A full copy may have more stack above it: a walk that runs off it is cut, and marked.
         let more_above = n == self.copy.len();
-        unwind::unwind_copied(pc, sp, &self.copy[..n], more_above, &mut self.cache, out)
+        unwind::unwind_copied(
+            pc,
+            sp,
+            &self.copy[..n],
+            more_above,
+            &mut self.cache,
+            out,
+            sps,
+        )
+    }
+
+    /// Where a thread that cannot be stopped to read its registers (runnable, so the kernel
+    /// does not give them) most recently called from, given an earlier stack of it: `frames`
+    /// (innermost first, return addresses less one past the first) and where the stack pointer
+    /// stood in each, `sps`. Every call leaves its return address in the slot just below the
+    /// caller's stack pointer, and the slot keeps it after the call returns, until the next
+    /// call from that frame. So the outermost frame whose slot changed is where the thread
+    /// went since, the new return address says which call it made there, and the calls below
+    /// it are found by their return addresses, each checked against the unwind rules at its
+    /// depth ([`unwind::returns_into`]). For a thread just woken from a blocking call and
+    /// waiting for a CPU, that is the call it waited in.
+    ///
+    /// Writes the stack into `out` and `out_sps` (same form) and returns its length; 0 when
+    /// nothing changed, the stack is unknown or cut, or the change does not check out.
+    pub(crate) fn recent_calls(
+        &mut self,
+        frames: &[u64],
+        sps: &[u64],
+        out: &mut [u64],
+        out_sps: &mut [u64],
+    ) -> usize {
+        let n = frames.len();
+        if n < 3 || sps.len() != n || out.len() < n || out_sps.len() < out.len() {
+            return 0;
+        }
+        if frames.iter().any(|&f| unwind::is_truncation_marker(f)) {
+            return 0;
+        }
+        // The window read: from well below the old leaf (the thread may have gone deeper) up.
+        let lo = sps[0].saturating_sub(SCAN_BYTES as u64) & !7;
+        let got = unwind::read_own_memory(lo, &mut self.copy);
+        let hi = lo + got as u64;
+        let copy = &self.copy[..got];
+        let read = |addr: u64| -> Result<u64, ()> {
+            if addr < lo || addr.checked_add(8).is_none_or(|e| e > hi) {
+                return Err(());
+            }
+            let off = (addr - lo) as usize;
+            Ok(u64::from_ne_bytes(
+                copy[off..off + 8].try_into().map_err(|_| ())?,
+            ))
+        };
+        // The outermost frame whose call changed (frames past the window count as unchanged).
+        let Some(i) = (1..n)
+            .rev()
+            .find(|&k| read(sps[k].wrapping_sub(8)).is_ok_and(|w| w != frames[k].wrapping_add(1)))
+        else {
+            return 0;
+        };
+        if i + 1 >= n {
+            return 0;
+        }
+        let mut slot = sps[i] - 8;
+        let Ok(mut ret) = read(slot) else {
+            return 0;
+        };
+        let outer_ret = frames[i + 1].wrapping_add(1);
+        if !unwind::returns_into(ret, slot, sps[i + 1], outer_ret, &mut self.cache, read) {
+            return 0;
+        }
+        // Below it, deepest last; then frame i's new call and the unchanged frames above.
+        let keep = n - i;
+        let room = out.len() - keep;
+        let mut found = 0;
+        let mut below = [(0u64, 0u64); MAX_CALLS_BELOW];
+        while found < room.min(MAX_CALLS_BELOW) {
+            let caller_sp = slot + 8;
+            let next = (1..=FRAME_SCAN_WORDS)
+                .map(|w| slot.wrapping_sub(8 * w))
+                .take_while(|&a| a >= lo)
+                .find_map(|a| {
+                    let v = read(a).ok()?;
+                    (v != 0 && unwind::returns_into(v, a, caller_sp, ret, &mut self.cache, read))
+                        .then_some((v, a))
+                });
+            let Some((v, a)) = next else { break };
+            below[found] = (v, a);
+            found += 1;
+            ret = v;
+            slot = a;
+        }
+        let mut k = 0;
+        for &(v, a) in below[..found].iter().rev() {
+            out[k] = v - 1;
+            out_sps[k] = a + 8;
+            k += 1;
+        }
+        out[k] = read(sps[i] - 8).map_or(0, |w| w - 1);
+        out_sps[k] = sps[i];
+        k += 1;
+        out[k..k + keep - 1].copy_from_slice(&frames[i + 1..]);
+        out_sps[k..k + keep - 1].copy_from_slice(&sps[i + 1..]);
+        k + keep - 1
     }
 }
+
+/// How far below a stale stack's leaf [`RemoteUnwinder::recent_calls`] looks for newer calls.
+const SCAN_BYTES: usize = 32 * 1024;
+/// How far below a caller's slot it looks for its callee's slot (the callee's frame size).
+const FRAME_SCAN_WORDS: u64 = 1024;
+/// Most calls it finds below the frame that changed.
+const MAX_CALLS_BELOW: usize = 48;
 
 #[cfg(test)]
 mod tests {
@@ -181,7 +291,7 @@ mod tests {
         };
         let mut out = [0u64; 64];
         let mut u = RemoteUnwinder::new();
-        let n = u.unwind(sp, pc, &mut out);
+        let n = u.unwind(sp, pc, &mut out, &mut [0; 128]);
         let leaf = remote_probe_leaf as *const () as u64;
         let middle = remote_probe_middle as *const () as u64;
         // Return addresses land inside the callers: the leaf's call is within the middle
@@ -208,7 +318,114 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         // A garbage position reads nothing and never faults.
-        assert_eq!(u.unwind(8, 0x1000, &mut out), 0);
+        assert_eq!(u.unwind(8, 0x1000, &mut out, &mut []), 0);
+    }
+
+    #[inline(never)]
+    fn recent_leaf_a(fd: libc::c_int) {
+        remote_probe_leaf(fd);
+        std::hint::black_box(fd);
+    }
+
+    #[inline(never)]
+    fn recent_leaf_b(fd: libc::c_int) {
+        let mut pad = [0u8; 200];
+        std::hint::black_box(&mut pad);
+        remote_probe_leaf(fd);
+        std::hint::black_box(&pad);
+    }
+
+    #[inline(never)]
+    fn recent_middle(a: libc::c_int, b: libc::c_int) {
+        recent_leaf_a(a);
+        recent_leaf_b(b);
+        std::hint::black_box((a, b));
+    }
+
+    fn blocked_at(tid: i32, not: Option<(u64, u64)>) -> (u64, u64) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            if let TaskSyscall::InSyscall { sp, pc, .. } = task_syscall(None, tid) {
+                if Some((sp, pc)) != not {
+                    return (sp, pc);
+                }
+            }
+            assert!(std::time::Instant::now() < deadline, "never blocked");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// A thread read blocked in one call, then blocked in another: the calls it made since
+    /// lead from the old stack to the new one without its registers.
+    #[test]
+    fn finds_the_calls_a_thread_made_since_its_stack_was_read() {
+        crate::unwind::init_pool();
+        crate::unwind::refresh(true);
+        let mut a = [0; 2];
+        let mut b = [0; 2];
+        // SAFETY: valid out arrays for two descriptors each.
+        assert_eq!(
+            unsafe { libc::pipe(a.as_mut_ptr()) + libc::pipe(b.as_mut_ptr()) },
+            0
+        );
+        let (tx, rx) = mpsc::channel();
+        let (ra, rb) = (a[0], b[0]);
+        let h = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            recent_middle(ra, rb);
+        });
+        let tid = rx.recv().unwrap();
+        let mut u = RemoteUnwinder::new();
+        let (mut old, mut old_sps) = ([0u64; 128], [0u64; 128]);
+        let first = blocked_at(tid, None);
+        let n_old = u.unwind(first.0, first.1, &mut old, &mut old_sps);
+        let (old, old_sps) = (&old[..n_old], &old_sps[..n_old]);
+        // Still blocked where it was read: nothing changed.
+        let (mut out, mut out_sps) = ([0u64; 128], [0u64; 128]);
+        assert_eq!(u.recent_calls(old, old_sps, &mut out, &mut out_sps), 0);
+        // SAFETY: closing our own pipe's write end wakes the reader, which goes on to b.
+        unsafe { libc::close(a[1]) };
+        let second = blocked_at(tid, Some(first));
+        let (mut now, mut now_sps) = ([0u64; 128], [0u64; 128]);
+        let n_now = u.unwind(second.0, second.1, &mut now, &mut now_sps);
+        let n = u.recent_calls(old, old_sps, &mut out, &mut out_sps);
+        // SAFETY: as above, for b.
+        unsafe { libc::close(b[1]) };
+        h.join().unwrap();
+        // SAFETY: our own descriptors.
+        unsafe {
+            libc::close(a[0]);
+            libc::close(b[0]);
+        }
+        assert!(n > 0, "old {old:x?}");
+        let (found, found_sps) = (&out[..n], &out_sps[..n]);
+        // The same frames as a fresh walk of where it blocks now, but for the innermost: the
+        // innermost function's latest call may have returned (libc's poll calls a helper
+        // before its system call), its frame is then seen at that call.
+        assert!(
+            now[..n_now].ends_with(&found[1..]) && now_sps[..n_now].ends_with(&found_sps[1..]),
+            "found {found:x?} at {found_sps:x?}, now {:x?}",
+            &now[..n_now]
+        );
+        let leaf = now[n_now - n];
+        assert!(
+            found[0] <= leaf && leaf - found[0] < 256 && found_sps[0] == now_sps[n_now - n],
+            "innermost {:x} at {:x}, now {leaf:x} at {:x}",
+            found[0],
+            found_sps[0],
+            now_sps[n_now - n]
+        );
+        // It left leaf a's call and made leaf b's: frames of the old stack are gone, new ones
+        // found.
+        let gone: Vec<u64> = old
+            .iter()
+            .copied()
+            .filter(|f| !now[..n_now].contains(f))
+            .collect();
+        assert!(!gone.is_empty(), "old {old:x?}");
+        assert!(found.iter().all(|f| !gone.contains(f)), "{found:x?}");
+        assert!(found[1..].iter().any(|f| !old.contains(f)), "{found:x?}");
     }
 
     #[inline(never)]
@@ -280,7 +497,7 @@ mod tests {
                 std::thread::sleep(std::time::Duration::from_millis(2));
             };
             let mut out = [0u64; 128];
-            let n = u.unwind(sp, pc, &mut out);
+            let n = u.unwind(sp, pc, &mut out, &mut [0; 128]);
             let names: Vec<String> = sym.pass(|s| {
                 out[..n]
                     .iter()

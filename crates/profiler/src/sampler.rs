@@ -20,9 +20,11 @@
 //!   again: its timer captures of the interval carry its on-CPU time; for the rest, where it
 //!   is now: blocked in a system call, its stack pointer and program counter are read from
 //!   `/proc/self/task/<tid>/syscall` and its stack is unwound from a copy
-//!   ([`crate::remote`]), kept only if its CPU clock did not move meanwhile; runnable, it waits
-//!   where its timer last caught it running. Each visit weighs exactly the wall time since the
-//!   previous one, so per-thread totals are exact whatever the visiting rate.
+//!   ([`crate::remote`]), kept only if its CPU clock did not move meanwhile; runnable after
+//!   mostly running, it waits where its timer last caught it running; runnable after mostly
+//!   waiting (woken, waiting for a CPU), it is where the calls it made since its stack was last
+//!   read lead ([`RemoteUnwinder::recent_calls`]). Each visit weighs exactly the wall time since
+//!   the previous one, so per-thread totals are exact whatever the visiting rate.
 //! * **Cost follows the threads that ran.** Threads that ran recently are visited every tick;
 //!   the others (idle for a while) a few per tick in turn, each about every two seconds,
 //!   their samples weighted by the time since their last visit. Threads are listed from
@@ -827,6 +829,9 @@ struct ThreadInfo {
     wall_debt: u64,
     /// Where the thread waits: its stack when last seen off CPU.
     stack: Vec<u64>,
+    /// Where the stack pointer stood in each frame of `stack`, when it was read from the
+    /// thread's memory (else empty): what [`RemoteUnwinder::recent_calls`] starts from.
+    stack_sps: Vec<u64>,
     /// Where its timer last caught it running, and its labels then.
     ran: Vec<u64>,
     ran_ctx: Ctx,
@@ -886,6 +891,7 @@ pub(crate) struct Sampler {
     listed_nlink: u64,
     remote: RemoteUnwinder,
     remote_frames: Vec<u64>,
+    remote_sps: Vec<u64>,
     caps: Vec<Cap>,
     cap_frames: Vec<u64>,
     frames: Vec<Frame<'static>>,
@@ -937,6 +943,7 @@ impl Sampler {
             listed_nlink: 0,
             remote: RemoteUnwinder::new(),
             remote_frames: vec![0; MAX_FRAMES],
+            remote_sps: vec![0; MAX_FRAMES],
             caps: Vec::new(),
             cap_frames: Vec::new(),
             frames: Vec::with_capacity(MAX_FRAMES),
@@ -1187,6 +1194,7 @@ impl Sampler {
             cpu_carry,
             wall_debt: 0,
             stack: Vec::new(),
+            stack_sps: Vec::new(),
             ran: Vec::new(),
             ran_ctx: Ctx::EMPTY,
             wall_ctx: Ctx::EMPTY,
@@ -1577,15 +1585,19 @@ impl Sampler {
                 Moved::Read(n) => {
                     t.stack.clear();
                     t.stack.extend_from_slice(&self.remote_frames[..n]);
+                    t.stack_sps.clear();
+                    t.stack_sps.extend_from_slice(&self.remote_sps[..n]);
                     t.wall_ctx = ctx;
                 }
                 Moved::Ran => {
                     t.stack.clone_from(&t.ran);
+                    t.stack_sps.clear();
                     t.wall_ctx = t.ran_ctx;
                 }
                 Moved::Nowhere if ran && !read_now && !t.ran.is_empty() => {
                     if t.stack != t.ran {
                         t.stack.clone_from(&t.ran);
+                        t.stack_sps.clear();
                     }
                     t.wall_ctx = t.ran_ctx;
                 }
@@ -1605,9 +1617,32 @@ impl Sampler {
         let fallback = if busy { Where::Ran } else { Where::Unchanged };
         match remote::task_syscall(self.task_dir(), t.tid) {
             TaskSyscall::Gone => Where::Gone,
-            TaskSyscall::Running => fallback,
+            TaskSyscall::Running if busy || t.stack_sps.is_empty() => fallback,
+            TaskSyscall::Running => {
+                // It mostly waited since the last visit, ran a little, and is runnable now:
+                // most likely woken from a wait and waiting for a CPU. The calls it made
+                // since its stack was read say where it waited; kept only if it did not run
+                // during the look (a thread on a CPU keeps its old stack, as before).
+                let n = self.remote.recent_calls(
+                    &t.stack,
+                    &t.stack_sps,
+                    &mut self.remote_frames,
+                    &mut self.remote_sps,
+                );
+                if n > 0 && thread_cpu_ns(t.tid) == Some(cpu) {
+                    self.shared
+                        .stats
+                        .wall_recent_calls
+                        .fetch_add(1, Ordering::Relaxed);
+                    Where::Read(n)
+                } else {
+                    fallback
+                }
+            }
             TaskSyscall::InSyscall { sp, pc, .. } | TaskSyscall::Stopped { sp, pc } => {
-                let n = self.remote.unwind(sp, pc, &mut self.remote_frames);
+                let n = self
+                    .remote
+                    .unwind(sp, pc, &mut self.remote_frames, &mut self.remote_sps);
                 // Read while it stood still, or not at all: a thread that ran meanwhile may
                 // have changed the stack under the walk.
                 if n > 0 && thread_cpu_ns(t.tid) == Some(cpu) {

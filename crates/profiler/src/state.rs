@@ -39,6 +39,7 @@ pub(crate) struct Stats {
     pub cpu_timer_samples: AtomicU64,
     pub wall_remote_stacks: AtomicU64,
     pub wall_remote_retries: AtomicU64,
+    pub wall_recent_calls: AtomicU64,
     pub threads_without_timer: AtomicU64,
     pub signal_handler_replaced: AtomicU64,
     /// Bumped by every allocating thread: sharded (see `crate::sharded`).

@@ -595,34 +595,7 @@ impl DebugInfo {
     /// section) are read; anything else is `None`.
     fn function_start(&self, probe: u64) -> Option<u64> {
         let section = self.elf.section_by_name(".eh_frame_hdr")?;
-        let (hdr, hdr_addr) = (section.data().ok()?, section.address());
-        const UDATA4: u8 = 0x03;
-        const SDATA4: u8 = 0x0b;
-        const DATAREL_SDATA4: u8 = 0x3b;
-        let (&[version, ptr_enc, count_enc, table_enc], rest) = hdr.split_first_chunk::<4>()?;
-        if version != 1 || ![UDATA4, SDATA4, 0x13, 0x1b].contains(&ptr_enc) {
-            return None;
-        }
-        if count_enc != UDATA4 || table_enc != DATAREL_SDATA4 || rest.len() < 8 {
-            return None;
-        }
-        let count = u32::from_le_bytes(rest[4..8].try_into().ok()?) as usize;
-        let table = rest.get(8..8 + count.checked_mul(8)?)?;
-        let start_of = |i: usize| {
-            let v = i32::from_le_bytes(table[i * 8..i * 8 + 4].try_into().expect("4 bytes"));
-            hdr_addr.wrapping_add_signed(i64::from(v))
-        };
-        // The table is sorted by start: the last entry at or below `probe`.
-        let (mut lo, mut hi) = (0, count);
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            if start_of(mid) <= probe {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        lo.checked_sub(1).map(start_of)
+        crate::unwind::hdr_function_start(section.data().ok()?, section.address(), probe)
     }
 
     fn load(obj: &LoadedObject) -> Result<DebugInfo, LoadError> {

@@ -167,6 +167,9 @@ impl<'a> From<&'a mut [u64]> for FrameBuf<'a> {
 /// still grows from the thread's entry, and shows where frames are missing.
 struct Sink<'b, 'a> {
     buf: &'b mut FrameBuf<'a>,
+    /// Where the stack pointer stood in each frame, for the first frames (a walk that wants
+    /// them: see [`unwind_copied`]); unused past its length.
+    sps: &'b mut [u64],
     /// Frames pushed so far (the stack's depth, once the walk ended).
     seen: usize,
     /// Steps the walk may still take.
@@ -178,9 +181,16 @@ impl<'b, 'a> Sink<'b, 'a> {
         let steps = buf.len() * STEPS_PER_FRAME + 64;
         Sink {
             buf,
+            sps: &mut [],
             seen: 0,
             steps,
         }
+    }
+
+    /// Also records each frame's stack pointer into `sps`, for as many frames as it holds.
+    fn with_sps(mut self, sps: &'b mut [u64]) -> Self {
+        self.sps = sps;
+        self
     }
 
     /// Where the marker goes in a cut stack: the leaf part lies before it, the ring from it on.
@@ -200,6 +210,14 @@ impl<'b, 'a> Sink<'b, 'a> {
     fn step(&mut self) -> bool {
         self.steps = self.steps.saturating_sub(1);
         self.steps > 0
+    }
+
+    /// Pushes a frame, and where the stack pointer stood in it.
+    fn push_at(&mut self, addr: u64, sp: u64) {
+        if let Some(s) = self.sps.get_mut(self.seen) {
+            *s = sp;
+        }
+        self.push(addr);
     }
 
     fn push(&mut self, addr: u64) {
@@ -520,6 +538,83 @@ impl Sections {
 /// no name) and the vDSO. Everything else may be unloaded.
 fn never_unloaded(obj: &LoadedObject) -> bool {
     obj.name.is_empty() || obj.path.is_none()
+}
+
+/// The start of the function whose unwind entry covers `probe`, from the sorted table of an
+/// `.eh_frame_hdr` at `hdr_addr` (the last entry starting at or below it).
+pub(crate) fn hdr_function_start(hdr: &[u8], hdr_addr: u64, probe: u64) -> Option<u64> {
+    const UDATA4: u8 = 0x03;
+    const DATAREL_SDATA4: u8 = 0x3b;
+    let (&[version, ptr_enc, count_enc, table_enc], rest) = hdr.split_first_chunk::<4>()?;
+    if version != 1 || ![UDATA4, 0x0b, 0x13, 0x1b].contains(&ptr_enc) {
+        return None;
+    }
+    if count_enc != UDATA4 || table_enc != DATAREL_SDATA4 || rest.len() < 8 {
+        return None;
+    }
+    let count = u32::from_le_bytes(rest[4..8].try_into().ok()?) as usize;
+    let table = rest.get(8..8 + count.checked_mul(8)?)?;
+    let start_of = |i: usize| {
+        let v = i32::from_le_bytes(table[i * 8..i * 8 + 4].try_into().expect("4 bytes"));
+        hdr_addr.wrapping_add_signed(i64::from(v))
+    };
+    let (mut lo, mut hi) = (0, count);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if start_of(mid) <= probe {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo.checked_sub(1).map(start_of)
+}
+
+/// The start of the function containing code address `addr`, from its object's unwind table.
+#[cfg(target_arch = "x86_64")]
+fn function_start(snap: &Snapshot, addr: u64) -> Option<u64> {
+    let obj = snap.objects.iter().find(|o| o.executes(addr))?;
+    let sections = Sections::of(obj)?;
+    hdr_function_start(&sections.hdr, sections.hdr_addr, addr)
+}
+
+/// Where the call instruction just before `ret` goes, when it is a direct call (`call rel32`),
+/// followed through a bound PLT stub (`jmp *GOT`); None for an indirect call, an unbound stub
+/// or unreadable code.
+#[cfg(target_arch = "x86_64")]
+fn direct_call_target(snap: &Snapshot, ret: u64) -> Option<u64> {
+    let mut call = [0u8; 5];
+    if read_own_memory(ret.checked_sub(5)?, &mut call) != 5 || call[0] != 0xe8 {
+        return None;
+    }
+    let rel = i32::from_le_bytes(call[1..5].try_into().ok()?);
+    let target = ret.wrapping_add_signed(i64::from(rel));
+    let mut code = [0u8; 11];
+    if read_own_memory(target, &mut code) != code.len() {
+        return None;
+    }
+    // endbr64, then an optional bnd prefix.
+    let mut at = if code[..4] == [0xf3, 0x0f, 0x1e, 0xfa] {
+        4
+    } else {
+        0
+    };
+    if code[at] == 0xf2 {
+        at += 1;
+    }
+    if code[at..at + 2] != [0xff, 0x25] {
+        return Some(target);
+    }
+    let disp = i32::from_le_bytes(code[at + 2..at + 6].try_into().ok()?);
+    let got = (target + at as u64 + 6).wrapping_add_signed(i64::from(disp));
+    let mut word = [0u8; 8];
+    if read_own_memory(got, &mut word) != 8 {
+        return None;
+    }
+    let bound = u64::from_ne_bytes(word);
+    // Lazily bound stubs point back into the PLT, at code that is no function's start.
+    (snap.objects.iter().any(|o| o.executes(bound)) && function_start(snap, bound) == Some(bound))
+        .then_some(bound)
 }
 
 /// Decodes `eh_frame_ptr` from an `.eh_frame_hdr` mapped at `hdr_addr`.
@@ -1222,7 +1317,7 @@ fn walk(
         }
         let lookup = frame.address_for_lookup();
         if uregs.sp() >= skip_to_sp {
-            sink.push(lookup);
+            sink.push_at(lookup, uregs.sp());
         }
         #[cfg(target_arch = "x86_64")]
         if fast {
@@ -1292,7 +1387,7 @@ fn walk(
         e.busy.store(false, Ordering::Release);
     }
     if sink.seen == first {
-        sink.push(regs.pc);
+        sink.push_at(regs.pc, regs.sp);
     }
     Walked {
         fast_frames,
@@ -1315,7 +1410,8 @@ impl OwnCache {
 /// kernel). Its frame pointer is unknown: a frame whose rule needs it ends the walk. Reads
 /// nothing of the other thread's memory; frames into `out`, their number returned.
 /// `more_above`: the copy stops short of the stack's top, so a walk that runs off it was cut
-/// (it ends in a truncation marker, as one deeper than `out` does).
+/// (it ends in a truncation marker, as one deeper than `out` does). `sps` receives where the
+/// stack pointer stood in each frame, for as many frames as it holds.
 pub(crate) fn unwind_copied(
     pc: u64,
     sp: u64,
@@ -1323,6 +1419,7 @@ pub(crate) fn unwind_copied(
     more_above: bool,
     cache: &mut OwnCache,
     out: &mut [u64],
+    sps: &mut [u64],
 ) -> usize {
     if out.is_empty() {
         return 0;
@@ -1356,7 +1453,7 @@ pub(crate) fn unwind_copied(
         r
     };
     let mut buf = FrameBuf::from(out);
-    let mut sink = Sink::new(&mut buf);
+    let mut sink = Sink::new(&mut buf).with_sps(sps);
     // The frame pointer is unknown. Code built with frame pointers (Rust's std, between a
     // blocking libc call and the application) finds its frame through it: when the walk gets
     // stuck there, the frame pointer is guessed from the copy (the lowest word above the stack
@@ -1427,6 +1524,65 @@ pub(crate) fn unwind_copied(
         fp = guess;
     }
     sink.finish(ended)
+}
+
+/// Whether `ret`, a word found in a thread's stack at `slot`, is the return address of a call
+/// still in progress from a frame whose own stack pointer is `caller_sp`: it points into loaded
+/// code right after a call instruction, and the frame it returns to (its stack pointer then
+/// `slot + 8`) unwinds to `caller_sp`; when the caller's call (returning to `caller_ret`) is a
+/// direct one, it points into the function called. Words left over from calls that returned
+/// rarely pass: each must fit the unwind rules of the code it points into at exactly that
+/// depth, and be in the function its caller calls. `read`
+/// reads the thread's stack (a copy of it). x86_64 only (elsewhere return addresses are not
+/// always on the stack): false.
+pub(crate) fn returns_into(
+    ret: u64,
+    slot: u64,
+    caller_sp: u64,
+    caller_ret: u64,
+    cache: &mut OwnCache,
+    read: impl FnMut(u64) -> Result<u64, ()>,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let _reader = ReaderGuard::enter();
+        let snap = HOT.snapshot.load(Ordering::SeqCst);
+        if snap.is_null() {
+            return false;
+        }
+        // SAFETY: as in `unwind_counted`: the reader guard keeps the snapshot alive.
+        let snap = unsafe { &*snap };
+        if !snap.objects.iter().any(|o| o.executes(ret)) || !follows_a_call(ret) {
+            return false;
+        }
+        // A direct call from the caller says which function this frame must be in (a tail
+        // call from it would fail this: the walk then stops one frame short, never wrong).
+        if let Some(target) = direct_call_target(snap, caller_ret) {
+            if function_start(snap, ret - 1) != Some(target) {
+                return false;
+            }
+        }
+        let Some(frame) = FrameAddress::from_return_address(ret) else {
+            return false;
+        };
+        // A frame-pointer function's frame pointer sits 16 bytes below its caller's stack
+        // pointer (return address, saved frame pointer); other code ignores it.
+        let mut regs = framehop::x86_64::UnwindRegsX86_64::new(
+            frame.address(),
+            slot + 8,
+            caller_sp.wrapping_sub(16),
+        );
+        let mut read = read;
+        matches!(
+            snap.unwinder.unwind_frame(frame, &mut regs, &mut cache.0, &mut read),
+            Ok(Some(_)) if regs.sp() == caller_sp
+        )
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ret, slot, caller_sp, caller_ret, cache, read);
+        false
+    }
 }
 
 /// The frame pointer of a frame-pointer function whose stack pointer is `sp`: the lowest

@@ -460,6 +460,11 @@ fn run_once(secs: f64, hz: u32) -> Report {
     for f in feeders {
         f.join().unwrap();
     }
+    let st = guard.stats();
+    eprintln!(
+        "  wall stacks: {} read blocked, {} reads retried, {} from recent calls",
+        st.wall_remote_stacks, st.wall_remote_retries, st.wall_recent_calls
+    );
     guard.stop().expect("profiler stops");
     Report {
         truths,
