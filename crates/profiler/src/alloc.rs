@@ -69,6 +69,7 @@ use std::sync::OnceLock;
 use ferroprof_recorder::{ExtraValues, Frame, Label, ResolvedFrame, SampleValues};
 
 use crate::arena;
+use crate::bigblock;
 use crate::filter::FILTER;
 use crate::fork;
 use crate::state::{self, Shared, TapKind};
@@ -133,6 +134,11 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
     // sampled stack.
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if layout.size() >= bigblock::BIG {
+            if let Some(p) = profiler_big_block(layout) {
+                return p;
+            }
+        }
         if let Some(interval) = crosses_sampling_point(layout.size()) {
             // SAFETY: forwarded contract.
             return unsafe { self.alloc_sampled(layout, false, interval, unwind::current_sp()) };
@@ -143,6 +149,12 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if layout.size() >= bigblock::BIG {
+            // Fresh mappings are zeroed.
+            if let Some(p) = profiler_big_block(layout) {
+                return p;
+            }
+        }
         if let Some(interval) = crosses_sampling_point(layout.size()) {
             // SAFETY: forwarded contract.
             return unsafe { self.alloc_sampled(layout, true, interval, unwind::current_sp()) };
@@ -155,6 +167,9 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if arena::owns(ptr) {
             return arena::free(ptr, layout);
+        }
+        if layout.size() >= bigblock::BIG && bigblock::free(ptr) {
+            return;
         }
         if FILTER.maybe_tracked(ptr as usize) {
             // SAFETY: forwarded contract.
@@ -169,6 +184,16 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
         if arena::owns(ptr) {
             // SAFETY: forwarded contract (a block of ours, moved by hand).
             return unsafe { self.realloc_arena(ptr, layout, new_size) };
+        }
+        if layout.size() >= bigblock::BIG && bigblock::owns(ptr) {
+            // SAFETY: forwarded contract (a block of ours).
+            return unsafe { self.realloc_big_block(ptr, layout, new_size) };
+        }
+        if new_size >= bigblock::BIG && layout.size() < bigblock::BIG {
+            // SAFETY: forwarded contract.
+            if let Some(p) = unsafe { self.realloc_to_big_block(ptr, layout, new_size) } {
+                return p;
+            }
         }
         // The old block may be freed by the inner realloc: untrack it first.
         if FILTER.maybe_tracked(ptr as usize) {
@@ -221,7 +246,7 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
                 self.inner.alloc(layout)
             }
         };
-        if !p.is_null() {
+        if !p.is_null() && interval != 0 {
             on_alloc_slow(p, layout.size(), interval, entry_sp);
         }
         p
@@ -245,6 +270,54 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
             arena::free(ptr, layout);
         }
         p
+    }
+
+    /// A realloc of one of the profiler's large blocks ([`crate::bigblock`]): resized in place
+    /// of its mapping, or, when it shrinks below [`bigblock::BIG`], moved to the inner
+    /// allocator (its free then comes with a small size, which the large-block check skips).
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::realloc`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn realloc_big_block(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size >= bigblock::BIG {
+            return bigblock::resize(ptr, new_size);
+        }
+        // SAFETY: the caller guarantees a valid layout for new_size with the old alignment.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        // SAFETY: a non-zero size (realloc's contract).
+        let p = unsafe { self.inner.alloc(new_layout) };
+        if !p.is_null() {
+            // SAFETY: both blocks are valid for the new (smaller) size and do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, p, new_size) };
+            bigblock::free(ptr);
+        }
+        p
+    }
+
+    /// A realloc in profiler code that outgrows [`bigblock::BIG`]: the rest of the block's life
+    /// in a mapping of its own (see [`crate::bigblock`]). None: not in profiler code (or no
+    /// mapping), the inner allocator goes on with it.
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::realloc`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn realloc_to_big_block(
+        &self,
+        ptr: *mut u8,
+        layout: Layout,
+        new_size: usize,
+    ) -> Option<*mut u8> {
+        // SAFETY: the caller guarantees a valid layout for new_size with the old alignment.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        let p = profiler_big_block(new_layout)?;
+        // SAFETY: both blocks are valid for the old size (smaller) and do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(ptr, p, layout.size()) };
+        // SAFETY: forwarded contract: the old block, freed once (its own path: tracked or not).
+        unsafe { self.dealloc(ptr, layout) };
+        Some(p)
     }
 
     /// The free of a block the filter says may be tracked.
@@ -294,13 +367,28 @@ pub fn __disable_arena() {
     arena::disable();
 }
 
+/// A block of at least [`bigblock::BIG`] bytes for profiler code (not in arena mode, which has
+/// its own): a mapping of its own, so the inner allocator never frees a large block of ours
+/// (see [`crate::bigblock`]). None for the application's blocks.
+#[cold]
+#[inline(never)]
+fn profiler_big_block(layout: Layout) -> Option<*mut u8> {
+    let ours = STATE.with(|s| s.guard.get() > 0 && !s.arena.get());
+    if !ours {
+        return None;
+    }
+    bigblock::alloc(layout)
+}
+
 /// Counts `size` bytes against this thread's countdown; the sampling interval when the
 /// allocation crosses the sampling point (it is to be sampled, or the countdown drawn).
 #[inline(always)]
 fn crosses_sampling_point(size: usize) -> Option<u64> {
     let interval = INTERVAL.load(Ordering::Relaxed);
     if interval == 0 {
-        return None;
+        // Sampling off: the slow path still serves a thread in arena mode (a symbolization
+        // pass of a CPU-only profiler), with interval 0 (nothing sampled).
+        return (arena::active_anywhere() && arena::in_mode()).then_some(0);
     }
     let crossed = STATE.with(|s| {
         let c = s.countdown.get().wrapping_sub(size as i64);
@@ -313,6 +401,10 @@ fn crosses_sampling_point(size: usize) -> Option<u64> {
 #[cold]
 #[inline(never)]
 fn on_alloc_slow(p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
+    if interval == 0 {
+        // Here for arena mode only (sampling is off): nothing to sample.
+        return;
+    }
     STATE.with(|s| alloc_slow(s, p, size, interval, entry_sp));
 }
 

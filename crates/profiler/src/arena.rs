@@ -14,8 +14,9 @@
 //! allocated, freed and released only through the owner, which is used by one thread at a time,
 //! so the arena's state needs no lock. Nothing allocated in arena mode outlives the pass
 //! (results are copied out with arena mode off).
-//! Arena mode needs the sampling allocator as the global allocator with allocation sampling on
-//! (its slow path is where arena mode is checked); otherwise allocations simply go to the heap.
+//! Arena mode needs the sampling allocator as the global allocator (its slow path is where arena
+//! mode is checked; with allocation sampling off, the fast path takes the slow one while some
+//! thread is in arena mode); otherwise allocations simply go to the heap.
 
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -81,9 +82,36 @@ pub(crate) fn with<R>(owner: u64, f: impl FnOnce() -> R) -> R {
         return f();
     }
     // Every allocation of this thread then takes the sampling allocator's slow path, where
-    // arena mode is looked at (the fast path stays one countdown check for everyone).
+    // arena mode is looked at (the fast path stays one countdown check for everyone). With
+    // allocation sampling off the countdown is not looked at: `ACTIVE` says to look.
     let _mode = Mode::set(true, i64::MIN / 4);
+    let _active = Active::enter();
     f()
+}
+
+/// Threads in arena mode now.
+static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether some thread is in arena mode (one load: the allocation fast path asks it when
+/// allocation sampling is off).
+#[inline(always)]
+pub(crate) fn active_anywhere() -> bool {
+    ACTIVE.load(Ordering::Relaxed) != 0
+}
+
+struct Active;
+
+impl Active {
+    fn enter() -> Active {
+        ACTIVE.fetch_add(1, Ordering::Relaxed);
+        Active
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        ACTIVE.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Runs `f` on the heap when called in arena mode (for what must outlive the pass).

@@ -70,6 +70,7 @@ pub mod tracing;
 mod alloc;
 mod alloc_totals;
 mod arena;
+mod bigblock;
 mod dwarf_walk;
 mod error;
 mod filter;

@@ -898,6 +898,10 @@ pub struct ProfilerStats {
     /// Such reads discarded because the thread ran during the read (its previous stack was
     /// kept).
     pub wall_remote_retries: u64,
+    /// Bytes of the profiler's own large blocks (128 KiB and up: grown tables, encoded
+    /// profiles) mapped now. They are mapped and unmapped directly, never through the
+    /// application's allocator (glibc would raise its mmap threshold for the whole process).
+    pub large_block_bytes: u64,
     /// Stacks of runnable threads waiting for a CPU, found from the calls they made since
     /// their stack was last read (the return addresses those calls left on the stack).
     pub wall_recent_calls: u64,
@@ -1093,6 +1097,7 @@ impl ProfilerGuard {
             wall_remote_stacks: l(&s.wall_remote_stacks),
             wall_remote_retries: l(&s.wall_remote_retries),
             wall_recent_calls: l(&s.wall_recent_calls),
+            large_block_bytes: crate::bigblock::mapped_bytes() as u64,
             threads_without_timer: l(&s.threads_without_timer),
             signal_handler_replaced: l(&s.signal_handler_replaced),
             signal: self.shared.settings.signal,
