@@ -249,7 +249,7 @@ extern "C" fn child() {
         state::reset_current_thread_name();
         crate::unwind::after_fork_in_child();
         crate::sampler::after_fork_in_child();
-        crate::arena::after_fork_in_child();
+        crate::alloc::arena::after_fork_in_child();
         // SAFETY: this is the forked child's only thread.
         unsafe { sh.after_fork_in_child() };
         sh.recorder.reset_after_fork();

@@ -68,17 +68,11 @@ pub mod labels;
 pub mod tracing;
 
 mod alloc;
-mod alloc_totals;
-mod arena;
-mod bigblock;
-mod dwarf_walk;
 mod error;
-mod filter;
 mod fork;
 mod modules;
 mod notice;
 mod profiler;
-mod remote;
 mod sampler;
 mod settings;
 mod sharded;
@@ -87,8 +81,6 @@ mod symbolize;
 mod termination;
 mod tls;
 mod unwind;
-#[cfg(target_arch = "x86_64")]
-mod unwind_rules;
 
 #[doc(hidden)]
 pub use alloc::{__disable_arena, __raw_allocated, __raw_freeing};

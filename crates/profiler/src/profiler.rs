@@ -14,11 +14,11 @@ use ferroprof_recorder::{
 };
 
 use crate::alloc;
+use crate::alloc::filter::FILTER;
 use crate::error::ProfilerError;
 use crate::export::dir::{check_writable, DirExporter};
 use crate::export::handoff::{Deliveries, Outbox};
 use crate::export::{ExportError, ExportedProfile, Exporter, ProfileSource};
-use crate::filter::FILTER;
 use crate::fork;
 use crate::sampler::{self, Sampler};
 use crate::settings::{Profiles, Settings};
@@ -833,7 +833,7 @@ fn export_once(sh: &Shared) -> Option<u64> {
         st.symbolizer_cached
             .store(sym.cached_addresses() as u64, Ordering::Relaxed);
         st.symbolizer_arena_bytes
-            .store(crate::arena::last_pass_bytes(), Ordering::Relaxed);
+            .store(crate::alloc::arena::last_pass_bytes(), Ordering::Relaxed);
         st.symbolizer_bytes
             .store(sym.kept_bytes() as u64, Ordering::Relaxed);
         if let Ok(p) = &serialized {
@@ -1097,7 +1097,7 @@ impl ProfilerGuard {
             wall_remote_stacks: l(&s.wall_remote_stacks),
             wall_remote_retries: l(&s.wall_remote_retries),
             wall_recent_calls: l(&s.wall_recent_calls),
-            large_block_bytes: crate::bigblock::mapped_bytes() as u64,
+            large_block_bytes: crate::alloc::bigblock::mapped_bytes() as u64,
             threads_without_timer: l(&s.threads_without_timer),
             signal_handler_replaced: l(&s.signal_handler_replaced),
             signal: self.shared.settings.signal,
@@ -1322,7 +1322,7 @@ impl ProfileSource for Source {
 fn add_alloc_totals(
     profile: &mut Profile,
     layout: &SampleLayout,
-    totals: &crate::alloc_totals::TotalsSnapshot,
+    totals: &crate::alloc::totals::TotalsSnapshot,
 ) -> Result<(), ferroprof_recorder::ProfileError> {
     let n = layout.len();
     let place = |v: [i64; 3]| {

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use ferroprof_recorder::StackRecorder;
 use parking_lot::{Mutex, RwLock};
 
-use crate::alloc_totals::AllocTotals;
+use crate::alloc::totals::AllocTotals;
 use crate::export::handoff::Outbox;
 use crate::settings::Settings;
 use crate::sharded::ShardedCount;

@@ -32,7 +32,7 @@ pub(crate) struct ThreadState {
     pub name_age: Cell<u8>,
     /// This thread's shard of the sharded counters plus one (see `crate::sharded`); 0 = none yet.
     pub reader_shard: Cell<u8>,
-    /// In arena mode: allocations come from the symbolizer's private arena (see `crate::arena`).
+    /// In arena mode: allocations come from the symbolizer's private arena (see `crate::alloc::arena`).
     pub arena: Cell<bool>,
     /// This thread's label slot plus one (see `crate::labels`); 0 = none.
     pub label_slot: Cell<u32>,

@@ -25,7 +25,7 @@
 //!
 //! ## Heap tracking and frees
 //! With heap profiling on, a sampled allocation is tracked by the recorder under its address,
-//! and its address is counted in a [`crate::filter`]. Every free checks that filter first: a
+//! and its address is counted in a [`crate::alloc::filter`]. Every free checks that filter first: a
 //! clear bit (the overwhelmingly common case) ends the check after one load. Otherwise the
 //! recorder removes the record, and this happens *before* the memory goes back to the inner
 //! allocator, so an address reused by a new allocation can never meet a stale record. `realloc`
@@ -62,15 +62,18 @@
 //! thread is inside the recorder skip the recorder (its locks may be held, and its memory is
 //! never tracked).
 
+pub(crate) mod arena;
+pub(crate) mod bigblock;
+pub(crate) mod filter;
+pub(crate) mod totals;
+
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use ferroprof_recorder::{ExtraValues, Frame, Label, ResolvedFrame, SampleValues};
 
-use crate::arena;
-use crate::bigblock;
-use crate::filter::FILTER;
+use crate::alloc::filter::FILTER;
 use crate::fork;
 use crate::state::{self, Shared, TapKind};
 use crate::tls::{self, ThreadState, STATE};
@@ -272,7 +275,7 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         p
     }
 
-    /// A realloc of one of the profiler's large blocks ([`crate::bigblock`]): resized in place
+    /// A realloc of one of the profiler's large blocks ([`crate::alloc::bigblock`]): resized in place
     /// of its mapping, or, when it shrinks below [`bigblock::BIG`], moved to the inner
     /// allocator (its free then comes with a small size, which the large-block check skips).
     ///
@@ -297,7 +300,7 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
     }
 
     /// A realloc in profiler code that outgrows [`bigblock::BIG`]: the rest of the block's life
-    /// in a mapping of its own (see [`crate::bigblock`]). None: not in profiler code (or no
+    /// in a mapping of its own (see [`crate::alloc::bigblock`]). None: not in profiler code (or no
     /// mapping), the inner allocator goes on with it.
     ///
     /// # Safety
@@ -369,7 +372,7 @@ pub fn __disable_arena() {
 
 /// A block of at least [`bigblock::BIG`] bytes for profiler code (not in arena mode, which has
 /// its own): a mapping of its own, so the inner allocator never frees a large block of ours
-/// (see [`crate::bigblock`]). None for the application's blocks.
+/// (see [`crate::alloc::bigblock`]). None for the application's blocks.
 #[cold]
 #[inline(never)]
 fn profiler_big_block(layout: Layout) -> Option<*mut u8> {

@@ -20,7 +20,7 @@
 //!   again: its timer captures of the interval carry its on-CPU time; for the rest, where it
 //!   is now: blocked in a system call, its stack pointer and program counter are read from
 //!   `/proc/self/task/<tid>/syscall` and its stack is unwound from a copy
-//!   ([`crate::remote`]), kept only if its CPU clock did not move meanwhile; runnable after
+//!   ([`crate::sampler::remote`]), kept only if its CPU clock did not move meanwhile; runnable after
 //!   mostly running, it waits where its timer last caught it running; runnable after mostly
 //!   waiting (woken, waiting for a CPU), it is where the calls it made since its stack was last
 //!   read lead ([`RemoteUnwinder::recent_calls`]). Each visit weighs exactly the wall time since
@@ -36,6 +36,8 @@
 //! signals), a warning is logged and counted; wall sampling goes on. Signals that are not
 //! ours are passed on to the handler installed before ours.
 
+pub(crate) mod remote;
+
 use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -44,10 +46,10 @@ use std::sync::Arc;
 use ferroprof_recorder::{Frame, Label, SampleValues};
 
 use crate::labels::{self, Ctx};
-use crate::remote::{self, RemoteUnwinder, TaskSyscall};
 use crate::state::{Shared, TapKind, THREAD_ID_LABEL, THREAD_NAME_LABEL};
 use crate::tls;
 use crate::unwind::{self, MAX_FRAMES};
+use remote::{RemoteUnwinder, TaskSyscall};
 
 /// Marks our timers' payload: MAGIC (16 bits) | epoch (8) | generation (16) | thread index (24).
 const MAGIC: u64 = 0xf3f2;

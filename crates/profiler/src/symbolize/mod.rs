@@ -5,7 +5,7 @@
 //! profile's addresses first (`Symbolizer::prepare`). For each loaded object the DWARF of its
 //! file (or of its separate debug file, found by build id or `.gnu_debuglink`) is
 //! memory-mapped; the addresses not in the cache are grouped by compilation unit and each unit
-//! is walked once for all of them (`crate::dwarf_walk`), inlined frames innermost first, Rust
+//! is walked once for all of them (`crate::symbolize::dwarf_walk`), inlined frames innermost first, Rust
 //! names demangled without their hash. Frames DWARF does not name, and objects without DWARF,
 //! take the symbol table's name (within the symbol's size); other addresses get
 //! `object+0xoffset` of the entry of their function where the unwind table (`.eh_frame_hdr`)
@@ -20,10 +20,12 @@
 //!
 //! Memory: no per-unit tables are built. The mapped files live for one *pass* (one
 //! serialization) and their pages are handed back after each unit; the little a pass allocates
-//! lives in the profiler's private arena (see `crate::arena`), released at its end. What stays
+//! lives in the profiler's private arena (see `crate::alloc::arena`), released at its end. What stays
 //! is a per-address cache of resolved frames, bounded in entries and aged (CACHE_PASSES),
 //! emptied when an object was unloaded (another may take its addresses), and each object's unit
 //! index.
+
+pub(crate) mod dwarf_walk;
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -33,8 +35,8 @@ use ferroprof_recorder::{MappingInfo, ResolvedFrame, Symbolizer};
 use memmap2::Mmap;
 use object::{Object, ObjectSection, ObjectSymbol, ObjectSymbolTable};
 
-use crate::dwarf_walk::{self, Reader};
 use crate::modules::{loaded_objects, LoadedObject};
+use dwarf_walk::Reader;
 
 /// Most addresses kept in the cache between passes.
 const MAX_CACHED_ADDRESSES: usize = 16 * 1024;
@@ -174,7 +176,7 @@ impl ProcessSymbolizer {
             max_entries: MAX_CACHED_ADDRESSES,
             resolved: 0,
             unloads: 0,
-            arena_owner: crate::arena::new_owner(),
+            arena_owner: crate::alloc::arena::new_owner(),
             indexes: HashMap::new(),
             kept_bytes: 0,
             mappings: Mappings::default(),
@@ -200,7 +202,7 @@ impl ProcessSymbolizer {
     fn end_pass(&mut self) {
         // Arena memory (see `lookup`): dropped, then its pages handed back.
         self.objects = None;
-        crate::arena::release(self.arena_owner);
+        crate::alloc::arena::release(self.arena_owner);
         let pass = self.pass;
         self.cache.retain(|_, e| e.last_pass + CACHE_PASSES > pass);
         if self.cache.len() > self.max_entries {
@@ -272,12 +274,12 @@ impl ProcessSymbolizer {
 
     /// Resolves addresses not in the cache, all at once: the DWARF of each unit they fall in is
     /// walked once for all of them. What this loads and allocates meanwhile lives in the arena
-    /// (released at the end of the pass, see `crate::arena`); the frames are copied out to the
+    /// (released at the end of the pass, see `crate::alloc::arena`); the frames are copied out to the
     /// heap. `addresses` are sorted and distinct.
     fn lookup(&mut self, addresses: &[u64]) -> Vec<Box<[ResolvedFrame]>> {
         self.resolved += addresses.len() as u64;
         let owner = self.arena_owner;
-        let found = crate::arena::with(owner, || self.lookup_in_arena(addresses));
+        let found = crate::alloc::arena::with(owner, || self.lookup_in_arena(addresses));
         let owned: Vec<Box<[ResolvedFrame]>> = found
             .iter()
             .map(|frames| {
@@ -304,7 +306,7 @@ impl ProcessSymbolizer {
             .flatten()
             .all(|f| [&f.name, &f.system_name, &f.filename]
                 .iter()
-                .all(|s| !crate::arena::owns(s.as_ptr() as *mut u8))));
+                .all(|s| !crate::alloc::arena::owns(s.as_ptr() as *mut u8))));
         owned
     }
 
@@ -358,7 +360,7 @@ impl ProcessSymbolizer {
                 if !self.indexes.contains_key(&key) {
                     let built = d.unit_index();
                     // Kept across passes: on the heap, not in the arena.
-                    crate::arena::outside(|| {
+                    crate::alloc::arena::outside(|| {
                         let index = built.map(|b| b.to_heap());
                         self.indexes
                             .insert((key.0, key.1.as_str().to_owned()), index);
@@ -408,7 +410,7 @@ impl Drop for ProcessSymbolizer {
     fn drop(&mut self) {
         // A symbolizer dropped in the middle of a pass hands the arena on.
         self.objects = None;
-        crate::arena::release(self.arena_owner);
+        crate::alloc::arena::release(self.arena_owner);
     }
 }
 
@@ -1195,7 +1197,7 @@ mod tests {
         assert!(!frames.is_empty());
         let last = frames.last().unwrap();
         assert!(last.name.ends_with("a_known_function"), "got {frames:?}");
-        assert!(last.filename.ends_with("symbolize.rs"), "got {frames:?}");
+        assert!(last.filename.ends_with("mod.rs"), "got {frames:?}");
         assert!(last.line > 0);
         assert!(last.system_name.starts_with("_ZN"), "got {frames:?}");
         assert_eq!(demangle(&last.system_name), last.name);

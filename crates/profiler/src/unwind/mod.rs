@@ -31,6 +31,9 @@
 //! Not supported: JIT code without registered unwind info (the frame-pointer fallback applies),
 //! stacks of threads switched by user-space coroutines beyond the current stack.
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod rules;
+
 use std::cell::UnsafeCell;
 use std::ops::Deref;
 use std::ptr;
@@ -46,7 +49,7 @@ use parking_lot::Mutex;
 
 use crate::modules::{loaded_objects_for_unwind, objects_generation, LoadedObject};
 #[cfg(target_arch = "x86_64")]
-use crate::unwind_rules::{self, RuleModule, RuleTable, Step};
+use rules::{RuleModule, RuleTable, Step};
 
 /// Most frames one stack keeps. Deep recursion (parsers, tree walks, async state machines
 /// polled through many layers) runs to hundreds of frames; peers keep 512 to 2,048. 1,024 costs
@@ -329,7 +332,7 @@ pub(crate) struct Snapshot {
     rules: Arc<RuleTable>,
     /// `rules`' entries, one pointer away for the handler.
     #[cfg(target_arch = "x86_64")]
-    rule_entries: unwind_rules::Entries,
+    rule_entries: rules::Entries,
     #[cfg(target_arch = "aarch64")]
     ptr_auth_mask: framehop::aarch64::PtrAuthMask,
 }
@@ -1198,10 +1201,10 @@ fn unwind_counted(
     let (snap, pool) = unsafe { (&*snap, &*pool) };
     #[cfg(target_arch = "x86_64")]
     if fast {
-        unwind_rules::prefetch(&snap.rule_entries, regs.pc);
+        rules::prefetch(&snap.rule_entries, regs.pc);
         // The first 128 at most: more would evict each other.
         for i in 1..stale.min(out.len()).min(128) {
-            unwind_rules::prefetch(&snap.rule_entries, out.get(i));
+            rules::prefetch(&snap.rule_entries, out.get(i));
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -1321,8 +1324,8 @@ fn walk(
         }
         #[cfg(target_arch = "x86_64")]
         if fast {
-            if let Some(rule) = unwind_rules::rule(&snap.rule_entries, lookup) {
-                match unwind_rules::step(rule, &mut uregs, &mut read_stack) {
+            if let Some(rule) = rules::rule(&snap.rule_entries, lookup) {
+                match rules::step(rule, &mut uregs, &mut read_stack) {
                     Step::Next(ret) => {
                         fast_frames += 1;
                         match FrameAddress::from_return_address(ret) {
