@@ -179,21 +179,32 @@ impl RemoteUnwinder {
         let room = out.len() - keep;
         let mut found = 0;
         let mut below = [(0u64, 0u64); MAX_CALLS_BELOW];
+        let cache = &mut self.cache;
         while found < room.min(MAX_CALLS_BELOW) {
-            let caller_sp = slot + 8;
-            let next = (1..=FRAME_SCAN_WORDS)
-                .map(|w| slot.wrapping_sub(8 * w))
-                .take_while(|&a| a >= lo)
-                .find_map(|a| {
-                    let v = read(a).ok()?;
-                    (v != 0 && unwind::returns_into(v, a, caller_sp, ret, &mut self.cache, read))
-                        .then_some((v, a))
-                });
-            let Some((v, a)) = next else { break };
-            below[found] = (v, a);
+            // Where the callee's call came from, when several words check out: the one whose
+            // calls go on deepest. A call that returned leaves a chain that checks out too,
+            // but a newer call at or below its frames overwrites part of it, where the newest
+            // chain is whole down to the thread's leaf (a thread woken in a mutex wait, after
+            // a sleep through another function of the same caller, leaves the sleep's frames
+            // above the mutex's when the sleep's function has the smaller frame).
+            let cands = callees(slot, ret, lo, MAX_CANDIDATES, cache, read);
+            let pick = match cands.len() {
+                0 => break,
+                1 => cands[0],
+                _ => {
+                    let mut best = (cands[0], 0usize);
+                    for &(v, a) in cands.iter() {
+                        let depth = chain_depth(a, v, lo, cache, read);
+                        if depth > best.1 {
+                            best = ((v, a), depth);
+                        }
+                    }
+                    best.0
+                }
+            };
+            below[found] = pick;
             found += 1;
-            ret = v;
-            slot = a;
+            (ret, slot) = pick;
         }
         let mut k = 0;
         for &(v, a) in below[..found].iter().rev() {
@@ -209,6 +220,83 @@ impl RemoteUnwinder {
         k + keep - 1
     }
 }
+
+/// Words below the slot `slot` (holding return address `ret`) that check out as the return
+/// address of the callee's own call (see [`unwind::returns_into`]), nearest first, at most
+/// `limit` (up to [`MAX_CANDIDATES`]).
+fn callees(
+    slot: u64,
+    ret: u64,
+    lo: u64,
+    limit: usize,
+    cache: &mut unwind::OwnCache,
+    read: impl Fn(u64) -> Result<u64, ()> + Copy,
+) -> arrayvec_like::Small {
+    let mut out = arrayvec_like::Small::default();
+    for a in (1..=FRAME_SCAN_WORDS)
+        .map(|w| slot.wrapping_sub(8 * w))
+        .take_while(|&a| a >= lo)
+    {
+        let Ok(v) = read(a) else { break };
+        if v != 0 && unwind::returns_into(v, a, slot + 8, ret, cache, read) {
+            out.push((v, a));
+            if out.len() == limit.min(MAX_CANDIDATES) {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// How many calls go on below slot `slot` (return address `ret`), each the nearest word that
+/// checks out, up to [`MAX_CALLS_BELOW`].
+fn chain_depth(
+    mut slot: u64,
+    mut ret: u64,
+    lo: u64,
+    cache: &mut unwind::OwnCache,
+    read: impl Fn(u64) -> Result<u64, ()> + Copy,
+) -> usize {
+    let mut depth = 0;
+    while depth < MAX_CALLS_BELOW {
+        let Some(&(v, a)) = callees(slot, ret, lo, 1, cache, read).first() else {
+            break;
+        };
+        depth += 1;
+        (ret, slot) = (v, a);
+    }
+    depth
+}
+
+/// A few (return address, slot) pairs, without allocating.
+mod arrayvec_like {
+    #[derive(Default)]
+    pub(super) struct Small {
+        items: [(u64, u64); super::MAX_CANDIDATES],
+        len: usize,
+    }
+
+    impl Small {
+        pub(super) fn push(&mut self, item: (u64, u64)) {
+            self.items[self.len] = item;
+            self.len += 1;
+        }
+
+        pub(super) fn len(&self) -> usize {
+            self.len
+        }
+    }
+
+    impl std::ops::Deref for Small {
+        type Target = [(u64, u64)];
+        fn deref(&self) -> &[(u64, u64)] {
+            &self.items[..self.len]
+        }
+    }
+}
+
+/// Most candidates weighed for one callee.
+const MAX_CANDIDATES: usize = 4;
 
 /// How far below a stale stack's leaf [`RemoteUnwinder::recent_calls`] looks for newer calls.
 const SCAN_BYTES: usize = 32 * 1024;
