@@ -11,7 +11,7 @@ cargo fmt --all -- --check
 echo "== cargo clippy (every target: lib, tests, benches, examples; missing docs are errors)"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo doc (API docs; broken links and other rustdoc warnings are errors)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features ferroprof/tracing
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features ferroprof/opentelemetry
 echo "== cargo package (publishable crates: metadata, versions on workspace dependencies)"
 # --no-verify: building each package again takes minutes; `cargo package` without it passes too.
 cargo package -p ferroprof-recorder -p ferroprof-pprof -p ferroprof -p ferroprof-cli \
@@ -20,7 +20,9 @@ echo "== cargo test (builds the examples too; tests/readme.rs checks the README 
 cargo test --workspace
 echo "== cargo test: the tracing layer (feature tracing)"
 cargo clippy -p ferroprof --all-targets --features tracing -- -D warnings
+cargo clippy -p ferroprof --all-targets --features opentelemetry -- -D warnings
 cargo test -p ferroprof --features tracing --lib --test tracing_layer --test service_spans
+cargo test -p ferroprof --features opentelemetry --test otel_ids
 echo "== the Ruby extension (bindings/ruby, its own workspace): fmt, clippy, build, rspec"
 ./scripts/ruby-binding.sh
 echo "== soak (short): memory after exports, with and without the profiler"

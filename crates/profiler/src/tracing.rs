@@ -32,8 +32,14 @@
 //!   [`MAX_DEPTH`]). Nothing grows with the number of distinct spans. A root span's close
 //!   records its endpoint into the running profile (the recorder's short locks, as a sample).
 //!
-//! Not yet: OpenTelemetry span and trace ids (`tracing-opentelemetry`) in place of the tracing
-//! ids.
+//! * **OpenTelemetry** (cargo feature `opentelemetry`). When `tracing-opentelemetry`'s layer makes
+//!   a span an OpenTelemetry span, `span id` and `local root span id` are its OTel span id and
+//!   the OTel span id of its local root (as `u64`, big-endian bytes), so a profile links to the
+//!   trace in the tracing backend (Datadog reads the two numeric labels; the Pyroscope exporter
+//!   writes `span_id` in hex from the same value). Add this layer *after* the OpenTelemetry
+//!   layer (`registry().with(otel_layer).with(FerroprofLayer::new())`): it reads the OTel ids
+//!   when a span is created, once the OpenTelemetry layer has made them; a span without them
+//!   keeps its tracing ids.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -60,6 +66,10 @@ pub const DEFAULT_ENDPOINT_FIELD: &str = "http.route";
 #[derive(Debug, Clone)]
 pub struct FerroprofLayer {
     endpoint_field: Cow<'static, str>,
+    /// The dispatcher this layer is part of, to ask `tracing-opentelemetry` for a span's
+    /// context.
+    #[cfg(feature = "opentelemetry")]
+    dispatch: std::sync::Arc<std::sync::OnceLock<tracing_core::dispatcher::WeakDispatch>>,
 }
 
 impl Default for FerroprofLayer {
@@ -73,6 +83,8 @@ impl FerroprofLayer {
     pub fn new() -> Self {
         FerroprofLayer {
             endpoint_field: Cow::Borrowed(DEFAULT_ENDPOINT_FIELD),
+            #[cfg(feature = "opentelemetry")]
+            dispatch: Default::default(),
         }
     }
 
@@ -86,6 +98,14 @@ impl FerroprofLayer {
 
 /// What a root span keeps in its extensions: its endpoint.
 struct RootEndpoint(Cow<'static, str>);
+
+/// The ids a span's samples carry (its tracing ids, or its OpenTelemetry ones), kept in its
+/// extensions for when its [`ROOTS`] entry was taken over.
+#[derive(Clone, Copy)]
+struct SpanIds {
+    span: u64,
+    root: u64,
+}
 
 /// Finds the endpoint field among a span's values.
 struct EndpointVisitor<'a> {
@@ -128,6 +148,7 @@ const ROOT_CACHE: usize = 4096;
 /// matches its id and root (a torn read of two writers fails it), else asks the registry.
 struct RootEntry {
     id: AtomicU64,
+    span: AtomicU64,
     root: AtomicU64,
     check: AtomicU64,
 }
@@ -135,6 +156,7 @@ struct RootEntry {
 #[allow(clippy::declare_interior_mutable_const)]
 const NO_ROOT: RootEntry = RootEntry {
     id: AtomicU64::new(0),
+    span: AtomicU64::new(0),
     root: AtomicU64::new(0),
     check: AtomicU64::new(0),
 };
@@ -150,47 +172,108 @@ fn root_entry(id: u64) -> &'static RootEntry {
     &ROOTS[mix(id) as usize % ROOT_CACHE]
 }
 
-fn root_check(id: u64, root: u64) -> u64 {
-    mix(id ^ root.rotate_left(32)) | 1
+fn root_check(id: u64, ids: SpanIds) -> u64 {
+    mix(id ^ ids.span.rotate_left(21) ^ ids.root.rotate_left(42)) | 1
 }
 
-fn cache_root(id: u64, root: u64) {
+fn cache_ids(id: u64, ids: SpanIds) {
     let e = root_entry(id);
     e.id.store(id, Ordering::Relaxed);
-    e.root.store(root, Ordering::Relaxed);
-    e.check.store(root_check(id, root), Ordering::Relaxed);
+    e.span.store(ids.span, Ordering::Relaxed);
+    e.root.store(ids.root, Ordering::Relaxed);
+    e.check.store(root_check(id, ids), Ordering::Relaxed);
 }
 
-fn cached_root(id: u64) -> Option<u64> {
+fn cached_ids(id: u64) -> Option<SpanIds> {
     let e = root_entry(id);
-    let (eid, root, check) = (
+    let (eid, ids, check) = (
         e.id.load(Ordering::Relaxed),
-        e.root.load(Ordering::Relaxed),
+        SpanIds {
+            span: e.span.load(Ordering::Relaxed),
+            root: e.root.load(Ordering::Relaxed),
+        },
         e.check.load(Ordering::Relaxed),
     );
-    (eid == id && check == root_check(id, root)).then_some(root)
+    (eid == id && check == root_check(id, ids)).then_some(ids)
+}
+
+impl FerroprofLayer {
+    /// The id the samples of span `id` carry: its OpenTelemetry span id when it has one.
+    fn published_id(&self, id: &Id) -> u64 {
+        #[cfg(feature = "opentelemetry")]
+        if let Some(otel) = self.otel_span_id(id) {
+            return otel;
+        }
+        id.into_u64()
+    }
+
+    /// The OpenTelemetry span id `tracing-opentelemetry` gave span `id`, if any. Takes the
+    /// span's extensions: not to be called while holding them.
+    #[cfg(feature = "opentelemetry")]
+    fn otel_span_id(&self, id: &Id) -> Option<u64> {
+        use opentelemetry::trace::TraceContextExt;
+        let dispatch = self.dispatch.get()?.upgrade()?;
+        let cx = tracing_opentelemetry::get_otel_context(id, &dispatch)?;
+        let span = cx.span();
+        let sc = span.span_context();
+        sc.is_valid()
+            .then(|| u64::from_be_bytes(sc.span_id().to_bytes()))
+            .filter(|&v| v != 0)
+    }
+}
+
+/// The ids of span `span`, from its entry or, when that was taken over, its extensions.
+fn ids_of<'a, S>(span: &tracing_subscriber::registry::SpanRef<'a, S>) -> Option<SpanIds>
+where
+    S: for<'l> LookupSpan<'l>,
+{
+    let id = span.id().into_u64();
+    cached_ids(id).or_else(|| {
+        let ids = span.extensions().get::<SpanIds>().copied()?;
+        cache_ids(id, ids);
+        Some(ids)
+    })
 }
 
 impl<S> Layer<S> for FerroprofLayer
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
 {
+    #[cfg(feature = "opentelemetry")]
+    fn on_register_dispatch(&self, subscriber: &tracing_core::Dispatch) {
+        let _ = self.dispatch.set(subscriber.downgrade());
+    }
+
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let published = self.published_id(id);
         let Some(span) = ctx.span(id) else {
             return;
         };
         if let Some(parent) = span.parent() {
-            let parent_id = parent.id().into_u64();
-            let root = cached_root(parent_id).unwrap_or_else(|| {
-                parent
-                    .scope()
-                    .last()
-                    .map_or(parent_id, |r| r.id().into_u64())
-            });
-            cache_root(id.into_u64(), root);
+            // A parent made before the layer was installed has no ids: its tracing ids then.
+            let root = ids_of(&parent).map_or_else(
+                || {
+                    parent
+                        .scope()
+                        .last()
+                        .map_or(parent.id().into_u64(), |r| r.id().into_u64())
+                },
+                |p| p.root,
+            );
+            let ids = SpanIds {
+                span: published,
+                root,
+            };
+            cache_ids(id.into_u64(), ids);
+            span.extensions_mut().insert(ids);
             return; // only root spans name an endpoint
         }
-        cache_root(id.into_u64(), id.into_u64());
+        let ids = SpanIds {
+            span: published,
+            root: published,
+        };
+        cache_ids(id.into_u64(), ids);
+        span.extensions_mut().insert(ids);
         let mut v = EndpointVisitor {
             field: &self.endpoint_field,
             found: None,
@@ -229,18 +312,23 @@ where
                 return;
             }
             // Known since the span's creation, unless another span took its cache entry.
-            let root = match cached_root(span_id) {
-                Some(root) => root,
+            let ids = match cached_ids(span_id) {
+                Some(ids) => ids,
                 None => {
                     let Some(span) = ctx.span(id) else {
                         return;
                     };
-                    let root = span.scope().last().map_or(span_id, |r| r.id().into_u64());
-                    cache_root(span_id, root);
-                    root
+                    match ids_of(&span) {
+                        Some(ids) => ids,
+                        // Created before the layer was installed: its tracing ids.
+                        None => SpanIds {
+                            span: span_id,
+                            root: span.scope().last().map_or(span_id, |r| r.id().into_u64()),
+                        },
+                    }
                 }
             };
-            let Some(prev) = labels::replace_span(span_id, root) else {
+            let Some(prev) = labels::replace_span(ids.span, ids.root) else {
                 return;
             };
             if stack.len() == stack.capacity() {
@@ -283,7 +371,8 @@ where
         };
         let ext = span.extensions();
         if let Some(RootEndpoint(endpoint)) = ext.get::<RootEndpoint>() {
-            labels::record_endpoint(id.into_u64(), endpoint);
+            let root = ext.get::<SpanIds>().map_or(id.into_u64(), |ids| ids.root);
+            labels::record_endpoint(root, endpoint);
         }
     }
 }
