@@ -413,6 +413,23 @@ fn main() {
         peaks.push(pk);
         export_ms.push(ms);
     }
+    if std::env::var_os("FERROPROF_SOAK_MALLOC_INFO").is_some() {
+        // glibc's per-arena XML (free and system bytes per arena) on stderr, while running.
+        #[cfg(all(target_env = "gnu", not(feature = "jemalloc")))]
+        {
+            extern "C" {
+                fn malloc_info(options: libc::c_int, stream: *mut libc::FILE) -> libc::c_int;
+            }
+            // SAFETY: fdopen on a duplicate of stderr gives a valid stream for malloc_info.
+            unsafe {
+                let f = libc::fdopen(libc::dup(2), c"w".as_ptr());
+                if !f.is_null() {
+                    malloc_info(0, f);
+                    libc::fclose(f);
+                }
+            }
+        }
+    }
     stop.store(true, Ordering::Relaxed);
     for c in clients {
         let _ = c.join();
