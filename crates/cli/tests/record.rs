@@ -265,7 +265,18 @@ fn exit_from_another_thread_writes_the_last_profile_to_the_named_file() {
 
 #[test]
 fn sigterm_is_forwarded_and_the_program_flushes_before_it_ends() {
-    let dir = work_dir("sigterm");
+    signal_is_forwarded_and_flushed(libc::SIGTERM, "sigterm");
+}
+
+/// A closed terminal sends SIGHUP to `record` (and its foreground group): the program still
+/// writes its profile, then ends by the signal.
+#[test]
+fn sighup_is_forwarded_and_the_program_flushes_before_it_ends() {
+    signal_is_forwarded_and_flushed(libc::SIGHUP, "sighup");
+}
+
+fn signal_is_forwarded_and_flushed(sig: libc::c_int, tag: &str) {
+    let dir = work_dir(tag);
     let mut child = Command::new(BIN)
         .env("FERROPROF_PRELOAD", preload())
         .args(["record", "-o", dir.to_str().unwrap(), "--"])
@@ -279,12 +290,12 @@ fn sigterm_is_forwarded_and_the_program_flushes_before_it_ends() {
     let first = lines.next().expect("a line").unwrap();
     assert_eq!(first, "ready");
     // SAFETY: a signal to our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(child.id() as i32, sig) };
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     let status = child.wait().unwrap();
     let stdout = rest.join("\n");
-    // 128 + SIGTERM: the program ended by the signal, as it would have without ferroprof.
-    assert_eq!(status.code(), Some(143), "{stdout}");
+    // 128 + the signal: the program ended by it, as it would have without ferroprof.
+    assert_eq!(status.code(), Some(128 + sig), "{stdout}");
     let files = profiles(&dir);
     assert_eq!(files.len(), 1, "{stdout}");
     let p = load(&files[0].1);
