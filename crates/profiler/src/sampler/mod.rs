@@ -967,6 +967,7 @@ impl Sampler {
     /// The sampler thread's body.
     pub(crate) fn run(mut self) {
         tls::enter_profiler_thread();
+        ask_for_short_slice();
         // The snapshot was built by `start`; only changes are picked up from here on.
         unwind::refresh(false);
         let period = self.period;
@@ -1800,6 +1801,48 @@ fn record(
             let _ = r.record_sample(frames, &values, labels, 0);
         });
     });
+}
+
+/// Asks the scheduler for a short time slice for the calling (sampler) thread, so that it runs
+/// as soon as its timer wakes it rather than when a CPU happens to free up. On a machine with
+/// more runnable threads than cores, a sampler that waits for a CPU runs mostly when some thread
+/// blocks: its visits then fall at moments tied to the workload (a mutex waiter waking, a
+/// holder going to sleep) instead of at random times, and under-counted a contended mutex by
+/// about 9% in the ground-truth harness. EEVDF (Linux 6.12 and later) lets an unprivileged
+/// thread ask for a slice shorter than the default, and a thread with a shorter slice preempts
+/// on wake-up; older kernels ignore the request. Best effort: the nice value is kept, and a
+/// refusal changes nothing else.
+fn ask_for_short_slice() {
+    // SAFETY: plain query of the calling thread's policy.
+    let policy = unsafe { libc::sched_getscheduler(0) };
+    // Only within the fair class, as the thread already is (a real-time or idle policy the
+    // application chose is left alone).
+    if policy != libc::SCHED_OTHER && policy != libc::SCHED_BATCH {
+        return;
+    }
+    // SAFETY: getpriority on the calling thread; errno is not consulted (a nice of -1 and an
+    // error both fall back to what the call returned, which sched_setattr validates).
+    let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+    let attr = libc::sched_attr {
+        size: std::mem::size_of::<libc::sched_attr>() as u32,
+        sched_policy: policy as u32,
+        sched_flags: 0,
+        sched_nice: nice,
+        sched_priority: 0,
+        // The shortest slice the kernel accepts: 100 µs.
+        sched_runtime: 100_000,
+        sched_deadline: 0,
+        sched_period: 0,
+    };
+    // SAFETY: a valid sched_attr of the size it declares, for the calling thread (pid 0).
+    unsafe {
+        libc::syscall(
+            libc::SYS_sched_setattr,
+            0,
+            &attr as *const libc::sched_attr,
+            0,
+        )
+    };
 }
 
 fn sleep_until(deadline_ns: u64) {
