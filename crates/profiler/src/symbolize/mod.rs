@@ -28,8 +28,9 @@
 pub(crate) mod dwarf_walk;
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use ferroprof_recorder::{MappingInfo, ResolvedFrame, Symbolizer};
 use memmap2::Mmap;
@@ -50,6 +51,8 @@ const CACHE_PASSES: u64 = 120;
 /// table), with a cache of resolved addresses kept between passes.
 pub struct ProcessSymbolizer {
     cache: HashMap<u64, CacheEntry>,
+    /// The cached frames' strings.
+    strings: Strings,
     pass: u64,
     objects: Option<Vec<ObjectDebug>>,
     max_entries: usize,
@@ -156,8 +159,78 @@ impl Mappings {
 const PAGE: u64 = 4096;
 
 struct CacheEntry {
-    frames: Box<[ResolvedFrame]>,
+    frames: Box<[CachedFrame]>,
     last_pass: u64,
+}
+
+/// A resolved frame as the cache keeps it: its strings shared through [`Strings`]. The
+/// addresses of one function share its names and file, and most frames share a few files: as
+/// three owned strings per frame, the cache held about 1.2 KB per address.
+struct CachedFrame {
+    name: Arc<str>,
+    system_name: Arc<str>,
+    filename: Arc<str>,
+    line: i64,
+    start_line: i64,
+}
+
+impl CachedFrame {
+    fn to_resolved(&self) -> ResolvedFrame {
+        ResolvedFrame {
+            name: self.name.as_ref().to_owned(),
+            system_name: self.system_name.as_ref().to_owned(),
+            filename: self.filename.as_ref().to_owned(),
+            line: self.line,
+            start_line: self.start_line,
+        }
+    }
+}
+
+/// The cache's strings, each kept once. A string no cached frame uses any more goes at the end
+/// of the pass that dropped its last user.
+#[derive(Default)]
+struct Strings(HashSet<Arc<str>>);
+
+impl Strings {
+    fn get(&mut self, s: &str) -> Arc<str> {
+        if let Some(a) = self.0.get(s) {
+            return a.clone();
+        }
+        let a: Arc<str> = Arc::from(s);
+        self.0.insert(a.clone());
+        a
+    }
+
+    fn frame(&mut self, f: &ResolvedFrame) -> CachedFrame {
+        CachedFrame {
+            name: self.get(&f.name),
+            system_name: self.get(&f.system_name),
+            filename: self.get(&f.filename),
+            line: f.line,
+            start_line: f.start_line,
+        }
+    }
+
+    fn entry(&mut self, frames: &[ResolvedFrame], last_pass: u64) -> CacheEntry {
+        CacheEntry {
+            frames: frames.iter().map(|f| self.frame(f)).collect(),
+            last_pass,
+        }
+    }
+
+    /// Drops the strings only this table still holds.
+    fn trim(&mut self) {
+        self.0.retain(|a| Arc::strong_count(a) > 1);
+        if self.0.capacity() > 4 * self.0.len().max(64) {
+            self.0.shrink_to_fit();
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        // Each Arc<str> allocation: two counters and the bytes.
+        self.0.capacity() * (std::mem::size_of::<Arc<str>>() + 1)
+            + self.0.iter().map(|a| 16 + a.len()).sum::<usize>()
+    }
 }
 
 impl Default for ProcessSymbolizer {
@@ -171,6 +244,7 @@ impl ProcessSymbolizer {
     pub fn new() -> Self {
         ProcessSymbolizer {
             cache: HashMap::new(),
+            strings: Strings::default(),
             pass: 0,
             objects: None,
             max_entries: MAX_CACHED_ADDRESSES,
@@ -189,6 +263,7 @@ impl ProcessSymbolizer {
         if unloads != self.unloads {
             self.unloads = unloads;
             self.cache.clear();
+            self.strings = Strings::default();
             self.indexes.clear();
             // What was found of an unloaded object must not pass to another at its place.
             self.mappings = Mappings::default();
@@ -218,6 +293,7 @@ impl ProcessSymbolizer {
         if self.cache.capacity() > 4 * self.cache.len().max(64) {
             self.cache.shrink_to_fit();
         }
+        self.strings.trim();
         self.kept_bytes = self.estimate_kept_bytes();
     }
 
@@ -237,13 +313,9 @@ impl ProcessSymbolizer {
         let slot = size_of::<u64>() + size_of::<CacheEntry>() + 1;
         let mut n = self.cache.capacity() * slot;
         for e in self.cache.values() {
-            n += e.frames.len() * size_of::<ResolvedFrame>();
-            n += e
-                .frames
-                .iter()
-                .map(|f| f.name.capacity() + f.system_name.capacity() + f.filename.capacity())
-                .sum::<usize>();
+            n += e.frames.len() * size_of::<CachedFrame>();
         }
+        n += self.strings.bytes();
         n += self.mappings.bytes();
         for ((_, file), index) in &self.indexes {
             n += file.capacity() + size_of::<(u64, String)>() + size_of::<Option<UnitIndex>>();
@@ -439,13 +511,8 @@ impl Symbolizer for ProcessSymbolizer {
         let frames = self.lookup(&todo);
         // Kept for this pass at least, whatever the cache's budget (trimmed at its end).
         for (a, frames) in todo.into_iter().zip(frames) {
-            self.cache.insert(
-                a,
-                CacheEntry {
-                    frames,
-                    last_pass: pass,
-                },
-            );
+            let entry = self.strings.entry(&frames, pass);
+            self.cache.insert(a, entry);
         }
     }
 
@@ -453,20 +520,15 @@ impl Symbolizer for ProcessSymbolizer {
         let pass = self.pass;
         if let Some(e) = self.cache.get_mut(&address) {
             e.last_pass = pass;
-            out.extend(e.frames.iter().cloned());
+            out.extend(e.frames.iter().map(CachedFrame::to_resolved));
             return;
         }
         let frames = self.lookup(&[address]).pop().unwrap_or_default();
-        out.extend(frames.iter().cloned());
         if self.cache.len() < self.max_entries {
-            self.cache.insert(
-                address,
-                CacheEntry {
-                    frames,
-                    last_pass: pass,
-                },
-            );
+            let entry = self.strings.entry(&frames, pass);
+            self.cache.insert(address, entry);
         }
+        out.extend(frames.into_vec());
     }
 }
 
@@ -1187,6 +1249,28 @@ mod tests {
     #[inline(never)]
     fn a_known_function() -> u64 {
         std::hint::black_box(a_known_function as *const () as usize as u64)
+    }
+
+    /// Addresses of one function share its strings in the cache, cache hits give the same
+    /// frames as the lookup did, and strings go with the last entry using them.
+    #[test]
+    fn cached_frames_share_their_strings_and_drop_them_with_the_entries() {
+        let base = a_known_function();
+        let addrs: Vec<u64> = (1..5).map(|k| base + k).collect();
+        let mut s = ProcessSymbolizer::new();
+        let first: Vec<Vec<ResolvedFrame>> =
+            s.pass(|s| addrs.iter().map(|&a| s.resolve(a)).collect());
+        assert_eq!(s.cached_addresses(), addrs.len());
+        // One name, one linkage name, one file (and the empty string at most) for all four.
+        assert!(s.strings.0.len() <= 4, "{} strings", s.strings.0.len());
+        let again: Vec<Vec<ResolvedFrame>> =
+            s.pass(|s| addrs.iter().map(|&a| s.resolve(a)).collect());
+        assert_eq!(first, again);
+        for _ in 0..CACHE_PASSES {
+            s.pass(|_| ());
+        }
+        assert_eq!(s.cached_addresses(), 0);
+        assert!(s.strings.0.is_empty(), "{} strings left", s.strings.0.len());
     }
 
     #[test]
