@@ -321,6 +321,49 @@ fn a_program_that_execs_writes_its_profile_and_the_new_image_its_own() {
     only_through(&files[1], "fixture_after_exec", &["fixture_before_exec"]);
 }
 
+/// An exec into a program of another name (here a copy of the fixture, `zz_fixture`, whose
+/// name sorts after the first one's): `record` counts one process, and the command's last
+/// profile (moved to `-o FILE`, shown in the tables) is the last image's.
+#[test]
+fn the_commands_last_profile_is_its_last_images() {
+    let dir = work_dir("exec-renamed");
+    let copy = dir.join("zz_fixture");
+    std::fs::copy(fixture(false), &copy).unwrap();
+    let file = dir.join("out.pprof");
+    let out = record(
+        &[
+            "--profiles",
+            "cpu,heap",
+            "--alloc-interval",
+            "64K",
+            "-o",
+            file.to_str().unwrap(),
+        ],
+        fixture(false),
+        &["exec-l", copy.to_str().unwrap()],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains("profiles: 2 from 1 process(es)"),
+        "{stdout}"
+    );
+    only_through(&file, "fixture_after_exec", &["fixture_before_exec"]);
+    let before = profiles(&dir);
+    assert_eq!(before.len(), 1, "{before:?}\n{stdout}");
+    assert!(
+        before[0]
+            .1
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("record_fixture."),
+        "{before:?}"
+    );
+    only_through(&before[0].1, "fixture_before_exec", &["fixture_after_exec"]);
+}
+
 /// execve with an environment of the program's own, without LD_PRELOAD and the settings: the
 /// new image is profiled all the same.
 #[test]
