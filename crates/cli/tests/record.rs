@@ -364,12 +364,53 @@ fn the_commands_last_profile_is_its_last_images() {
     only_through(&before[0].1, "fixture_before_exec", &["fixture_after_exec"]);
 }
 
-/// execve with an environment of the program's own, without LD_PRELOAD and the settings: the
-/// new image is profiled all the same.
+/// A shell script that runs a program, then `exec`s another: the shell writes its own profile
+/// before the exec, and the program it becomes writes its own under the same pid.
+#[test]
+fn a_shell_script_that_execs_keeps_both_profiles() {
+    let dir = work_dir("sh-exec");
+    let fx = fixture(false).to_str().unwrap();
+    let script = format!("'{fx}' leaf; exec '{fx}' after-exec");
+    let out = record(
+        &[
+            "--profiles",
+            "cpu,heap",
+            "--alloc-interval",
+            "64K",
+            "-o",
+            dir.to_str().unwrap(),
+        ],
+        Path::new("/bin/sh"),
+        &["-c", &script],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let files = profiles(&dir);
+    // The shell's pid: its own profile and the exec'd fixture's; the `leaf` child: one.
+    let mut by_pid: std::collections::BTreeMap<i32, Vec<PathBuf>> = Default::default();
+    for (pid, f) in &files {
+        by_pid.entry(*pid).or_default().push(f.clone());
+    }
+    assert_eq!(by_pid.len(), 2, "{files:?}\n{stdout}");
+    assert!(stdout.contains("from 2 process(es)"), "{stdout}");
+    let shell = by_pid
+        .values()
+        .find(|v| v.len() == 2)
+        .unwrap_or_else(|| panic!("no pid with two profiles: {files:?}"));
+    let name = |p: &PathBuf| p.file_name().unwrap().to_str().unwrap().to_owned();
+    let (sh, after): (Vec<_>, Vec<_>) = shell.iter().partition(|p| name(p).starts_with("sh."));
+    assert_eq!((sh.len(), after.len()), (1, 1), "{shell:?}");
+    load(sh[0]); // a profile, though a shell that waited does little
+    only_through(after[0], "fixture_after_exec", &["fixture_before_exec"]);
+}
+
+/// An exec with an environment without LD_PRELOAD and the settings: the new image is profiled
+/// all the same.
 #[test]
 fn an_exec_with_an_environment_lacking_ld_preload_is_still_profiled() {
-    // A small environment (fixed up on the stack) and a large one (in a mapping).
-    for mode in ["exec-env", "exec-env-big"] {
+    // A small environment (fixed up on the stack) and a large one (in a mapping), through
+    // execve and fexecve; and the process's own, stripped with unsetenv, through execvp.
+    for mode in ["exec-env", "exec-env-big", "exec-fd", "exec-unset"] {
         let (stdout, files) = record_exec(mode);
         assert_eq!(files.len(), 2, "{mode}: {files:?}\n{stdout}");
         only_through(&files[0], "fixture_before_exec", &["fixture_after_exec"]);
