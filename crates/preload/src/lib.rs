@@ -112,12 +112,34 @@ fn start() {
     }
 }
 
+/// Takes the running profiler out of GUARD. In a forked child the lock may have been held at
+/// the fork by a thread that does not exist there (the progress writer reads the counters under
+/// it) and would never be released: a forked child gives up on a lock it cannot take.
+fn take_guard() -> Option<ProfilerGuard> {
+    // SAFETY: getpid has no preconditions.
+    let forked = unsafe { libc::getpid() } != STARTED_PID.load(std::sync::atomic::Ordering::SeqCst);
+    let mut held = if forked {
+        match GUARD.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                eprintln!(
+                    "ferroprof: the profiler is held by a thread lost in the fork: no profile"
+                );
+                return None;
+            }
+        }
+    } else {
+        GUARD.lock().unwrap_or_else(|e| e.into_inner())
+    };
+    RUNNING.store(false, std::sync::atomic::Ordering::SeqCst);
+    held.take()
+}
+
 extern "C" fn at_exit() {
     progress::stop();
     let stop = || {
-        let guard = GUARD.lock().unwrap_or_else(|e| e.into_inner()).take();
-        RUNNING.store(false, std::sync::atomic::Ordering::SeqCst);
-        let Some(guard) = guard else { return };
+        let Some(guard) = take_guard() else { return };
         // SAFETY: getpid has no preconditions.
         let pid = unsafe { libc::getpid() };
         if pid != STARTED_PID.load(std::sync::atomic::Ordering::SeqCst) {
@@ -141,9 +163,9 @@ pub(crate) fn stop_for_exec() -> bool {
         return false;
     }
     let stop = || {
-        let guard = GUARD.lock().unwrap_or_else(|e| e.into_inner()).take();
-        RUNNING.store(false, std::sync::atomic::Ordering::SeqCst);
-        let Some(guard) = guard else { return false };
+        let Some(guard) = take_guard() else {
+            return false;
+        };
         progress::stop();
         let signal = guard.stats().signal;
         if let Err(e) = guard.stop() {
