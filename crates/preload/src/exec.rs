@@ -100,7 +100,8 @@ extern "C" fn forked() {
 /// (`dlopen`, a dependency): then the environment is none of its business.
 fn preloaded_as() -> Option<Vec<u8>> {
     use std::os::unix::ffi::OsStrExt;
-    let mut info: libc::Dl_info = unsafe_zeroed();
+    // SAFETY: Dl_info is a plain C struct (pointers): all-zero is a valid value.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
     // SAFETY: `init` is code of this library; `info` is valid for a write.
     let found = unsafe { libc::dladdr(init as *const c_void, &mut info) } != 0;
     if !found || info.dli_fname.is_null() {
@@ -114,11 +115,6 @@ fn preloaded_as() -> Option<Vec<u8>> {
         .split(|&b| b == b':' || b == b' ')
         .find(|e| !e.is_empty() && (*e == me || file(e) == file(me)))
         .map(<[u8]>::to_vec)
-}
-
-fn unsafe_zeroed<T>() -> T {
-    // SAFETY: only used for plain C structs, for which all-zero is a valid value.
-    unsafe { std::mem::zeroed() }
 }
 
 /// Writes this process's profile before an exec, when it has one of its own; true when the
