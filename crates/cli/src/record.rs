@@ -564,12 +564,20 @@ fn report(
     profiles: ferroprof::Profiles,
     n: usize,
 ) -> anyhow::Result<()> {
-    let procs = written.len();
+    // An exec keeps the pid under a new command name: processes are pids.
+    let procs = written
+        .keys()
+        .map(|(_, p)| *p)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
     let count: usize = written.values().map(Vec::len).sum();
+    // The command's last profile: that of its last image when it exec'd, written last.
     let original = written
         .iter()
-        .find(|((_, p), _)| *p == pid)
-        .and_then(|(_, v)| v.last().cloned());
+        .filter(|((_, p), _)| *p == pid)
+        .filter_map(|(_, v)| v.last())
+        .max_by_key(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
+        .cloned();
     let main_last = match (&original, file) {
         (Some(last), Some(file)) => {
             std::fs::rename(last, file).map_err(|e| {
@@ -621,9 +629,8 @@ fn report(
     }
     let Some(last) = main_last else {
         println!(
-            "the command wrote no profile: it may have ended with _exit() or SIGKILL, exec'd \
-             into a program that did not return, or not loaded the preload library (see the \
-             messages above)"
+            "the command wrote no profile: it may have ended with _exit() or SIGKILL, or not \
+             loaded the preload library (see the messages above)"
         );
         return Ok(());
     };

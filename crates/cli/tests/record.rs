@@ -247,6 +247,248 @@ fn forked_and_execd_children_write_their_own_profiles() {
     }
 }
 
+/// Runs the fixture in an exec `mode` at 64 KiB (cpu and heap); returns `record`'s stdout and
+/// the profiles, which must all be the command's (an exec keeps the pid), in the order written.
+fn record_exec(mode: &str) -> (String, Vec<PathBuf>) {
+    let dir = work_dir(mode);
+    let out = record(
+        &[
+            "--profiles",
+            "cpu,heap",
+            "--alloc-interval",
+            "64K",
+            "-o",
+            dir.to_str().unwrap(),
+        ],
+        fixture(false),
+        &[mode],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let files = profiles(&dir);
+    for (_, f) in &files {
+        assert!(
+            stdout.contains(f.to_str().unwrap()),
+            "{} not listed: {stdout}",
+            f.display()
+        );
+    }
+    // `<command>.<pid>.<n>.pprof`, one pid: by n.
+    let mut files: Vec<PathBuf> = files.into_iter().map(|f| f.1).collect();
+    let n = |p: &PathBuf| -> u32 {
+        let name = p.file_stem().unwrap().to_str().unwrap();
+        name.rsplit('.').next().unwrap().parse().unwrap()
+    };
+    files.sort_by_key(n);
+    (stdout, files)
+}
+
+/// `profile` has CPU time and about 8 MiB live through `own` (the fixture function of one
+/// image or phase), and nothing through any of `others`.
+fn only_through(profile: &Path, own: &str, others: &[&str]) {
+    let p = load(profile);
+    let shown = profile.display();
+    assert!(
+        through(&p, "cpu-time", own) > 0,
+        "{shown}: no CPU time in {own}"
+    );
+    let live = through(&p, "heap-live-size", own);
+    assert!(
+        (4 << 20..16 << 20).contains(&live),
+        "{shown}: {live} bytes live through {own}, about 8 MiB expected"
+    );
+    for other in others {
+        assert_eq!(
+            through(&p, "cpu-time", other),
+            0,
+            "{shown}: CPU time in {other}"
+        );
+        assert_eq!(
+            through(&p, "heap-live-size", other),
+            0,
+            "{shown}: live in {other}"
+        );
+    }
+}
+
+/// A program that execs (here: itself, so the same pid and command name) writes the profile of
+/// what it did before, and the new image writes its own, under a name not yet taken.
+#[test]
+fn a_program_that_execs_writes_its_profile_and_the_new_image_its_own() {
+    let (stdout, files) = record_exec("exec-l");
+    assert_eq!(files.len(), 2, "{files:?}\n{stdout}");
+    only_through(&files[0], "fixture_before_exec", &["fixture_after_exec"]);
+    only_through(&files[1], "fixture_after_exec", &["fixture_before_exec"]);
+}
+
+/// An exec into a program of another name (here a copy of the fixture, `zz_fixture`, whose
+/// name sorts after the first one's): `record` counts one process, and the command's last
+/// profile (moved to `-o FILE`, shown in the tables) is the last image's.
+#[test]
+fn the_commands_last_profile_is_its_last_images() {
+    let dir = work_dir("exec-renamed");
+    let copy = dir.join("zz_fixture");
+    std::fs::copy(fixture(false), &copy).unwrap();
+    let file = dir.join("out.pprof");
+    let out = record(
+        &[
+            "--profiles",
+            "cpu,heap",
+            "--alloc-interval",
+            "64K",
+            "-o",
+            file.to_str().unwrap(),
+        ],
+        fixture(false),
+        &["exec-l", copy.to_str().unwrap()],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains("profiles: 2 from 1 process(es)"),
+        "{stdout}"
+    );
+    only_through(&file, "fixture_after_exec", &["fixture_before_exec"]);
+    let before = profiles(&dir);
+    assert_eq!(before.len(), 1, "{before:?}\n{stdout}");
+    assert!(
+        before[0]
+            .1
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("record_fixture."),
+        "{before:?}"
+    );
+    only_through(&before[0].1, "fixture_before_exec", &["fixture_after_exec"]);
+}
+
+/// A shell script that runs a program, then `exec`s another: the shell writes its own profile
+/// before the exec, and the program it becomes writes its own under the same pid.
+#[test]
+fn a_shell_script_that_execs_keeps_both_profiles() {
+    let dir = work_dir("sh-exec");
+    let fx = fixture(false).to_str().unwrap();
+    let script = format!("'{fx}' leaf; exec '{fx}' after-exec");
+    let out = record(
+        &[
+            "--profiles",
+            "cpu,heap",
+            "--alloc-interval",
+            "64K",
+            "-o",
+            dir.to_str().unwrap(),
+        ],
+        Path::new("/bin/sh"),
+        &["-c", &script],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let files = profiles(&dir);
+    // The shell's pid: its own profile and the exec'd fixture's; the `leaf` child: one.
+    let mut by_pid: std::collections::BTreeMap<i32, Vec<PathBuf>> = Default::default();
+    for (pid, f) in &files {
+        by_pid.entry(*pid).or_default().push(f.clone());
+    }
+    assert_eq!(by_pid.len(), 2, "{files:?}\n{stdout}");
+    assert!(stdout.contains("from 2 process(es)"), "{stdout}");
+    let shell = by_pid
+        .values()
+        .find(|v| v.len() == 2)
+        .unwrap_or_else(|| panic!("no pid with two profiles: {files:?}"));
+    let name = |p: &PathBuf| p.file_name().unwrap().to_str().unwrap().to_owned();
+    let (sh, after): (Vec<_>, Vec<_>) = shell.iter().partition(|p| name(p).starts_with("sh."));
+    assert_eq!((sh.len(), after.len()), (1, 1), "{shell:?}");
+    load(sh[0]); // a profile, though a shell that waited does little
+    only_through(after[0], "fixture_after_exec", &["fixture_before_exec"]);
+}
+
+/// An exec with an environment without LD_PRELOAD and the settings: the new image is profiled
+/// all the same.
+#[test]
+fn an_exec_with_an_environment_lacking_ld_preload_is_still_profiled() {
+    // A small environment (fixed up on the stack) and a large one (in a mapping), through
+    // execve and fexecve; and the process's own, stripped with unsetenv, through execvp.
+    for mode in ["exec-env", "exec-env-big", "exec-fd", "exec-unset"] {
+        let (stdout, files) = record_exec(mode);
+        assert_eq!(files.len(), 2, "{mode}: {files:?}\n{stdout}");
+        only_through(&files[0], "fixture_before_exec", &["fixture_after_exec"]);
+        only_through(&files[1], "fixture_after_exec", &["fixture_before_exec"]);
+        // The settings came along: `--profiles cpu,heap`, no allocation profile.
+        let new_image = load(&files[1]);
+        assert!(new_image.value_index("heap-live-size").is_some());
+        assert!(
+            new_image.value_index("alloc-space").is_none(),
+            "{mode}: the new image ran with the default profiles"
+        );
+    }
+}
+
+/// An exec that fails has written the profile so far; profiling goes on in the process, which
+/// writes what it does afterwards at exit.
+#[test]
+fn a_failed_exec_leaves_the_profiler_working() {
+    let (stdout, files) = record_exec("exec-fail");
+    assert_eq!(files.len(), 2, "{files:?}\n{stdout}");
+    only_through(
+        &files[0],
+        "fixture_before_exec",
+        &["fixture_after_failed_exec"],
+    );
+    // The blocks kept live before the exec are not in the restarted profiler's heap (see
+    // docs/record.md): only the CPU time is checked for them.
+    let after = load(&files[1]);
+    assert_eq!(through(&after, "cpu-time", "fixture_before_exec"), 0);
+    assert!(through(&after, "cpu-time", "fixture_after_failed_exec") > 0);
+    let live = through(&after, "heap-live-size", "fixture_after_failed_exec");
+    assert!(
+        (4 << 20..16 << 20).contains(&live),
+        "{live} bytes live through fixture_after_failed_exec, about 8 MiB expected"
+    );
+}
+
+/// A vfork child shares its parent's memory: its exec must not stop (nor write) the parent's
+/// profiler. The parent's one profile covers before and after; the child's image writes its own.
+#[test]
+fn an_exec_from_a_vfork_child_leaves_the_parents_profiler_alone() {
+    let dir = work_dir("vfork");
+    let out = record(
+        &[
+            "--profiles",
+            "cpu,heap",
+            "--alloc-interval",
+            "64K",
+            "-o",
+            dir.to_str().unwrap(),
+        ],
+        fixture(false),
+        &["vfork"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let files = profiles(&dir);
+    assert_eq!(files.len(), 2, "{files:?}\n{stdout}");
+    assert_ne!(files[0].0, files[1].0, "{files:?}");
+    let (parent, child): (Vec<_>, Vec<_>) = files
+        .iter()
+        .partition(|(_, f)| through(&load(f), "cpu-time", "fixture_after_vfork") > 0);
+    assert_eq!((parent.len(), child.len()), (1, 1), "{files:?}");
+    let parent = load(&parent[0].1);
+    for f in ["fixture_before_exec", "fixture_after_vfork"] {
+        assert!(
+            through(&parent, "cpu-time", f) > 0,
+            "parent: no CPU time in {f}"
+        );
+        let live = through(&parent, "heap-live-size", f);
+        assert!(
+            (4 << 20..16 << 20).contains(&live),
+            "parent: {live} live in {f}"
+        );
+    }
+    only_through(&child[0].1, "fixture_after_exec", &["fixture_before_exec"]);
+}
+
 #[test]
 fn exit_from_another_thread_writes_the_last_profile_to_the_named_file() {
     let dir = work_dir("exit-thread");

@@ -9,9 +9,9 @@ use ferroprof::export::{ExportError, ExportedProfile, Exporter};
 /// Profiles this process wrote (a forked child carries on the count; its pid tells it apart).
 static WRITTEN: AtomicU32 = AtomicU32::new(0);
 
-/// Writes each profile to `<dir>/<command>.<pid>.<n>.pprof` (`n` from 1), atomically (a
-/// temporary file renamed), so `ferroprof record` never reads half a profile. The pid and
-/// command are read at each write: a forked child writes under its own pid.
+/// Writes each profile to `<dir>/<command>.<pid>.<n>.pprof` (`n` from 1, the first unused),
+/// atomically (a temporary file linked), so `ferroprof record` never reads half a profile. The
+/// pid and command are read at each write: a forked child writes under its own pid.
 pub(crate) struct PerProcessFiles {
     dir: PathBuf,
 }
@@ -51,10 +51,8 @@ impl Exporter for PerProcessFiles {
     }
 
     fn export(&mut self, profile: &ExportedProfile) -> Result<(), ExportError> {
-        let n = WRITTEN.fetch_add(1, Ordering::Relaxed) + 1;
-        let name = format!("{}.{}.{n}.pprof", command_name(), std::process::id());
-        let path = self.dir.join(&name);
-        let tmp = self.dir.join(format!(".{name}.tmp"));
+        let (command, pid) = (command_name(), std::process::id());
+        let tmp = self.dir.join(format!(".{command}.{pid}.tmp"));
         let io = |p: &PathBuf| {
             let p = p.display().to_string();
             move |source| ExportError::Io { path: p, source }
@@ -62,9 +60,19 @@ impl Exporter for PerProcessFiles {
         let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
         f.write_all(&profile.encoded.bytes).map_err(io(&tmp))?;
         drop(f);
-        std::fs::rename(&tmp, &path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            io(&path)(e)
-        })
+        // Linked, not renamed, so a name in use is never replaced: an image exec'd by this
+        // process has the same pid, maybe the same command, and counts from 1 again.
+        let result = loop {
+            let n = WRITTEN.fetch_add(1, Ordering::Relaxed) + 1;
+            let path = self.dir.join(format!("{command}.{pid}.{n}.pprof"));
+            match std::fs::hard_link(&tmp, &path) {
+                Ok(()) => break Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                // A file system without hard links: renamed, as close as it gets.
+                Err(_) => break std::fs::rename(&tmp, &path).map_err(io(&path)),
+            }
+        };
+        let _ = std::fs::remove_file(&tmp);
+        result
     }
 }

@@ -12,8 +12,11 @@
 //!   `<command>.<pid>.<n>.pprof`: every process (forked or exec'd children too) writes its own.
 //! * The last profile is written at exit (`exit()` from any thread, or a return from `main`:
 //!   an `atexit` handler) and on `SIGTERM`, `SIGINT`, `SIGHUP` and `SIGQUIT` (the profiler's
-//!   flush on termination), after which the signal takes its course.
+//!   flush on termination), after which the signal takes its course, and before an `exec`
+//!   (`exec`: the exec family, interposed; the new image gets the library and the settings
+//!   even when the program passes an environment without them).
 
+mod exec;
 mod exporter;
 mod hooks;
 mod progress;
@@ -27,6 +30,11 @@ use ferroprof::{Profiler, ProfilerGuard};
 static GUARD: Mutex<Option<ProfilerGuard>> = Mutex::new(None);
 /// The process that started the profiler (a forked child differs).
 static STARTED_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+/// Whether GUARD holds a profiler: read before locking GUARD on the exec path, which a forked
+/// child may take (a lock held by another thread at the fork would never be released there).
+static RUNNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Whether the exit handler is registered (once, though a failed exec starts the profiler again).
+static AT_EXIT_SET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Run by the dynamic loader when the library is loaded, before the program's `main`.
 #[used]
@@ -35,6 +43,9 @@ static INIT: extern "C" fn() = init;
 
 extern "C" fn init() {
     // A panic must not unwind into the loader (nor abort the program): profiling just stays off.
+    if std::panic::catch_unwind(exec::init).is_err() {
+        eprintln!("ferroprof: internal error while starting; exec'd programs may run unprofiled");
+    }
     if std::panic::catch_unwind(start).is_err() {
         eprintln!("ferroprof: internal error while starting; the program runs unprofiled");
     }
@@ -75,13 +86,16 @@ fn start() {
     match started {
         Ok(guard) => {
             *GUARD.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);
+            RUNNING.store(true, std::sync::atomic::Ordering::SeqCst);
             // SAFETY: getpid has no preconditions.
             STARTED_PID.store(
                 unsafe { libc::getpid() },
                 std::sync::atomic::Ordering::SeqCst,
             );
             // SAFETY: registers a function of the right type; runs at `exit()` from any thread.
-            if unsafe { libc::atexit(at_exit) } != 0 {
+            if !AT_EXIT_SET.swap(true, std::sync::atomic::Ordering::SeqCst)
+                && unsafe { libc::atexit(at_exit) } != 0
+            {
                 eprintln!("ferroprof: cannot register the exit handler: no profile at exit");
             }
             if let Some(dir) = std::env::var_os(progress::ENV).filter(|d| !d.is_empty()) {
@@ -98,11 +112,34 @@ fn start() {
     }
 }
 
+/// Takes the running profiler out of GUARD. In a forked child the lock may have been held at
+/// the fork by a thread that does not exist there (the progress writer reads the counters under
+/// it) and would never be released: a forked child gives up on a lock it cannot take.
+fn take_guard() -> Option<ProfilerGuard> {
+    // SAFETY: getpid has no preconditions.
+    let forked = unsafe { libc::getpid() } != STARTED_PID.load(std::sync::atomic::Ordering::SeqCst);
+    let mut held = if forked {
+        match GUARD.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                eprintln!(
+                    "ferroprof: the profiler is held by a thread lost in the fork: no profile"
+                );
+                return None;
+            }
+        }
+    } else {
+        GUARD.lock().unwrap_or_else(|e| e.into_inner())
+    };
+    RUNNING.store(false, std::sync::atomic::Ordering::SeqCst);
+    held.take()
+}
+
 extern "C" fn at_exit() {
     progress::stop();
     let stop = || {
-        let guard = GUARD.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some(guard) = guard else { return };
+        let Some(guard) = take_guard() else { return };
         // SAFETY: getpid has no preconditions.
         let pid = unsafe { libc::getpid() };
         if pid != STARTED_PID.load(std::sync::atomic::Ordering::SeqCst) {
@@ -116,5 +153,36 @@ extern "C" fn at_exit() {
     };
     if std::panic::catch_unwind(stop).is_err() {
         eprintln!("ferroprof: internal error while writing the last profile");
+    }
+}
+
+/// Before an exec, in a process with a profile of its own: stops the profiler, which writes
+/// its last profile. True when it was running (see [`restart_after_failed_exec`]).
+pub(crate) fn stop_for_exec() -> bool {
+    if !RUNNING.load(std::sync::atomic::Ordering::SeqCst) {
+        return false;
+    }
+    let stop = || {
+        let Some(guard) = take_guard() else {
+            return false;
+        };
+        progress::stop();
+        let signal = guard.stats().signal;
+        if let Err(e) = guard.stop() {
+            eprintln!("ferroprof: the profile before exec: {e}");
+        }
+        exec::drain_signal(signal);
+        true
+    };
+    std::panic::catch_unwind(stop).unwrap_or_else(|_| {
+        eprintln!("ferroprof: internal error while writing the profile before exec");
+        false
+    })
+}
+
+/// After an exec that failed (returned): the process goes on, profiled again from here.
+pub(crate) fn restart_after_failed_exec() {
+    if std::panic::catch_unwind(start).is_err() {
+        eprintln!("ferroprof: internal error while restarting after a failed exec");
     }
 }

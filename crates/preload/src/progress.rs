@@ -3,20 +3,23 @@
 //! `<dir>/<pid>` twice a second. `record` sets it only when its stderr is a terminal.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use ferroprof::ProfilerStats;
 
 pub(crate) const ENV: &str = "FERROPROF_RECORD_PROGRESS";
 
-static STOPPING: AtomicBool = AtomicBool::new(false);
+/// Bumped by [`stop`]: a writer runs while the generation it started in is current (a failed
+/// exec stops the profiler and starts it again).
+static GENERATION: AtomicU32 = AtomicU32::new(0);
 
 /// Starts the writer; `stats` reads the running profiler's counters (None once stopped).
 pub(crate) fn start(dir: PathBuf, stats: impl Fn() -> Option<ProfilerStats> + Send + 'static) {
     let path = dir.join(std::process::id().to_string());
+    let generation = GENERATION.load(Ordering::SeqCst);
     let spawned = ferroprof::__spawn_own_thread("ferroprof-progress", move || {
-        while !STOPPING.load(Ordering::SeqCst) {
+        while GENERATION.load(Ordering::SeqCst) == generation {
             std::thread::sleep(Duration::from_millis(500));
             let Some(s) = stats() else { break };
             // A torn read on the other side is skipped there; no need for a rename.
@@ -28,7 +31,7 @@ pub(crate) fn start(dir: PathBuf, stats: impl Fn() -> Option<ProfilerStats> + Se
     }
 }
 
-/// Stops the writer (at exit, before the last profile).
+/// Stops the writer (at exit or exec, before the last profile).
 pub(crate) fn stop() {
-    STOPPING.store(true, Ordering::SeqCst);
+    GENERATION.fetch_add(1, Ordering::SeqCst);
 }

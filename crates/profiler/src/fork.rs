@@ -347,6 +347,14 @@ pub fn after_fork() {
     RESTART.store(IDLE, Ordering::Release);
 }
 
+/// Preload support, not API: whether this is a forked child whose profiler threads have not
+/// started yet (see [`resume_if_pending`]): its profile is empty, it has nothing of its own to
+/// write. One atomic load: async-signal-safe, usable right after `fork`.
+#[doc(hidden)]
+pub fn __restart_pending() -> bool {
+    RESTART.load(Ordering::Acquire) == PENDING
+}
+
 /// The locks of the running profiler that [`__hold_lock`] can hold (tests).
 #[doc(hidden)]
 pub const __LOCKS: &[&str] = &[

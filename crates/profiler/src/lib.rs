@@ -89,7 +89,7 @@ pub use error::ProfilerError;
 pub use ferroprof_recorder as recorder;
 pub use fork::after_fork;
 #[doc(hidden)]
-pub use fork::{__hold_lock, __walk_loader, __LOCKS};
+pub use fork::{__hold_lock, __restart_pending, __walk_loader, __LOCKS};
 pub use profiler::{
     Profiler, ProfilerBuilder, ProfilerGuard, ProfilerStats, DEFAULT_CPU_HZ,
     DEFAULT_MAX_PROFILE_BYTES, DEFAULT_OUTPUT_DIR, DEFAULT_PERIOD, MAX_CPU_HZ, MIN_PERIOD,
