@@ -430,11 +430,14 @@ mod tests {
         std::hint::black_box((a, b));
     }
 
+    /// Where thread `tid` blocks in `poll` (other than at `not`). Only `poll` counts: the
+    /// thread's `tx.send` wakes the test's `recv` from inside a futex call, and a read of
+    /// /proc taken before that call returned gave a stack that was never blocked.
     fn blocked_at(tid: i32, not: Option<(u64, u64)>) -> (u64, u64) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
-            if let TaskSyscall::InSyscall { sp, pc, .. } = task_syscall(None, tid) {
-                if Some((sp, pc)) != not {
+            if let TaskSyscall::InSyscall { nr, sp, pc } = task_syscall(None, tid) {
+                if (nr == libc::SYS_poll || nr == libc::SYS_ppoll) && Some((sp, pc)) != not {
                     return (sp, pc);
                 }
             }
