@@ -205,6 +205,9 @@ pub(crate) fn register() {
     });
 }
 
+/// Whether `prepare` took the kept blocks' lock (see `alloc::keep`).
+static KEEP_LOCKED: AtomicBool = AtomicBool::new(false);
+
 extern "C" fn prepare() {
     crate::labels::before_fork();
     close_gate();
@@ -215,9 +218,12 @@ extern "C" fn prepare() {
             IN_FORK.store(Arc::into_raw(sh) as *mut Shared, Ordering::SeqCst);
         }
     });
+    // Last: nothing above may allocate a kept block while the lock is held here.
+    KEEP_LOCKED.store(crate::alloc::keep::before_fork(), Ordering::SeqCst);
 }
 
 extern "C" fn parent() {
+    crate::alloc::keep::after_fork(false, KEEP_LOCKED.swap(false, Ordering::SeqCst));
     crate::labels::after_fork(false);
     let p = IN_FORK.swap(std::ptr::null_mut(), Ordering::SeqCst);
     if !p.is_null() {
@@ -229,6 +235,7 @@ extern "C" fn parent() {
 }
 
 extern "C" fn child() {
+    crate::alloc::keep::after_fork(true, KEEP_LOCKED.swap(false, Ordering::SeqCst));
     let p = IN_FORK.swap(std::ptr::null_mut(), Ordering::SeqCst);
     // A restart under way in the parent (another thread inside `resume_slow`) is not this
     // child's: its thread did not survive the fork.

@@ -975,6 +975,11 @@ pub struct ProfilerStats {
     pub heap_tracked_objects: u64,
     /// Bytes the heap profile's allocation totals since the start take.
     pub alloc_totals_bytes: u64,
+    /// Bytes of the profiler's private blocks in use: what recording allocation samples on
+    /// application threads allocated (table growth of the recorder, the live-heap records and
+    /// the totals), kept out of the application's allocator; 0 when the sampling allocator is
+    /// not the global allocator.
+    pub private_heap_bytes: u64,
     /// Encoded profiles waiting in the exporters' queues, in bytes (a profile waiting for two
     /// exporters counts twice); more than a few profiles' worth means an exporter falls behind.
     pub export_queue_bytes: u64,
@@ -1132,6 +1137,7 @@ impl ProfilerGuard {
             heap_tracked_objects: heap.as_ref().map_or(0, |h| h.num_object_records),
             heap_contexts: heap.as_ref().map_or(0, |h| h.num_contexts),
             labels: crate::labels::stats(),
+            private_heap_bytes: crate::alloc::keep::bytes_in_use(),
             alloc_totals_bytes: tls::with_guard(|| {
                 fork::outside_fork(|| self.shared.alloc_totals.bytes() as u64)
             }),

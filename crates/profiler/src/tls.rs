@@ -34,6 +34,8 @@ pub(crate) struct ThreadState {
     pub reader_shard: Cell<u8>,
     /// In arena mode: allocations come from the symbolizer's private arena (see `crate::alloc::arena`).
     pub arena: Cell<bool>,
+    /// In keep mode: allocations come from the profiler's kept blocks (see `crate::alloc::keep`).
+    pub keep: Cell<bool>,
     /// This thread's label slot plus one (see `crate::labels`); 0 = none.
     pub label_slot: Cell<u32>,
 }
@@ -53,6 +55,7 @@ thread_local! {
             name_age: Cell::new(0),
             reader_shard: Cell::new(0),
             arena: Cell::new(false),
+            keep: Cell::new(false),
             label_slot: Cell::new(0),
         }
     };

@@ -194,3 +194,72 @@ fn an_export_peaks_small() {
         rise as f64 / 1e6
     );
 }
+
+/// Distinct allocation stacks: `depth` nested calls, then a block allocated and freed.
+#[inline(never)]
+fn nested_alloc(depth: u32, size: usize) -> usize {
+    if depth == 0 {
+        let v = std::hint::black_box(vec![1u8; size]);
+        return v.len();
+    }
+    std::hint::black_box(nested_alloc(depth - 1, size)) + 1
+}
+
+/// Bytes in use in the C allocator (every arena).
+fn c_heap_in_use() -> usize {
+    // SAFETY: mallinfo2 has no preconditions.
+    unsafe { libc::mallinfo2() }.uordblks
+}
+
+/// What recording a sampled allocation allocates (the recorder's tables, the live-heap records,
+/// the totals) is the profiler's, not the application's: it used to come from the allocating
+/// thread's arena, where a long-lived block of ours keeps the application's free memory from
+/// being trimmed. A thread that frees all it allocates now leaves the C heap as it found it.
+#[test]
+fn recording_samples_leaves_the_application_heap_alone() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("ferroprof-rss-keep-{}", std::process::id()));
+    let guard = Profiler::builder()
+        .profiles(Profiles {
+            cpu: false,
+            wall: false,
+            alloc: true,
+            heap: true,
+        })
+        .alloc_interval_bytes(1024)
+        .output_dir(&dir)
+        .start()
+        .unwrap();
+    // Warm up this thread and the profiler's threads.
+    nested_alloc(1, 4096);
+    std::thread::sleep(Duration::from_millis(100));
+    let kept_before = guard.stats().private_heap_bytes;
+    let before = c_heap_in_use();
+    let total: usize = std::thread::spawn(|| {
+        (0..20_000)
+            .map(|i| nested_alloc(i % 300, 512 + (i as usize % 7) * 700))
+            .sum()
+    })
+    .join()
+    .unwrap();
+    let after = c_heap_in_use();
+    let st = guard.stats();
+    guard.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let grew = after as i64 - before as i64;
+    eprintln!(
+        "C heap in use {grew:+} bytes; private blocks {} -> {} bytes; {} samples",
+        kept_before, st.private_heap_bytes, st.alloc_samples
+    );
+    assert!(total > 0);
+    assert!(st.alloc_samples > 1000, "{st:?}");
+    // 300 distinct stacks of up to 300 frames: the recorder's tables alone take far more.
+    assert!(
+        st.private_heap_bytes > kept_before + 100_000,
+        "recording did not use private blocks: {st:?}"
+    );
+    assert!(
+        grew < 32 * 1024,
+        "the C heap grew by {grew} bytes while samples were recorded"
+    );
+}

@@ -23,14 +23,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crate::tls::STATE;
 
-/// Address space reserved for the arena (only touched pages cost memory).
-const RESERVE: usize = 1 << 30;
+/// Address space reserved once (only touched pages cost memory): the arena's below
+/// [`ARENA_LEN`], the kept blocks' ([`super::keep`]) above it, so that one range compare on
+/// every free finds both.
+const RESERVE: usize = 2 << 30;
+/// The arena's part of the reservation.
+const ARENA_LEN: usize = 1 << 30;
 /// Size classes: powers of two from 16 bytes.
-const MIN_SHIFT: u32 = 4;
-const CLASSES: usize = 31 - MIN_SHIFT as usize;
+pub(crate) const MIN_SHIFT: u32 = 4;
+pub(crate) const CLASSES: usize = 31 - MIN_SHIFT as usize;
 /// Freed blocks at least this large give their pages back right away.
 const RETURN_PAGES_AT: usize = 256 * 1024;
-const PAGE: usize = 4096;
+pub(crate) const PAGE: usize = 4096;
 
 static BASE: AtomicUsize = AtomicUsize::new(0);
 static LEN: AtomicUsize = AtomicUsize::new(0);
@@ -50,7 +54,7 @@ pub(crate) fn disable() {
     DISABLED.store(true, Ordering::SeqCst);
 }
 
-/// Whether `ptr` is arena memory.
+/// Whether `ptr` is arena memory or a kept block.
 #[inline(always)]
 pub(crate) fn owns(ptr: *mut u8) -> bool {
     (ptr as usize).wrapping_sub(BASE.load(Ordering::Relaxed)) < LEN.load(Ordering::Relaxed)
@@ -149,8 +153,8 @@ impl Drop for Mode {
 }
 
 /// Reserves the address space once. False when the kernel refuses.
-fn reserve() -> bool {
-    if BASE.load(Ordering::Relaxed) != 0 {
+pub(crate) fn reserve() -> bool {
+    if BASE.load(Ordering::Acquire) != 0 {
         return true;
     }
     // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
@@ -167,12 +171,37 @@ fn reserve() -> bool {
     if p == libc::MAP_FAILED {
         return false;
     }
-    LEN.store(RESERVE, Ordering::Relaxed);
-    BASE.store(p as usize, Ordering::Release);
+    // Threads of a sampled path and a symbolization pass may race here. BASE first: until LEN
+    // is set nothing is owned (a LEN without its BASE would claim the lowest addresses).
+    if BASE
+        .compare_exchange(0, p as usize, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        // SAFETY: our own mapping, never handed out.
+        unsafe { libc::munmap(p, RESERVE) };
+        return true;
+    }
+    LEN.store(RESERVE, Ordering::Release);
     true
 }
 
-fn class_of(layout: Layout) -> Option<usize> {
+/// Where the kept blocks' part of the reservation starts (0 before [`reserve`]).
+pub(crate) fn keep_base() -> usize {
+    match BASE.load(Ordering::Acquire) {
+        0 => 0,
+        b => b + ARENA_LEN,
+    }
+}
+
+/// Bytes of the kept blocks' part of the reservation.
+pub(crate) const KEEP_LEN: usize = RESERVE - ARENA_LEN;
+
+/// Whether the profiler may use its private memory in this process (see [`disable`]).
+pub(crate) fn enabled() -> bool {
+    !DISABLED.load(Ordering::Relaxed)
+}
+
+pub(crate) fn class_of(layout: Layout) -> Option<usize> {
     let size = layout.size().max(layout.align()).max(1 << MIN_SHIFT);
     let shift = size.next_power_of_two().trailing_zeros();
     let c = (shift - MIN_SHIFT) as usize;
@@ -211,7 +240,7 @@ pub(crate) fn alloc(layout: Layout, zeroed: bool) -> Option<*mut u8> {
     let used = USED.load(Ordering::Relaxed);
     let start = (used + align - 1) & !(align - 1);
     let end = start.checked_add(size)?;
-    if end > LEN.load(Ordering::Relaxed) {
+    if end > ARENA_LEN.min(LEN.load(Ordering::Relaxed)) {
         return None;
     }
     USED.store(end, Ordering::Relaxed);
@@ -219,8 +248,11 @@ pub(crate) fn alloc(layout: Layout, zeroed: bool) -> Option<*mut u8> {
     Some((base + start) as *mut u8)
 }
 
-/// Frees an arena block.
+/// Frees an arena block or a kept block (any block [`owns`] says is ours).
 pub(crate) fn free(ptr: *mut u8, layout: Layout) {
+    if (ptr as usize).wrapping_sub(BASE.load(Ordering::Relaxed)) >= ARENA_LEN {
+        return super::keep::free(ptr, layout);
+    }
     let Some(c) = class_of(layout) else {
         return;
     };

@@ -65,6 +65,7 @@
 pub(crate) mod arena;
 pub(crate) mod bigblock;
 pub(crate) mod filter;
+pub(crate) mod keep;
 pub(crate) mod totals;
 
 use std::alloc::{GlobalAlloc, Layout};
@@ -198,6 +199,12 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
                 return p;
             }
         }
+        if keep::active_anywhere() && keep::in_mode() {
+            // A heap block grown while a sample is recorded: moved to a kept block (the inner
+            // realloc would move it into this application thread's arena).
+            // SAFETY: forwarded contract.
+            return unsafe { self.realloc_arena(ptr, layout, new_size) };
+        }
         // The old block may be freed by the inner realloc: untrack it first.
         if FILTER.maybe_tracked(ptr as usize) {
             on_free_slow(ptr);
@@ -241,6 +248,20 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
                 }
             };
         }
+        if keep::in_mode() {
+            // Recording a sample: the profiler's own block, never sampled.
+            if let Some(p) = keep::alloc(layout, zeroed) {
+                return p;
+            }
+            // SAFETY: forwarded contract.
+            return unsafe {
+                if zeroed {
+                    self.inner.alloc_zeroed(layout)
+                } else {
+                    self.inner.alloc(layout)
+                }
+            };
+        }
         // SAFETY: forwarded contract.
         let p = unsafe {
             if zeroed {
@@ -255,8 +276,9 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         p
     }
 
-    /// A realloc of an arena block: a new block (from the arena in arena mode, else from the
-    /// heap), the contents copied, the old block freed.
+    /// A realloc by moving: a new block from wherever this thread's allocations go now (the
+    /// arena in arena mode, a kept block in keep mode, else the heap), the contents copied, the
+    /// old block freed. For arena and kept blocks, and for heap blocks grown in keep mode.
     ///
     /// # Safety
     /// As `GlobalAlloc::realloc`.
@@ -270,7 +292,8 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         if !p.is_null() {
             // SAFETY: both blocks are valid for the smaller size and do not overlap.
             unsafe { std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size)) };
-            arena::free(ptr, layout);
+            // SAFETY: forwarded contract: the old block, freed once, by whichever path owns it.
+            unsafe { self.dealloc(ptr, layout) };
         }
         p
     }
@@ -412,9 +435,9 @@ fn on_alloc_slow(p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
 }
 
 fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
-    if s.arena.get() {
-        // A realloc in arena mode that stayed on the heap: the countdown stays as arena mode
-        // holds it (negative), and nothing of a profiler thread is sampled.
+    if s.arena.get() || s.keep.get() {
+        // A realloc in arena or keep mode that stayed on the heap: the countdown stays as the
+        // mode holds it (negative), and nothing of the profiler's own is sampled.
         return;
     }
     // Looked at first: a store on every sample would pull the line from other cores each time.
@@ -442,7 +465,7 @@ fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp:
     let weight = stochastic_round(s, w);
     // `as` saturates: an absurd size cannot wrap to a negative estimate.
     let space = (size as f64 * w).round() as i64;
-    tls::with_guard(|| sample(p, size, weight, space, entry_sp));
+    tls::with_guard(|| keep::with(|| sample(p, size, weight, space, entry_sp)));
 }
 
 /// `1 / (1 - exp(-size / interval))`: the inverse of the probability that an allocation of
