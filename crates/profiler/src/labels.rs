@@ -43,7 +43,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::atomic::{fence, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use ferroprof_recorder::Label;
@@ -273,6 +273,9 @@ struct Slot {
     tid: AtomicI32,
     gen: AtomicU64,
     copies: [[AtomicU64; WORDS]; 2],
+    /// Owner only: both copies hold the same label words, so a change of the span words alone
+    /// writes those two words ([`Slot::publish_span`]).
+    synced: AtomicBool,
 }
 
 struct SlotChunk {
@@ -300,6 +303,10 @@ impl Slot {
     /// Owner only: makes `ctx` the context in use.
     fn publish(&self, ctx: &Ctx) {
         let next = self.gen.load(Ordering::Relaxed).wrapping_add(1);
+        let synced = self.copies[(next & 1) as usize ^ 1][2..]
+            .iter()
+            .zip(&ctx.words[2..])
+            .all(|(w, &v)| w.load(Ordering::Relaxed) == v);
         // Orders the previous `gen` store before these writes: a reader that sees one of them
         // then sees `gen` moved (it reads `gen` again after an acquire fence).
         fence(Ordering::Release);
@@ -307,6 +314,39 @@ impl Slot {
             w.store(v, Ordering::Relaxed);
         }
         self.gen.store(next, Ordering::Release);
+        self.synced.store(synced, Ordering::Relaxed);
+    }
+
+    /// Owner only: makes (`span`, `root`) the span words in use, the labels kept; the previous
+    /// span words. The layer's enter and exit come here: with the labels in both copies alike,
+    /// two words are written, not the whole context.
+    #[cfg(feature = "tracing")]
+    #[inline]
+    fn publish_span(&self, span: u64, root: u64) -> (u64, u64) {
+        let g = self.gen.load(Ordering::Relaxed);
+        let cur = &self.copies[(g & 1) as usize];
+        let prev = (
+            cur[0].load(Ordering::Relaxed),
+            cur[1].load(Ordering::Relaxed),
+        );
+        if prev == (span, root) {
+            return prev;
+        }
+        if !self.synced.load(Ordering::Relaxed) {
+            let mut ctx = self.own();
+            ctx.words[0] = span;
+            ctx.words[1] = root;
+            self.publish(&ctx);
+            return prev;
+        }
+        let next = g.wrapping_add(1);
+        // As in `publish`.
+        fence(Ordering::Release);
+        let copy = &self.copies[(next & 1) as usize];
+        copy[0].store(span, Ordering::Relaxed);
+        copy[1].store(root, Ordering::Relaxed);
+        self.gen.store(next, Ordering::Release);
+        prev
     }
 
     /// Owner (or its signal handler) only: the context in use.
@@ -395,6 +435,7 @@ fn claim_slot() -> Option<&'static Slot> {
                     tid: AtomicI32::new(0),
                     gen: AtomicU64::new(0),
                     copies: Default::default(),
+                    synced: AtomicBool::new(true),
                 }),
             });
             CHUNKS[i / SLOT_CHUNK].store(Box::into_raw(chunk), Ordering::Release);
@@ -602,15 +643,7 @@ pub fn set_span(span_id: u64, local_root_span_id: u64) -> ContextGuard {
 #[cfg(feature = "tracing")]
 #[inline]
 pub(crate) fn replace_span(span_id: u64, local_root_span_id: u64) -> Option<(u64, u64)> {
-    let s = own_slot_or_claim()?;
-    let mut ctx = s.own();
-    let prev = (ctx.words[0], ctx.words[1]);
-    if prev != (span_id, local_root_span_id) {
-        ctx.words[0] = span_id;
-        ctx.words[1] = local_root_span_id;
-        s.publish(&ctx);
-    }
-    Some(prev)
+    Some(own_slot_or_claim()?.publish_span(span_id, local_root_span_id))
 }
 
 /// Names the endpoint of the trace rooted at `local_root_span_id`: in the profile being
@@ -918,5 +951,34 @@ mod tests {
         assert!(seen > 0);
         // The exited thread's slot is free again: nothing read for it.
         assert_eq!(f.read(tid), Ctx::EMPTY);
+    }
+
+    /// The layer's span changes write two words when both copies carry the same labels: after
+    /// a label change they must still carry them, in whichever copy a reader finds.
+    #[cfg(feature = "tracing")]
+    #[test]
+    fn span_changes_keep_the_labels_in_both_copies() {
+        let span_of = |c: &[(String, String)]| {
+            c.iter()
+                .find(|(k, _)| k == "span id")
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(replace_span(1, 1), Some((0, 0)));
+        with(&[("tenant", "a")], || {
+            for i in 2..6u64 {
+                assert_eq!(replace_span(i, 1).map(|p| p.0), Some(i - 1));
+                let c = __current();
+                assert!(c.contains(&("tenant".into(), "a".into())), "{i}: {c:?}");
+                assert_eq!(span_of(&c), Some(i.to_string()));
+            }
+        });
+        for i in 6..9u64 {
+            replace_span(i, 1);
+            let c = __current();
+            assert!(!c.iter().any(|(k, _)| k == "tenant"), "{i}: {c:?}");
+            assert_eq!(span_of(&c), Some(i.to_string()));
+        }
+        replace_span(0, 0);
+        assert!(__current().is_empty());
     }
 }

@@ -162,18 +162,24 @@ const NO_ROOT: RootEntry = RootEntry {
 };
 static ROOTS: [RootEntry; ROOT_CACHE] = [NO_ROOT; ROOT_CACHE];
 
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
+/// Fibonacci hashing's multiplier: an odd constant, so multiplying is a bijection.
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
 fn root_entry(id: u64) -> &'static RootEntry {
-    &ROOTS[mix(id) as usize % ROOT_CACHE]
+    // Tracing's ids are consecutive slab indexes: the high bits of the product spread them.
+    const _: () = assert!(ROOT_CACHE.is_power_of_two());
+    &ROOTS[(id.wrapping_mul(GOLDEN) >> (64 - ROOT_CACHE.trailing_zeros())) as usize]
 }
 
+/// A word that matches only the (id, span, root) it was made from: a bijection of the three
+/// words' rotated xor (no bit forced, which would pair up combinations one bit apart, and
+/// tracing's ids differ in single generation bits), so a torn read (words of two writes) fails
+/// it unless the combinations are equal; never 0 (an empty entry).
 fn root_check(id: u64, ids: SpanIds) -> u64 {
-    mix(id ^ ids.span.rotate_left(21) ^ ids.root.rotate_left(42)) | 1
+    match (id ^ ids.span.rotate_left(21) ^ ids.root.rotate_left(42)).wrapping_mul(GOLDEN) {
+        0 => 1,
+        c => c,
+    }
 }
 
 fn cache_ids(id: u64, ids: SpanIds) {
