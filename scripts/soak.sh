@@ -5,12 +5,13 @@
 #   scripts/soak.sh ci                       20 periods, System only, regression bounds
 #   PAIRS=N scripts/soak.sh ...               N off/on pairs, interleaved; the bounds apply to
 #                                             the median of the pairs' differences
+#   ALLOCS=system scripts/soak.sh ...         one allocator only (system, jemalloc)
 # Prints each run's summary and the differences; fails when a bound is missed: steady RSS
 # (median of the second half) within STEADY_MB (10) of the run without the profiler, the
 # highest RSS seen (5 ms polling, exports included) within PEAK_MB (20) of that run's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ALLOCS="system jemalloc"
+ALLOCS="${ALLOCS:-system jemalloc}"
 STEADY_MB="${STEADY_MB:-10}"
 PEAK_MB="${PEAK_MB:-20}"
 PAIRS="${PAIRS:-1}"
