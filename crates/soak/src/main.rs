@@ -438,11 +438,12 @@ fn main() {
     if let Some(g) = &guard {
         let st = g.stats();
         println!(
-            "kept: symbolizer {:.1} MB ({} addresses), last profile's tables {:.1} MB, {} live-heap records",
+            "kept: symbolizer {:.1} MB ({} addresses), last profile's tables {:.1} MB, {} live-heap records, private blocks {:.1} MB",
             st.symbolizer_bytes as f64 / 1048576.0,
             st.symbolizer_cached_addresses,
             st.last_profile_bytes as f64 / 1048576.0,
-            st.heap_tracked_objects
+            st.heap_tracked_objects,
+            st.private_heap_bytes as f64 / 1048576.0
         );
     }
     let t = Instant::now();
