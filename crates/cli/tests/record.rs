@@ -409,8 +409,16 @@ fn a_shell_script_that_execs_keeps_both_profiles() {
 #[test]
 fn an_exec_with_an_environment_lacking_ld_preload_is_still_profiled() {
     // A small environment (fixed up on the stack) and a large one (in a mapping), through
-    // execve and fexecve; and the process's own, stripped with unsetenv, through execvp.
-    for mode in ["exec-env", "exec-env-big", "exec-fd", "exec-unset"] {
+    // execve, fexecve, execvpe and execveat (a directory descriptor and a base name); and the
+    // process's own, stripped with unsetenv, through execvp.
+    for mode in [
+        "exec-env",
+        "exec-env-big",
+        "exec-fd",
+        "exec-vpe",
+        "exec-at",
+        "exec-unset",
+    ] {
         let (stdout, files) = record_exec(mode);
         assert_eq!(files.len(), 2, "{mode}: {files:?}\n{stdout}");
         only_through(&files[0], "fixture_before_exec", &["fixture_after_exec"]);
@@ -423,6 +431,60 @@ fn an_exec_with_an_environment_lacking_ld_preload_is_still_profiled() {
             "{mode}: the new image ran with the default profiles"
         );
     }
+}
+
+/// A child forked while three threads of its parent burn CPU (the profiler's signals and
+/// recording under way in them at the fork) execs: the new image writes its own profile under
+/// the child's pid, the forked child writes none of its own, and the parent's profile has all
+/// it did, threads and after, and nothing of the child's.
+#[test]
+fn a_child_forked_among_busy_threads_that_execs_is_profiled_apart() {
+    let dir = work_dir("exec-threads");
+    let out = record(
+        &[
+            "--profiles",
+            "cpu,heap",
+            "--alloc-interval",
+            "64K",
+            "-o",
+            dir.to_str().unwrap(),
+        ],
+        fixture(false),
+        &["exec-threads"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let files = profiles(&dir);
+    let pids: std::collections::BTreeSet<i32> = files.iter().map(|f| f.0).collect();
+    assert_eq!(pids.len(), 2, "{files:?}\n{stdout}");
+    assert_eq!(
+        files.len(),
+        2,
+        "one profile per process: {files:?}\n{stdout}"
+    );
+    let (parent, child): (Vec<_>, Vec<_>) = files
+        .iter()
+        .partition(|(_, f)| through(&load(f), "cpu-time", "fixture_thread_burn") > 0);
+    assert_eq!((parent.len(), child.len()), (1, 1), "{files:?}");
+    only_through(
+        &child[0].1,
+        "fixture_after_exec",
+        &[
+            "fixture_before_exec",
+            "fixture_thread_burn",
+            "fixture_after_fork_exec",
+        ],
+    );
+    let p = load(&parent[0].1);
+    for f in ["fixture_before_exec", "fixture_after_fork_exec"] {
+        assert!(through(&p, "cpu-time", f) > 0, "parent: no CPU time in {f}");
+        let live = through(&p, "heap-live-size", f);
+        assert!(
+            (4 << 20..16 << 20).contains(&live),
+            "parent: {live} bytes live through {f}, about 8 MiB expected"
+        );
+    }
+    assert_eq!(through(&p, "cpu-time", "fixture_after_exec"), 0);
 }
 
 /// An exec that fails has written the profile so far; profiling goes on in the process, which
