@@ -280,7 +280,10 @@ impl ProcessSymbolizer {
         crate::alloc::arena::release(self.arena_owner);
         let pass = self.pass;
         self.cache.retain(|_, e| e.last_pass + CACHE_PASSES > pass);
-        if self.cache.len() > self.max_entries {
+        if self.max_entries == 0 {
+            // No budget (select_nth_unstable below needs an index inside the slice).
+            self.cache.clear();
+        } else if self.cache.len() > self.max_entries {
             // Over budget: the least recently used go (the oldest passes first).
             let mut ages: Vec<u64> = self.cache.values().map(|e| e.last_pass).collect();
             let cut = ages.len() - self.max_entries;
