@@ -8,7 +8,8 @@
 # (`cargo install ripgrep`) with a Unicode-class regex over 20 hard-linked copies of the same
 # text split into a tree of 64 KiB files; without `rg` on PATH, a recursive GNU `grep -E` with
 # a back-reference over one copy.
-# CPU shares: ferroprof at --hz 1000 and perf at -F 1000, top-10 functions of perf's profile,
+# CPU shares: ferroprof at --hz 1000 and perf at -F 1000 -g, top-10 functions of perf's
+# profile with its kernel samples booked to their first user frame (as ferroprof books them),
 # each program's stripped objects brought to common function identities through their
 # .eh_frame (scripts/record_compare_shares.py).
 # Overhead: median wall time of --runs runs: bare, ferroprof record (default rates), perf
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
         --memory-tools) MEMORY_TOOLS=1 ;;
         --size) SIZE_MB=$2; shift ;;
         --runs) RUNS=$2; shift ;;
-        *) sed -n '2,16p' "$0"; exit 2 ;;
+        *) sed -n '2,18p' "$0"; exit 2 ;;
     esac
     shift
 done
@@ -73,12 +74,16 @@ compare_cpu() {
     echo
     echo "== $name: CPU shares, perf record -e cpu-clock -F 1000 vs ferroprof record --hz 1000"
     rm -rf fp && "$FERROPROF" record --hz 1000 --profiles cpu -o fp -- "$@" >/dev/null 2>&1 || true
-    perf record -q -e cpu-clock -F 1000 -o perf.data -- "$@" >/dev/null 2>&1 || true
-    perf script -i perf.data -F ip,dso --show-mmap-events > perf.txt 2>/dev/null
-    $SHARES perf perf.txt > perf.shares
+    # With call chains: a sample perf took in the kernel goes to the user code that entered it
+    # (the first user frame of its chain), where ferroprof's CPU-time timer books it.
+    perf record -q -g -e cpu-clock -F 1000 -o perf.data -- "$@" >/dev/null 2>&1 || true
+    perf script -i perf.data -F ip,dso > perf.txt 2>/dev/null
+    $SHARES perf-callers perf.txt > perf.shares
+    $SHARES perf-kernel perf.txt > perf-kernel.shares
     # The command's profile: the largest file (a shell wrapper would write a small one).
     $SHARES ferroprof "$(ls -S fp/*.pprof | head -1)" > fp.shares
     $SHARES compare perf.shares fp.shares 10
+    echo "  (perf's samples in the kernel, booked above to their user callers: $(awk -F'\t' '$2 == "[kernel]" {print $1}' perf-kernel.shares)%)"
 }
 
 overhead() {

@@ -10,7 +10,13 @@ user stacks; its time in a system call lands on the libc wrapper) form one "[ker
 
     record_compare_shares.py ferroprof PROFILE.pprof
     record_compare_shares.py perf PERF_SCRIPT_OUTPUT
-prints "share<TAB>function" lines, largest first.
+    record_compare_shares.py perf-callers PERF_SCRIPT_G_OUTPUT
+    record_compare_shares.py perf-kernel PERF_SCRIPT_G_OUTPUT
+prints "share<TAB>function" lines, largest first. `perf-callers` reads `perf script -F ip,dso`
+of a `perf record -g` run and books a sample taken in the kernel to the first user frame of
+its chain, the code that entered the kernel (a system call, a page fault): what ferroprof's
+CPU-time timer, whose signal arrives on the way back to user mode, charges. `perf-kernel` reads
+the same output with kernel samples as one row.
     record_compare_shares.py compare A.txt B.txt [N]
 prints the top-N functions of A with both shares and the difference in percentage points.
 """
@@ -201,6 +207,36 @@ def perf_shares(path):
     return by_fn
 
 
+def perf_chain_shares(path, kernel_to_caller):
+    """Blocks of `perf script -F ip,dso` with call chains: one line per frame, leaf first; user
+    frames are printed relative to their object (file offsets)."""
+    by_fn = defaultdict(int)
+    for block in open(path, errors="replace").read().split("\n\n"):
+        frames = []
+        for line in block.splitlines():
+            parts = line.split(None, 1)
+            if len(parts) != 2:
+                continue
+            try:
+                ip = int(parts[0], 16)
+            except ValueError:
+                continue
+            frames.append((ip, parts[1].strip().strip("()")))
+        if not frames:
+            continue
+        kernel = [d.startswith("[kernel") for _, d in frames]
+        if kernel[0] and not kernel_to_caller:
+            by_fn["[kernel]"] += 1
+            continue
+        user = [(ip, d) for (ip, d), k in zip(frames, kernel) if not k]
+        if not user or user[0][1] == "[unknown]":
+            by_fn["[kernel]" if kernel[0] else "?"] += 1
+            continue
+        ip, dso = user[0]
+        by_fn[function_of(dso, ip)] += 1
+    return by_fn
+
+
 def write_shares(by_fn):
     total = sum(by_fn.values()) or 1
     for fn, v in sorted(by_fn.items(), key=lambda kv: -kv[1]):
@@ -233,6 +269,8 @@ if __name__ == "__main__":
         write_shares(ferroprof_shares(sys.argv[2]))
     elif kind == "perf":
         write_shares(perf_shares(sys.argv[2]))
+    elif kind in ("perf-callers", "perf-kernel"):
+        write_shares(perf_chain_shares(sys.argv[2], kind == "perf-callers"))
     elif kind == "compare":
         compare(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 10)
     else:
