@@ -433,6 +433,13 @@ mod tests {
     /// Where thread `tid` blocks in `poll` (other than at `not`). Only `poll` counts: the
     /// thread's `tx.send` wakes the test's `recv` from inside a futex call, and a read of
     /// /proc taken before that call returned gave a stack that was never blocked.
+    /// Overwrites the 16 KiB of stack below the caller.
+    #[inline(never)]
+    fn scrub_stack() {
+        let mut pad = [0u8; 16 * 1024];
+        std::hint::black_box(&mut pad);
+    }
+
     fn blocked_at(tid: i32, not: Option<(u64, u64)>) -> (u64, u64) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
@@ -464,6 +471,11 @@ mod tests {
         let h = std::thread::spawn(move || {
             // SAFETY: gettid has no preconditions.
             tx.send(unsafe { libc::gettid() }).unwrap();
+            // The send left its calls' return addresses below this frame (deeper ones when the
+            // receiver was already parked: a futex wake). A chain of returned calls deeper
+            // than the live one checks out as well and wins ("the deepest chain"): a known limit
+            // of `recent_calls`, which this test leaves out by clearing that memory first.
+            scrub_stack();
             recent_middle(ra, rb);
         });
         let tid = rx.recv().unwrap();
