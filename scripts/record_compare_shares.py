@@ -174,6 +174,17 @@ def ferroprof_shares(path):
     return by_fn
 
 
+def ip_dso(line):
+    """(ip, dso) of a `perf script -F ip,dso` line, or None."""
+    parts = line.split(None, 1)
+    if len(parts) != 2:
+        return None
+    try:
+        return int(parts[0], 16), parts[1].strip().strip("()")
+    except ValueError:
+        return None
+
+
 def perf_shares(path):
     maps = []  # (start, end, pgoff, file)
     by_fn = defaultdict(int)
@@ -187,14 +198,10 @@ def perf_shares(path):
                 pgoff = int(pg, 16) if pg.startswith("0x") else int(pg)
                 maps.append((start, start + size, pgoff, m.group(4)))
             continue
-        parts = line.split()
-        if len(parts) != 2:
+        frame = ip_dso(line)
+        if frame is None:
             continue
-        try:
-            ip = int(parts[0], 16)
-        except ValueError:
-            continue
-        dso = parts[1].strip("()")
+        ip, dso = frame
         if dso.startswith("[kernel") or ip >= 0xFFFF800000000000:
             by_fn["[kernel]"] += 1
             continue
@@ -212,16 +219,7 @@ def perf_chain_shares(path, kernel_to_caller):
     frames are printed relative to their object (file offsets)."""
     by_fn = defaultdict(int)
     for block in open(path, errors="replace").read().split("\n\n"):
-        frames = []
-        for line in block.splitlines():
-            parts = line.split(None, 1)
-            if len(parts) != 2:
-                continue
-            try:
-                ip = int(parts[0], 16)
-            except ValueError:
-                continue
-            frames.append((ip, parts[1].strip().strip("()")))
+        frames = [f for f in map(ip_dso, block.splitlines()) if f is not None]
         if not frames:
             continue
         kernel = [d.startswith("[kernel") for _, d in frames]

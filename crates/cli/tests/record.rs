@@ -250,6 +250,20 @@ fn forked_and_execd_children_write_their_own_profiles() {
 /// Runs the fixture in an exec `mode` at 64 KiB (cpu and heap); returns `record`'s stdout and
 /// the profiles, which must all be the command's (an exec keeps the pid), in the order written.
 fn record_exec(mode: &str) -> (String, Vec<PathBuf>) {
+    let (stdout, files) = record_cpu_heap(mode);
+    // `<command>.<pid>.<n>.pprof`, one pid: by n.
+    let mut files: Vec<PathBuf> = files.into_iter().map(|f| f.1).collect();
+    let n = |p: &PathBuf| -> u32 {
+        let name = p.file_stem().unwrap().to_str().unwrap();
+        name.rsplit('.').next().unwrap().parse().unwrap()
+    };
+    files.sort_by_key(n);
+    (stdout, files)
+}
+
+/// Runs the fixture in `mode` at 64 KiB (cpu and heap); returns `record`'s stdout and the
+/// profiles (pid, path), each listed in that output.
+fn record_cpu_heap(mode: &str) -> (String, Vec<(i32, PathBuf)>) {
     let dir = work_dir(mode);
     let out = record(
         &[
@@ -273,13 +287,6 @@ fn record_exec(mode: &str) -> (String, Vec<PathBuf>) {
             f.display()
         );
     }
-    // `<command>.<pid>.<n>.pprof`, one pid: by n.
-    let mut files: Vec<PathBuf> = files.into_iter().map(|f| f.1).collect();
-    let n = |p: &PathBuf| -> u32 {
-        let name = p.file_stem().unwrap().to_str().unwrap();
-        name.rsplit('.').next().unwrap().parse().unwrap()
-    };
-    files.sort_by_key(n);
     (stdout, files)
 }
 
@@ -439,22 +446,7 @@ fn an_exec_with_an_environment_lacking_ld_preload_is_still_profiled() {
 /// it did, threads and after, and nothing of the child's.
 #[test]
 fn a_child_forked_among_busy_threads_that_execs_is_profiled_apart() {
-    let dir = work_dir("exec-threads");
-    let out = record(
-        &[
-            "--profiles",
-            "cpu,heap",
-            "--alloc-interval",
-            "64K",
-            "-o",
-            dir.to_str().unwrap(),
-        ],
-        fixture(false),
-        &["exec-threads"],
-    );
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    let files = profiles(&dir);
+    let (stdout, files) = record_cpu_heap("exec-threads");
     let pids: std::collections::BTreeSet<i32> = files.iter().map(|f| f.0).collect();
     assert_eq!(pids.len(), 2, "{files:?}\n{stdout}");
     assert_eq!(

@@ -234,46 +234,43 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         interval: u64,
         entry_sp: u64,
     ) -> *mut u8 {
-        if arena::in_mode() {
-            if let Some(p) = arena::alloc(layout, zeroed) {
-                return p;
-            }
-            // Out of arena: the heap, and the countdown stays as arena mode set it.
+        // Arena mode (symbolizing) or keep mode (recording a sample): the profiler's own block,
+        // never sampled; out of it, the heap, the countdown staying as the mode set it.
+        let private = if arena::in_mode() {
+            Some(arena::alloc(layout, zeroed))
+        } else if keep::in_mode() {
+            Some(keep::alloc(layout, zeroed))
+        } else {
+            None
+        };
+        match private {
+            Some(Some(p)) => return p,
             // SAFETY: forwarded contract.
-            return unsafe {
-                if zeroed {
-                    self.inner.alloc_zeroed(layout)
-                } else {
-                    self.inner.alloc(layout)
-                }
-            };
-        }
-        if keep::in_mode() {
-            // Recording a sample: the profiler's own block, never sampled.
-            if let Some(p) = keep::alloc(layout, zeroed) {
-                return p;
-            }
-            // SAFETY: forwarded contract.
-            return unsafe {
-                if zeroed {
-                    self.inner.alloc_zeroed(layout)
-                } else {
-                    self.inner.alloc(layout)
-                }
-            };
+            Some(None) => return unsafe { self.inner_alloc(layout, zeroed) },
+            None => {}
         }
         // SAFETY: forwarded contract.
-        let p = unsafe {
+        let p = unsafe { self.inner_alloc(layout, zeroed) };
+        if !p.is_null() && interval != 0 {
+            on_alloc_slow(p, layout.size(), interval, entry_sp);
+        }
+        p
+    }
+
+    /// The inner allocator's `alloc_zeroed` or `alloc`.
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::alloc`.
+    #[inline(always)]
+    unsafe fn inner_alloc(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+        // SAFETY: forwarded contract.
+        unsafe {
             if zeroed {
                 self.inner.alloc_zeroed(layout)
             } else {
                 self.inner.alloc(layout)
             }
-        };
-        if !p.is_null() && interval != 0 {
-            on_alloc_slow(p, layout.size(), interval, entry_sp);
         }
-        p
     }
 
     /// A realloc by moving: a new block from wherever this thread's allocations go now (the
