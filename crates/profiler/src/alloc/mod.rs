@@ -638,7 +638,7 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
                     .recorder
                     .track_allocation_in(p as u64, w, size as u64, None, &frames, root)
                 {
-                    Ok(()) => FILTER.insert(p as usize),
+                    Ok(_) => FILTER.insert(p as usize),
                     Err(_) => {
                         sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
                     }

@@ -971,6 +971,21 @@ mod tests {
     }
 
     #[test]
+    fn track_and_untrack_give_the_same_bytes() {
+        let (rec, _strings) = native();
+        rec.set_sample_every(2).unwrap();
+        // Skipped starts stand for nothing; kept ones for weight x every x size.
+        let tracked: Vec<u64> = (1..=4)
+            .map(|id| rec.track_in(id, 3, 8, None, &stack("a.rs"), 0).unwrap())
+            .collect();
+        assert_eq!(tracked, vec![0, 48, 0, 48]);
+        assert_eq!(rec.untrack_bytes(1), None);
+        assert_eq!(rec.untrack_bytes(2), Some(48));
+        assert_eq!(rec.untrack_bytes(2), None, "already untracked");
+        assert!(rec.untrack(4));
+    }
+
+    #[test]
     fn native_ages_count_serializations_survived() {
         let (rec, strings) = native();
         rec.track(1, 1, 10, Some("Old"), &stack("a.rs")).unwrap();

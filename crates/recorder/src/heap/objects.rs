@@ -53,6 +53,11 @@ impl ObjRecord {
     pub(super) fn class(&self) -> StringId {
         StringId(self.class)
     }
+
+    /// The bytes the record stands for: its weight times its size (its `heap-live-size`).
+    pub(super) fn bytes(&self) -> u64 {
+        self.size.saturating_mul(u64::from(self.weight))
+    }
 }
 
 /// Generations between `alloc_gen` (low 32 bits) and `current`, negative when the object was
@@ -233,11 +238,16 @@ impl HeapRecorder {
         frames: &[Frame<'_>],
     ) -> Result<(), HeapError> {
         self.track_in(id, weight, size, class, frames, 0)
+            .map(|_| ())
     }
 
     /// [`Self::track`] for an allocation made inside the trace whose local root span id is
     /// `local_root_span_id` (0: none): its heap sample carries that id and, once
     /// [`Self::name_context`] named it, the trace's endpoint, for as long as the object lives.
+    ///
+    /// Returns the bytes the record stands for (its weight times its size, what its heap
+    /// sample's `heap-live-size` will be; 0 when `sample_every` skipped it), which
+    /// [`Self::untrack_bytes`] gives back when the object is freed.
     pub fn track_in(
         &self,
         id: u64,
@@ -246,9 +256,9 @@ impl HeapRecorder {
         class: Option<&str>,
         frames: &[Frame<'_>],
         local_root_span_id: u64,
-    ) -> Result<(), HeapError> {
+    ) -> Result<u64, HeapError> {
         let Some(every) = self.sample_tick() else {
-            return Ok(());
+            return Ok(0);
         };
         if frames.len() > MAX_FRAMES {
             return Err(HeapError::TooManyFrames {
@@ -269,32 +279,33 @@ impl HeapRecorder {
         } else {
             self.contexts.lock().acquire(local_root_span_id)
         };
-        self.commit_ctx(
-            ObjRecord {
-                id,
-                size,
-                weight: weight.saturating_mul(every),
-                stack_and_frozen: stack,
-                class: class.0,
-                alloc_gen: self.current_gen() as u32,
-            },
-            ctx,
-        )
+        let rec = ObjRecord {
+            id,
+            size,
+            weight: weight.saturating_mul(every),
+            stack_and_frozen: stack,
+            class: class.0,
+            alloc_gen: self.current_gen() as u32,
+        };
+        self.commit_ctx(rec, ctx).map(|()| rec.bytes())
     }
 
     /// Native model: the allocation `id` was freed. Returns whether it was tracked.
     pub fn untrack(&self, id: u64) -> bool {
+        self.untrack_bytes(id).is_some()
+    }
+
+    /// [`Self::untrack`], returning the bytes the record stood for (what [`Self::track_in`]
+    /// returned for it); `None` when `id` was not tracked.
+    pub fn untrack_bytes(&self, id: u64) -> Option<u64> {
         let hash = mix64(id);
         let removed = self.objs[shard_of(hash, OBJ_SHARDS)]
             .lock()
             .remove_ctx(id, hash);
-        match removed {
-            Some((rec, ctx)) => {
-                self.release_record_ctx(&rec, ctx);
-                true
-            }
-            None => false,
-        }
+        removed.map(|(rec, ctx)| {
+            self.release_record_ctx(&rec, ctx);
+            rec.bytes()
+        })
     }
 
     /// Whether object `id` is tracked.

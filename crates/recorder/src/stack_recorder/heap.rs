@@ -129,6 +129,9 @@ impl StackRecorder {
     /// [`Self::track_allocation`] for an allocation made inside the trace whose local root span
     /// id is `local_root_span_id` (0: none): the object's heap sample carries that id, and the
     /// `trace endpoint` [`Self::record_endpoint`] gives the trace, for as long as it lives.
+    /// Returns the bytes the live object stands for (weight times size; 0 when the heap
+    /// recorder's `sample_every` skipped it): what [`Self::untrack_allocation_bytes`] returns
+    /// for it.
     pub fn track_allocation_in(
         &self,
         id: u64,
@@ -137,7 +140,7 @@ impl StackRecorder {
         class: Option<&str>,
         frames: &[Frame<'_>],
         local_root_span_id: u64,
-    ) -> Result<(), RecorderError> {
+    ) -> Result<u64, RecorderError> {
         Ok(self.heap_or_disabled()?.track_in(
             id,
             weight,
@@ -150,7 +153,13 @@ impl StackRecorder {
 
     /// Native model: allocation `id` was freed. Returns whether it was tracked.
     pub fn untrack_allocation(&self, id: u64) -> bool {
-        self.heap.as_ref().is_some_and(|h| h.untrack(id))
+        self.untrack_allocation_bytes(id).is_some()
+    }
+
+    /// [`Self::untrack_allocation`], returning the bytes the allocation stood for (weight
+    /// times size, what [`Self::track_allocation_in`] returned for it) when it was tracked.
+    pub fn untrack_allocation_bytes(&self, id: u64) -> Option<u64> {
+        self.heap.as_ref().and_then(|h| h.untrack_bytes(id))
     }
 
     /// Managed model: called after each collection; runs a young update when enabled.

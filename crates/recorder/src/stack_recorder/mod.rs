@@ -352,12 +352,17 @@ mod tests {
         // allocated anything.
         r.track_allocation_in(0x10, 1, 100, None, &frames, 7)
             .unwrap();
-        r.track_allocation_in(0x20, 1, 200, None, &frames, 7)
-            .unwrap();
+        // The bytes the object stands for (weight x size) come back when it is freed.
+        assert_eq!(
+            r.track_allocation_in(0x20, 3, 200, None, &frames, 7)
+                .unwrap(),
+            600
+        );
         r.track_allocation_in(0x30, 1, 400, None, &frames, 8)
             .unwrap();
         r.track_allocation(0x40, 1, 800, None, &frames).unwrap();
-        assert!(r.untrack_allocation(0x20));
+        assert_eq!(r.untrack_allocation_bytes(0x20), Some(600));
+        assert_eq!(r.untrack_allocation_bytes(0x20), None, "already untracked");
         r.record_endpoint(7, "GET /cache").unwrap();
         r.record_endpoint(8, "GET /other").unwrap();
         r.record_endpoint(9, "GET /none").unwrap();
