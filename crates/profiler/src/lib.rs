@@ -83,7 +83,7 @@ mod tls;
 mod unwind;
 
 #[doc(hidden)]
-pub use alloc::{__disable_arena, __raw_allocated, __raw_freeing};
+pub use alloc::{__disable_arena, __heap_peak_estimate_bytes, __raw_allocated, __raw_freeing};
 pub use alloc::{sample_weight, SamplingAllocator, DEFAULT_SAMPLING_INTERVAL};
 pub use error::ProfilerError;
 pub use ferroprof_recorder as recorder;

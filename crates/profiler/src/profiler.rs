@@ -535,6 +535,8 @@ impl ProfilerBuilder {
                 })?;
             }
             fork::register();
+            // The heap recorder starts empty: so does the estimate of the live heap.
+            alloc::peak::HEAP_ESTIMATE.reset();
             if !state::activate(&shared) {
                 return Err(ProfilerError::AlreadyRunning);
             }
@@ -973,6 +975,14 @@ pub struct ProfilerStats {
     pub last_profile_bytes: u64,
     /// Live objects the heap profile tracks.
     pub heap_tracked_objects: u64,
+    /// Estimated live heap bytes now: the heap profile's `heap-live-size` total, kept as a
+    /// running sum of its tracked samples (0 without heap profiling).
+    pub heap_live_estimate_bytes: u64,
+    /// The largest `heap_live_estimate_bytes` since the start: an estimate of the peak of the
+    /// live heap, from the sampled allocations only (its error is that of the heap profile at
+    /// its peak, a standard deviation of at most `sqrt(peak x alloc interval)`; see
+    /// `ferroprof::SamplingAllocator`).
+    pub heap_peak_estimate_bytes: u64,
     /// Bytes the heap profile's allocation totals since the start take.
     pub alloc_totals_bytes: u64,
     /// Bytes of the profiler's private blocks in use: what recording allocation samples on
@@ -1136,6 +1146,8 @@ impl ProfilerGuard {
             // fork must not catch.
             heap_tracked_objects: heap.as_ref().map_or(0, |h| h.num_object_records),
             heap_contexts: heap.as_ref().map_or(0, |h| h.num_contexts),
+            heap_live_estimate_bytes: alloc::peak::HEAP_ESTIMATE.live(),
+            heap_peak_estimate_bytes: alloc::peak::HEAP_ESTIMATE.peak(),
             labels: crate::labels::stats(),
             private_heap_bytes: crate::alloc::keep::bytes_in_use(),
             alloc_totals_bytes: tls::with_guard(|| {

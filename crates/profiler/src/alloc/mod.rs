@@ -66,6 +66,7 @@ pub(crate) mod arena;
 pub(crate) mod bigblock;
 pub(crate) mod filter;
 pub(crate) mod keep;
+pub(crate) mod peak;
 pub(crate) mod totals;
 
 use std::alloc::{GlobalAlloc, Layout};
@@ -383,6 +384,14 @@ pub fn __raw_freeing(p: *mut u8) {
     }
 }
 
+/// The running profiler's estimated peak of live heap bytes (see [`crate::alloc::peak`]):
+/// what [`crate::ProfilerStats::heap_peak_estimate_bytes`] reads, for an exporter that has no
+/// handle on the profiler (the preload library's). 0 without heap profiling. Not API.
+#[doc(hidden)]
+pub fn __heap_peak_estimate_bytes() -> u64 {
+    peak::HEAP_ESTIMATE.peak()
+}
+
 /// For an interposed C allocator, before the profiler starts: never serve allocations from the
 /// symbolizer's arena (C `free` could not give an arena block back, having no size). Not API.
 #[doc(hidden)]
@@ -638,7 +647,10 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
                     .recorder
                     .track_allocation_in(p as u64, w, size as u64, None, &frames, root)
                 {
-                    Ok(_) => FILTER.insert(p as usize),
+                    Ok(bytes) => {
+                        FILTER.insert(p as usize);
+                        peak::HEAP_ESTIMATE.tracked(bytes);
+                    }
                     Err(_) => {
                         sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
                     }
@@ -817,8 +829,11 @@ fn on_free_slow(p: *mut u8) {
         state::with_active(|sh| {
             // The filter update stays inside the fork gate too (see `filter`).
             fork::outside_fork(|| {
-                if tls::in_recorder(|| sh.recorder.untrack_allocation(p as u64)) {
+                if let Some(bytes) =
+                    tls::in_recorder(|| sh.recorder.untrack_allocation_bytes(p as u64))
+                {
                     FILTER.remove(p as usize);
+                    peak::HEAP_ESTIMATE.untracked(bytes);
                 }
             });
         })
