@@ -131,6 +131,13 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     if tty && std::fs::create_dir_all(&progress_dir).is_ok() {
         command.env("FERROPROF_RECORD_PROGRESS", &progress_dir);
     }
+    // Figures for the end report that the profiles do not hold (the estimated peak of the live
+    // heap), written by each profiled process with each profile (see the preload library's
+    // exporter).
+    let summary_dir = dir.join(format!(".ferroprof-summary-{}", std::process::id()));
+    if std::fs::create_dir_all(&summary_dir).is_ok() {
+        command.env("FERROPROF_RECORD_SUMMARY", &summary_dir);
+    }
     // SAFETY: runs in the forked child before exec, and only calls sigprocmask
     // (async-signal-safe) on a set built before the fork.
     unsafe {
@@ -186,8 +193,10 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     );
 
     let written = new_profiles(&dir, &before);
+    let heap_peak = summary_field(&summary_dir, pid, "heap_peak_estimate_bytes");
+    let _ = std::fs::remove_dir_all(&summary_dir);
     // The program's status stands whatever the report meets (an unreadable profile...).
-    if let Err(e) = report(&written, pid, file.as_deref(), profiles, args.n) {
+    if let Err(e) = report(&written, pid, file.as_deref(), profiles, args.n, heap_peak) {
         eprintln!("ferroprof record: {e:#}");
     }
     Ok(code)
@@ -309,6 +318,14 @@ fn sample_counts(progress_dir: &Path) -> (usize, u64, u64) {
         }
     }
     (procs, cpu, alloc)
+}
+
+/// `key=N` from the summary process `pid` left in `summary_dir` (None when it left none: it
+/// wrote no profile, or did not load the library).
+fn summary_field(summary_dir: &Path, pid: i32, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(summary_dir.join(format!("{pid}.summary"))).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('=')?.trim().parse().ok())
 }
 
 /// CMD as a path: as given when it holds a `/`, else the first match on `PATH`.
@@ -563,6 +580,7 @@ fn report(
     file: Option<&Path>,
     profiles: ferroprof::Profiles,
     n: usize,
+    heap_peak: Option<u64>,
 ) -> anyhow::Result<()> {
     // An exec keeps the pid under a new command name: processes are pids.
     let procs = written
@@ -651,6 +669,13 @@ fn report(
         };
         let t = FunctionTable::build_sites(&p, i);
         println!("\n{}", report::top_text(&t, n, false, &label).trim_end());
+    }
+    if let Some(peak) = heap_peak.filter(|_| profiles.heap) {
+        // Beside heap-live-size's table (the heap at the end): the largest it was.
+        println!(
+            "\npeak live heap ≈ {} ({peak} bytes, estimated from samples)",
+            report::format_value(i64::try_from(peak).unwrap_or(i64::MAX), "bytes")
+        );
     }
     if profiles.alloc || profiles.heap {
         let samples = p

@@ -14,13 +14,38 @@ static WRITTEN: AtomicU32 = AtomicU32::new(0);
 /// pid and command are read at each write: a forked child writes under its own pid.
 pub(crate) struct PerProcessFiles {
     dir: PathBuf,
+    /// Where `ferroprof record` reads each process's end figures (see [`SUMMARY_ENV`]).
+    summary_dir: Option<PathBuf>,
 }
+
+/// Names a directory where each profile written also leaves `<pid>.summary`: figures for
+/// `ferroprof record`'s end report that are not in the profile (the estimated peak of the live
+/// heap, `heap_peak_estimate_bytes=N`). Set by `record`.
+pub(crate) const SUMMARY_ENV: &str = "FERROPROF_RECORD_SUMMARY";
 
 impl PerProcessFiles {
     pub(crate) fn new(dir: PathBuf) -> Result<Self, String> {
         std::fs::create_dir_all(&dir)
             .map_err(|e| format!("cannot create the output directory {}: {e}", dir.display()))?;
-        Ok(PerProcessFiles { dir })
+        let summary_dir = std::env::var_os(SUMMARY_ENV)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from);
+        Ok(PerProcessFiles { dir, summary_dir })
+    }
+
+    /// The figures as of this profile (the last profile's are the run's): written next to
+    /// each profile, on the export thread, so every way the last profile is written (exit, a
+    /// signal, an exec) leaves them. Renamed into place: `record` never reads half a file.
+    fn write_summary(&self, pid: u32) {
+        let Some(dir) = &self.summary_dir else { return };
+        let text = format!(
+            "heap_peak_estimate_bytes={}\n",
+            ferroprof::__heap_peak_estimate_bytes()
+        );
+        let tmp = dir.join(format!(".{pid}.tmp"));
+        if std::fs::write(&tmp, text).is_ok() {
+            let _ = std::fs::rename(&tmp, dir.join(format!("{pid}.summary")));
+        }
     }
 }
 
@@ -73,6 +98,7 @@ impl Exporter for PerProcessFiles {
             }
         };
         let _ = std::fs::remove_file(&tmp);
+        self.write_summary(pid);
         result
     }
 }
