@@ -3,6 +3,7 @@
 # wall-time overhead of each tool against a bare run.
 #
 #   scripts/record_compare.sh [--memory-tools] [--size MB] [--runs N]
+#   scripts/record_compare.sh --heap [--runs N]
 #
 # Workloads: `xz -9 -T1` compressing SIZE MB of text gathered from /usr/share, and ripgrep
 # (`cargo install ripgrep`) with a Unicode-class regex over 20 hard-linked copies of the same
@@ -16,6 +17,13 @@
 # record (default rate); with --memory-tools, heaptrack and valgrind --tool=massif too (slow).
 # Needs: a release build (cargo build --release), linux-perf, xz-utils, python3, binutils;
 # heaptrack and valgrind for --memory-tools. Timings are only meaningful on a quiet machine.
+# --heap: the heap's peak and what is live at exit instead, ferroprof record (its estimated peak,
+# and heap-live-size at exit; --runs runs at the default 512 KiB interval, one at 64 KiB)
+# against heaptrack ("peak heap memory consumption", "total memory leaked"), on the C test
+# program in its `peak` mode (64 MiB held at the peak, then 32 MiB kept to the end: it prints
+# its own figures) and on Debian's python3 building a dict of a million entries, dropping it,
+# then keeping 20 MB of bytes objects (PYTHONMALLOC=malloc: every object through malloc, as
+# both tools see only malloc; python frees its objects before exit). Needs heaptrack and gcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -24,21 +32,66 @@ SHARES="python3 $ROOT/scripts/record_compare_shares.py"
 SIZE_MB=32
 RUNS=3
 MEMORY_TOOLS=0
+HEAP=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --memory-tools) MEMORY_TOOLS=1 ;;
+        --heap) HEAP=1 ;;
         --size) SIZE_MB=$2; shift ;;
         --runs) RUNS=$2; shift ;;
-        *) sed -n '2,18p' "$0"; exit 2 ;;
+        *) sed -n '2,26p' "$0"; exit 2 ;;
     esac
     shift
 done
 [ -x "$FERROPROF" ] || { echo "build first: cargo build --release ($FERROPROF missing)" >&2; exit 2; }
-command -v perf >/dev/null || { echo "perf not found (Debian: apt-get install linux-perf)" >&2; exit 2; }
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/record-compare.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
+
+# The heap's peak and live bytes at exit of "$@": ferroprof record's, then heaptrack's.
+heap_compare() {
+    local name=$1; shift
+    echo
+    echo "== $name: peak heap and live at exit"
+    local i out peak live
+    for iv in 512K 64K; do
+        local n=$RUNS
+        [ "$iv" = 512K ] || n=1
+        for ((i = 0; i < n; i++)); do
+            rm -rf fph
+            out=$("$FERROPROF" record --profiles heap --alloc-interval "$iv" -o fph -- "$@" 2>/dev/null)
+            peak=$(sed -n 's/^peak live heap ≈ \([^ ]*\) (\([0-9]*\) bytes.*/\2/p' <<<"$out")
+            live=$(sed -n 's/.*heap-live-size (bytes), total \([^ ]*\) in.*/\1/p' <<<"$out" | head -1)
+            printf '  %-34s peak %7.2f MiB (%6.2f MB)   live at exit %s\n' \
+                "ferroprof record, interval $iv" "$(echo "$peak / 1048576" | bc -l)" \
+                "$(echo "$peak / 1000000" | bc -l)" "${live:-0}"
+            # The program's own figures (the C test program prints them).
+            grep -o 'peak_bytes=[0-9]* live_bytes=[0-9]*' <<<"$out" >program.txt || true
+        done
+    done
+    if [ -s program.txt ]; then
+        read -r p l < <(sed 's/peak_bytes=\([0-9]*\) live_bytes=\([0-9]*\)/\1 \2/' program.txt)
+        printf '  %-34s peak %7.2f MiB (%6.2f MB)   live at exit %.2f MiB\n' "truth (the program's count)" \
+            "$(echo "$p / 1048576" | bc -l)" "$(echo "$p / 1000000" | bc -l)" "$(echo "$l / 1048576" | bc -l)"
+    fi
+    if command -v heaptrack >/dev/null; then
+        rm -f ht.*
+        heaptrack -o ht "$@" >/dev/null 2>&1 || true
+        heaptrack_print ht.* 2>/dev/null | grep -E '^(peak heap memory consumption|total memory leaked):' |
+            sed 's/^/  heaptrack: /'
+    fi
+}
+
+if [ "$HEAP" = 1 ]; then
+    gcc -O1 -g -fno-omit-frame-pointer -pthread -o fixture "$ROOT/crates/cli/tests/fixtures/record_fixture.c" -ldl
+    heap_compare "C test program, peak mode" ./fixture peak 64 32
+    PYTHONMALLOC=malloc heap_compare "python3: a 1M-entry dict, dropped, then 20 MB kept" \
+        /usr/bin/python3 -c 'd = {i: str(i) * 8 for i in range(1_000_000)}; del d; keep = [bytes(1000) for _ in range(20_000)]'
+    exit 0
+fi
+
+command -v perf >/dev/null || { echo "perf not found (Debian: apt-get install linux-perf)" >&2; exit 2; }
 echo "work directory $WORK; $SIZE_MB MB of text, $RUNS runs per timing"
 find /usr/share -type f \( -name '*.txt' -o -name '*.html' -o -name '*.py' -o -name '*.pm' \
     -o -name '*.h' \) 2>/dev/null | sort | xargs cat 2>/dev/null | head -c "${SIZE_MB}M" > data.txt || true
