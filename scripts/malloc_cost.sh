@@ -27,7 +27,7 @@ PAIRS=2000000
 while [ $# -gt 0 ]; do
     case "$1" in
         --pairs) PAIRS=$2; shift ;;
-        *) sed -n '2,23p' "$0"; exit 2 ;;
+        *) sed -n '2,21p' "$0"; exit 2 ;;
     esac
     shift
 done
