@@ -111,7 +111,18 @@ fn live_heap_and_allocation_counts_match_the_truth() {
     let shrunk = shrink_by_realloc();
 
     // Live heap right now, through the profile source.
+    let stats = guard.stats();
     let p = heap_now(&guard);
+    // The running estimate of the live heap is the profile's heap-live-size total, up to what
+    // was sampled between the two reads (a few samples of ~16 KiB at most, against 40 MiB);
+    // a record untracked without its bytes (realloc's moves, the churn) would be megabytes.
+    let total = sum_where(&p, "heap-live-size", |_, _| true) as f64;
+    let running = stats.heap_live_estimate_bytes as f64;
+    assert!(
+        (running - total).abs() <= 0.01 * total,
+        "running estimate {running} vs the profile's {total}"
+    );
+    assert!(stats.heap_peak_estimate_bytes >= stats.heap_live_estimate_bytes);
     let truth = (n_live * 1024) as f64;
     let kl = live(&p, "keep_live") as f64;
     eprintln!(
@@ -158,6 +169,14 @@ fn live_heap_and_allocation_counts_match_the_truth() {
     drop(kept);
     let p = heap_now(&guard);
     assert_eq!(live(&p, "keep_live"), 0, "freed blocks still tracked");
+    // The frees took keep_live's bytes back from the running estimate; its peak stays.
+    let after = guard.stats();
+    assert!(
+        (after.heap_live_estimate_bytes as f64) < running - 0.9 * kl,
+        "running estimate {} after freeing {kl} of {running}",
+        after.heap_live_estimate_bytes
+    );
+    assert!(after.heap_peak_estimate_bytes >= stats.heap_live_estimate_bytes);
 
     guard.stop().expect("stop");
     drop((grown, shrunk));
