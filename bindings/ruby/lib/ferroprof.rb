@@ -61,3 +61,5 @@ module Ferroprof
     Time.at(ns / 1_000_000_000, ns % 1_000_000_000, :nsec)
   end
 end
+
+require "ferroprof/profiler"
