@@ -29,6 +29,14 @@ module ProfilerSpecWorkload
     n.times { "c" * 200 }
   end
 
+  def spec_alloc_one(n)
+    n.times { Object.new }
+  end
+
+  def spec_alloc_three(n)
+    n.times { Object.new }
+  end
+
   def spec_sleeper(secs)
     sleep(secs)
   end
@@ -97,6 +105,25 @@ RSpec.describe "Ferroprof.start" do
     expect(heap.map { |s| s.labels[:"allocation class"] }.uniq).to include("String")
     expect(Ferroprof.stats).to include(record_errors: 0, alloc_dropped: 0)
     kept.clear
+  end
+
+  it "watches allocations in a random share of CPU intervals without biasing sites or totals" do
+    w = ProfilerSpecWorkload
+    Ferroprof.start(dir: dir, period: 60, cpu_hz: 1000, alloc_every: 100, alloc_duty: 0.2, heap: false)
+    made = 0
+    t0 = Process.clock_gettime(Process::CLOCK_MONOTONIC)
+    while Process.clock_gettime(Process::CLOCK_MONOTONIC) - t0 < 3
+      w.spec_alloc_one(1000)
+      w.spec_alloc_three(3000)
+      made += 4000
+    end
+    samples = samples_of(Ferroprof.stop)
+    one = through(samples, :"alloc-samples", "spec_alloc_one")
+    three = through(samples, :"alloc-samples", "spec_alloc_three")
+    expect(one.fdiv(one + three)).to be_within(0.05).of(0.25)
+    # About 750 intervals of which a fifth watched: the total's spread is about 7%.
+    expect((one + three).fdiv(made)).to be_within(0.25).of(1.0)
+    expect(Ferroprof.stats[:alloc_windows]).to be > 50
   end
 
   it "labels live objects with their age in GCs, growing as collections pass" do
@@ -170,6 +197,15 @@ RSpec.describe "Ferroprof.start" do
     expect(files).to all(satisfy { |f| File.size(f).positive? })
     expect(Ferroprof.running?).to be(false)
     expect(Ferroprof.stop).to eq([])
+  end
+
+  it "survives every allocation sampled among threads, GC and compaction (no crash, no hang)" do
+    require "open3"
+    fixture = File.expand_path("fixtures/stress.rb", __dir__)
+    lib = File.expand_path("../lib", __dir__)
+    out, status = Open3.capture2e({ "SECS" => "3", "EVERY" => "1" }, "timeout", "120", "ruby", "-I", lib, fixture)
+    expect(status.success?).to be(true), out[-3000..] || out
+    expect(out).to match(/^ok \d+ allocation samples/)
   end
 
   it "rejects bad options with the value named, and a second start" do

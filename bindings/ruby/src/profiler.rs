@@ -15,7 +15,9 @@
 //!   `alloc-samples` (weighed by the allocations the sample stands for) and starts the live-heap
 //!   recording of the object ([`ferroprof_recorder::StackRecorder::track_object`]).
 //! * **GC.** A `GC_EXIT` hook registers a job that runs the heap recorder's after-GC step (young
-//!   objects' liveness), out of the GC.
+//!   objects' liveness), out of the GC. Any GC event hook slows every allocation (Ruby 3.1 then
+//!   allocates through its locked slow path), so it is enabled with the `NEWOBJ` hook only
+//!   during watched intervals; the CPU job runs the step after collections it did not see.
 //!
 //! Objects and frames waiting in the queue are marked (so neither is freed nor moved) by the
 //! mark function of `Ferroprof::Native::ROOTS`, as are the frames whose names are cached.
@@ -65,6 +67,7 @@ struct Counters {
     alloc_events: AtomicU64,
     alloc_samples: AtomicU64,
     alloc_dropped: AtomicU64,
+    alloc_windows: AtomicU64,
     gc_steps: AtomicU64,
     record_errors: AtomicU64,
 }
@@ -76,6 +79,7 @@ static COUNTERS: Counters = Counters {
     alloc_events: AtomicU64::new(0),
     alloc_samples: AtomicU64::new(0),
     alloc_dropped: AtomicU64::new(0),
+    alloc_windows: AtomicU64::new(0),
     gc_steps: AtomicU64::new(0),
     record_errors: AtomicU64::new(0),
 };
@@ -83,15 +87,41 @@ static COUNTERS: Counters = Counters {
 /// The allocation sampler's state. The hook runs with the GVL held, one at a time; atomics only
 /// make the statics `Sync`.
 struct AllocSampling {
-    /// Mean allocations per sample; 0: allocation sampling off.
+    /// Mean watched allocations per sample; 0: allocation sampling off.
     every: AtomicU64,
     /// Allocations until the next sample.
     countdown: AtomicU64,
-    /// Allocations since the last sample (what the next one stands for).
+    /// Watched allocations since the last sample (the next one stands for these, scaled by
+    /// [`watched_scale`]).
     seen: AtomicU64,
     /// xorshift state for the gaps.
     rng: AtomicU64,
 }
+
+/// The share of CPU intervals whose allocations are watched, in millionths (1_000_000: all).
+/// An enabled `NEWOBJ` hook slows every allocation of Ruby 3.1 by more than half (the VM takes
+/// its slow allocation path and dispatches the hook), so the hook is on only during randomly
+/// chosen CPU intervals: each allocation is watched with the same probability whatever its
+/// site, and samples are weighed by its inverse.
+static DUTY_PPM: AtomicU64 = AtomicU64::new(1_000_000);
+/// All allocations the hook saw (hidden and our own included), and the VM's allocation counter
+/// at start: with a duty under 1, samples are scaled by the VM's count over these, which keeps
+/// totals right although watched intervals allocate slower (the hook's cost) than others.
+static WATCHED_ALL: AtomicU64 = AtomicU64::new(0);
+static VM_ALLOCATED_AT_START: AtomicU64 = AtomicU64::new(0);
+
+/// The VM's count of objects allocated since it started (`GC.stat(:total_allocated_objects)`).
+fn vm_allocated() -> u64 {
+    // SAFETY: rb_intern/rb_id2sym/rb_gc_stat read VM tables under the GVL; a Symbol key makes
+    // rb_gc_stat return that one value.
+    unsafe {
+        let key = rb_sys::rb_id2sym(rb_sys::rb_intern(c"total_allocated_objects".as_ptr()));
+        rb_sys::rb_gc_stat(key) as u64
+    }
+}
+
+/// Whether the `NEWOBJ` hook is enabled now.
+static HOOK_ON: AtomicBool = AtomicBool::new(false);
 
 static ALLOC: AllocSampling = AllocSampling {
     every: AtomicU64::new(0),
@@ -398,28 +428,79 @@ extern "C" fn cpu_job(_data: *mut c_void) {
         record(&rec, &frames[..len], &lines[..len], &values);
         COUNTERS.cpu_samples.fetch_add(1, Ordering::Relaxed);
         std::hint::black_box(&frames);
+        choose_alloc_window();
+        // Collections that ended while the GC hook was off: the young update from here.
+        // SAFETY: rb_gc_count reads a counter under the GVL.
+        let gcs = unsafe { rb_sys::rb_gc_count() } as u64;
+        if LAST_GC.swap(gcs, Ordering::Relaxed) != gcs && !HOOK_ON.load(Ordering::Relaxed) {
+            rec.after_gc_step();
+            COUNTERS.gc_steps.fetch_add(1, Ordering::Relaxed);
+        }
     });
+}
+
+/// The GC count the CPU job saw last.
+static LAST_GC: AtomicU64 = AtomicU64::new(0);
+
+/// At each CPU job: whether the allocations of the next CPU interval are watched (a coin of
+/// probability `DUTY_PPM`, independent of the program).
+fn choose_alloc_window() {
+    let duty = DUTY_PPM.load(Ordering::Relaxed);
+    if duty >= 1_000_000 {
+        return;
+    }
+    let on = random() % 1_000_000 < duty;
+    if on == HOOK_ON.load(Ordering::Relaxed) {
+        return;
+    }
+    // The GC hook goes with it: any GC event hook sends every allocation of Ruby 3.1 down its
+    // slow path (the VM lock), so it is on only while allocations are watched anyway.
+    let tps = lock(&ACTIVE)
+        .as_ref()
+        .map_or([0, 0], |a| [a.newobj_tp, a.gc_tp]);
+    for tp in tps.into_iter().filter(|&tp| tp != 0) {
+        // SAFETY: a tracepoint created by start and kept alive by Roots; toggled with the GVL
+        // held. Both events are internal: no instruction sequence is rewritten.
+        unsafe {
+            if on {
+                rb_sys::rb_tracepoint_enable(tp);
+            } else {
+                rb_sys::rb_tracepoint_disable(tp);
+            }
+        }
+    }
+    HOOK_ON.store(on, Ordering::Relaxed);
+    COUNTERS
+        .alloc_windows
+        .fetch_add(on as u64, Ordering::Relaxed);
 }
 
 /// The allocation job: names, class and heap recording of the queued samples.
 extern "C" fn alloc_job(_data: *mut c_void) {
     as_job(|| {
         let rec = recorder();
-        while let Some(s) = next_pending() {
+        let scale = watched_scale();
+        while let Some(mut s) = next_pending() {
             let Some(rec) = &rec else { continue };
+            s.weight = ((s.weight as f64 * scale).round() as u64).max(1);
             // SAFETY: s.obj is alive: marked in the queue until now, on this stack since.
             let obj = unsafe { Value::from_raw(s.obj) };
-            let class = class_name(obj);
             let weight = u32::try_from(s.weight).unwrap_or(u32::MAX);
-            let tracked = rec.track_object(crate::heap::handle_of(obj), weight, class.as_deref());
+            // The VM may have hidden it since (e.g. a buffer it keeps for itself): still an
+            // allocation, but neither named nor tracked.
+            // SAFETY: alive, as above.
+            let tracked = unsafe { visible(s.obj) }.then(|| {
+                let class = class_name(obj);
+                rec.track_object(crate::heap::handle_of(obj), weight, class.as_deref())
+            });
             let values = SampleValues {
                 alloc_samples: s.weight as i64,
                 alloc_samples_unscaled: 1,
                 // Ends the recording track_object started (or skipped): always, once started.
-                heap_sample: tracked.is_ok(),
+                heap_sample: matches!(tracked, Some(Ok(_))),
                 ..SampleValues::default()
             };
-            if tracked.is_err() {
+            if matches!(tracked, Some(Err(_))) {
                 COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
             }
             record(rec, &s.frames[..s.len], &s.lines[..s.len], &values);
@@ -432,6 +513,22 @@ extern "C" fn alloc_job(_data: *mut c_void) {
             }
         }
     });
+}
+
+/// What one watched allocation stands for: 1 when every interval is watched, else all the
+/// VM's allocations since start over those the hook saw.
+fn watched_scale() -> f64 {
+    let duty = DUTY_PPM.load(Ordering::Relaxed);
+    if duty >= 1_000_000 {
+        return 1.0;
+    }
+    let seen = WATCHED_ALL.load(Ordering::Relaxed);
+    let all = vm_allocated().saturating_sub(VM_ALLOCATED_AT_START.load(Ordering::Relaxed));
+    if seen < 1000 {
+        // Too few to measure yet: the duty's own ratio.
+        return 1e6 / duty as f64;
+    }
+    (all as f64 / seen as f64).max(1.0)
 }
 
 /// The oldest queued allocation sample. One at a time: it leaves the (marked) queue for the
@@ -464,29 +561,53 @@ extern "C" fn gc_job(_data: *mut c_void) {
 
 // --- hooks ----------------------------------------------------------------------------------
 
-fn next_gap(every: u64) -> u64 {
+/// xorshift64: the sampler's gaps and windows (called with the GVL held).
+fn random() -> u64 {
     let mut x = ALLOC.rng.load(Ordering::Relaxed);
     x ^= x << 13;
     x ^= x >> 7;
     x ^= x << 17;
     ALLOC.rng.store(x, Ordering::Relaxed);
+    x
+}
+
+fn next_gap(every: u64) -> u64 {
     // Uniform in 1..=2*every-1: mean `every`.
-    1 + x % (2 * every - 1).max(1)
+    1 + random() % (2 * every - 1).max(1)
+}
+
+/// Whether heap object `obj` is one Ruby code can see: it has a class, and is not one of the
+/// VM's internal types (instruction sequences, method entries, include classes...).
+///
+/// # Safety
+/// `obj` must be a live heap object (its `RBasic` readable).
+unsafe fn visible(obj: VALUE) -> bool {
+    // SAFETY: the caller's contract.
+    let basic = unsafe { &*(obj as *const rb_sys::RBasic) };
+    let ty = (basic.flags & rb_sys::ruby_value_type::RUBY_T_MASK as VALUE) as u32;
+    basic.klass != 0
+        && ((rb_sys::ruby_value_type::RUBY_T_OBJECT as u32
+            ..=rb_sys::ruby_value_type::RUBY_T_RATIONAL as u32)
+            .contains(&ty)
+            || ty == rb_sys::ruby_value_type::RUBY_T_SYMBOL as u32)
 }
 
 /// `NEWOBJ`: counts, and every gap queues a sample. Runs inside the allocation: allocates no
 /// Ruby object and calls no Ruby method.
 unsafe extern "C" fn on_newobj(tpval: VALUE, _data: *mut c_void) {
     let every = ALLOC.every.load(Ordering::Relaxed);
-    if every == 0 || IN_JOB.load(Ordering::Relaxed) || !RUNNING.load(Ordering::Relaxed) {
+    if every == 0 || !RUNNING.load(Ordering::Relaxed) {
+        return;
+    }
+    WATCHED_ALL.fetch_add(1, Ordering::Relaxed);
+    if IN_JOB.load(Ordering::Relaxed) {
         return;
     }
     // SAFETY: called by the VM for this tracepoint's event; the object has its flags and class
     // set (newobj_init runs before the hook).
     let obj = unsafe { rb_sys::rb_tracearg_object(rb_sys::rb_tracearg_from_tracepoint(tpval)) };
-    // SAFETY: obj is a heap object (NEWOBJ is never raised for immediates): RBasic is readable.
-    let klass = unsafe { (*(obj as *const rb_sys::RBasic)).klass };
-    if klass == 0 || on_own_thread() {
+    // SAFETY: obj is a heap object (NEWOBJ is never raised for immediates).
+    if !unsafe { visible(obj) } || on_own_thread() {
         // Hidden objects (no class, invisible to Ruby code) and the profiler's own are not
         // counted: a sample's weight is the visible allocations it stands for.
         return;
@@ -537,27 +658,29 @@ unsafe extern "C" fn on_gc_exit(_tpval: VALUE, _data: *mut c_void) {
     }
 }
 
-fn new_tracepoint(
-    event: u32,
-    hook: unsafe extern "C" fn(VALUE, *mut c_void),
-) -> Result<VALUE, Error> {
+fn new_tracepoint(event: u32, hook: unsafe extern "C" fn(VALUE, *mut c_void), on: bool) -> VALUE {
     // SAFETY: a process-wide tracepoint (target thread 0 = Qfalse) on an internal event with an
     // extern "C" hook; called with the GVL.
     let tp = unsafe { rb_sys::rb_tracepoint_new(0, event, Some(hook), std::ptr::null_mut()) };
-    // SAFETY: rb_tracepoint_new returns a TracePoint object.
-    unsafe { rb_sys::rb_tracepoint_enable(tp) };
-    Ok(tp)
+    if on {
+        // SAFETY: rb_tracepoint_new returns a TracePoint object.
+        unsafe { rb_sys::rb_tracepoint_enable(tp) };
+    }
+    tp
 }
 
 // --- Ruby entry points ----------------------------------------------------------------------
 
-/// `_native_start(recorder, cpu_interval_ns, alloc_every, gc_hook)`: `cpu_interval_ns` 0 turns
-/// CPU sampling off, `alloc_every` 0 allocation sampling off.
+/// `_native_start(recorder, cpu_interval_ns, alloc_every, alloc_duty, gc_hook)`:
+/// `cpu_interval_ns` 0 turns CPU sampling off, `alloc_every` (mean allocations per sample) 0
+/// allocation sampling off; `alloc_duty` is the share of CPU intervals whose allocations are
+/// watched (1 without CPU sampling, which delimits the intervals).
 fn start(
     ruby: &Ruby,
     rb: &RbRecorder,
     cpu_interval_ns: u64,
     alloc_every: u64,
+    alloc_duty: f64,
     gc_hook: bool,
 ) -> Result<bool, Error> {
     guard(ruby, || {
@@ -570,20 +693,43 @@ fn start(
                 format!("cpu interval {cpu_interval_ns} ns is under 1 ms (at most 1000 Hz)"),
             ));
         }
+        if !(alloc_duty > 0.0 && alloc_duty <= 1.0) {
+            return Err(arg_error(
+                ruby,
+                format!("alloc_duty must be in (0, 1], got {alloc_duty}"),
+            ));
+        }
+        let duty_ppm = if cpu_interval_ns == 0 {
+            1_000_000
+        } else {
+            ((alloc_duty * 1e6).round() as u64).clamp(1, 1_000_000)
+        };
+        // Watched allocations per sample: the mean over all allocations stays `alloc_every`.
+        let every = if alloc_every == 0 {
+            0
+        } else {
+            ((alloc_every as f64 * duty_ppm as f64 / 1e6).round() as u64).max(1)
+        };
         CPU_SIGNALS.store(0, Ordering::Relaxed);
         INTERVAL_NS.store(cpu_interval_ns.max(1), Ordering::Relaxed);
-        ALLOC.every.store(alloc_every, Ordering::Relaxed);
+        DUTY_PPM.store(duty_ppm, Ordering::Relaxed);
+        WATCHED_ALL.store(0, Ordering::Relaxed);
+        VM_ALLOCATED_AT_START.store(vm_allocated(), Ordering::Relaxed);
+        ALLOC.every.store(every, Ordering::Relaxed);
         ALLOC.seen.store(0, Ordering::Relaxed);
         ALLOC
             .countdown
-            .store(next_gap(alloc_every.max(1)), Ordering::Relaxed);
-        let newobj_tp = if alloc_every > 0 {
-            new_tracepoint(rb_sys::RUBY_INTERNAL_EVENT_NEWOBJ, on_newobj)?
+            .store(next_gap(every.max(1)), Ordering::Relaxed);
+        let newobj_tp = if every > 0 {
+            let on = duty_ppm >= 1_000_000 || random() % 1_000_000 < duty_ppm;
+            HOOK_ON.store(on, Ordering::Relaxed);
+            new_tracepoint(rb_sys::RUBY_INTERNAL_EVENT_NEWOBJ, on_newobj, on)
         } else {
             0
         };
         let gc_tp = if gc_hook {
-            new_tracepoint(rb_sys::RUBY_INTERNAL_EVENT_GC_EXIT, on_gc_exit)?
+            let on = every == 0 || HOOK_ON.load(Ordering::Relaxed);
+            new_tracepoint(rb_sys::RUBY_INTERNAL_EVENT_GC_EXIT, on_gc_exit, on)
         } else {
             0
         };
@@ -612,6 +758,7 @@ fn start(
 fn stop_inner() -> bool {
     let was = RUNNING.swap(false, Ordering::Relaxed);
     let _ = set_timer(0);
+    HOOK_ON.store(false, Ordering::Relaxed);
     let active = lock(&ACTIVE).take();
     if let Some(a) = active {
         for tp in [a.newobj_tp, a.gc_tp] {
@@ -667,6 +814,7 @@ fn stats(ruby: &Ruby) -> Result<RHash, Error> {
             ("alloc_events", &c.alloc_events),
             ("alloc_samples", &c.alloc_samples),
             ("alloc_dropped", &c.alloc_dropped),
+            ("alloc_windows", &c.alloc_windows),
             ("gc_steps", &c.gc_steps),
             ("record_errors", &c.record_errors),
         ] {
@@ -723,7 +871,7 @@ pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     let native = module.define_module("Native")?;
     native.define_class("Roots", ruby.class_object())?;
     native.const_set("ROOTS", Roots)?;
-    native.define_module_function("_native_start", function!(start, 4))?;
+    native.define_module_function("_native_start", function!(start, 5))?;
     native.define_module_function("_native_stop", function!(stop, 0))?;
     native.define_module_function("_native_after_fork", function!(after_fork, 0))?;
     native.define_module_function("_native_set_own_threads", function!(set_own_threads, 2))?;

@@ -9,7 +9,8 @@ module Ferroprof
       dir: "ferroprof-profiles",
       period: 60,
       cpu_hz: 100,
-      alloc_every: 1000,
+      alloc_every: 10_000,
+      alloc_duty: 0.05,
       heap: true,
       heap_sample_every: 1,
       wall_hz: 0,
@@ -27,6 +28,7 @@ module Ferroprof
       check_number(:cpu_hz, o[:cpu_hz], min: 0, max: 1000)
       check_number(:wall_hz, o[:wall_hz], min: 0, max: 1000)
       check_number(:stop_timeout, o[:stop_timeout], min: 0)
+      check_number(:alloc_duty, o[:alloc_duty], min: 1e-6, max: 1)
       unless o[:alloc_every].is_a?(Integer) && o[:alloc_every] >= 0
         raise ArgumentError, "alloc_every must be an Integer >= 0 (0: no allocation profile), got #{o[:alloc_every].inspect}"
       end
@@ -54,7 +56,7 @@ module Ferroprof
       FileUtils.mkdir_p(@dir)
       interval_ns = @opts[:cpu_hz] > 0 ? (1e9 / @opts[:cpu_hz]).round : 0
       heap = @opts[:heap] && @opts[:alloc_every] > 0
-      Native._native_start(@recorder, interval_ns, @opts[:alloc_every], heap)
+      Native._native_start(@recorder, interval_ns, @opts[:alloc_every], @opts[:alloc_duty].to_f, heap)
       start_threads
       self
     end
@@ -192,7 +194,9 @@ module Ferroprof
     #   dir:               where profiles go (ferroprof-profiles), as ferroprof.PID.N.pprof
     #   period:            seconds between profiles (60)
     #   cpu_hz:            CPU samples per CPU-second (100; 0: off)
-    #   alloc_every:       allocations per allocation sample, on average (1000; 0: off)
+    #   alloc_every:       allocations per allocation sample, on average (10_000; 0: off)
+    #   alloc_duty:        share of CPU intervals whose allocations are watched (0.05; 1 when
+    #                      cpu_hz is 0): Ruby allocates much slower while watched
     #   heap:              live-heap profile of the sampled objects (true)
     #   heap_sample_every: track 1 in N allocation samples for the live heap (1)
     #   wall_hz:           wall-time looks at every thread per second (0: off)
