@@ -11,6 +11,11 @@ require "objspace" # ObjectSpace.memsize_of: heap-live-size
 require "ferroprof/ferroprof_ruby"
 
 module Ferroprof
+  # Id => object for every object the heap recorders track (weak: it keeps none alive). The
+  # extension asks it whether a tracked object is still alive.
+  LIVE_OBJECTS = ObjectSpace::WeakMap.new
+  private_constant :LIVE_OBJECTS
+
   class StackRecorder
     # Keywords of the seed's recorder. cpu-samples and wall-time are always recorded.
     def self.new(
@@ -61,3 +66,5 @@ module Ferroprof
     Time.at(ns / 1_000_000_000, ns % 1_000_000_000, :nsec)
   end
 end
+
+require "ferroprof/profiler"

@@ -1,7 +1,881 @@
-//! The sampling profiler behind `Ferroprof.start` (filled in below).
+//! The sampling profiler behind `Ferroprof.start` (`Ferroprof::Native`).
+//!
+//! Only public C API, the approach of stackprof:
+//!
+//! * **CPU.** A process CPU-time timer (`timer_create`) raises `SIGPROF` each time the process
+//!   used another interval of CPU. The handler only counts the signal and registers a postponed job
+//!   (`rb_postponed_job_register_one`, made to be called from a signal handler); it does nothing
+//!   on a thread Ruby does not know. The job runs at the VM's next safe point on the thread that
+//!   holds the GVL, reads its stack with `rb_profile_frames` and records `cpu-time` (the
+//!   intervals counted since the last job) and `cpu-samples`.
+//! * **Allocations.** A `NEWOBJ` internal event hook counts allocations; about every
+//!   `alloc_every`-th (a random gap, so no allocation pattern lines up with it) it reads the
+//!   stack and queues the object and its frames. The hook allocates no Ruby object: names,
+//!   the class and the heap recording are made by a postponed job, which records
+//!   `alloc-samples` (weighed by the allocations the sample stands for) and starts the live-heap
+//!   recording of the object ([`ferroprof_recorder::StackRecorder::track_object`]).
+//! * **GC.** A `GC_EXIT` hook registers a job that runs the heap recorder's after-GC step (young
+//!   objects' liveness), out of the GC. Any GC event hook slows every allocation (Ruby 3.1 then
+//!   allocates through its locked slow path), so it is enabled with the `NEWOBJ` hook only
+//!   during watched intervals; the CPU job runs the step after collections it did not see.
+//!
+//! Objects and frames waiting in the queue are marked (so neither is freed nor moved) by the
+//! mark function of `Ferroprof::Native::ROOTS`, as are the frames whose names are cached.
+//! Everything but the signal handler runs with the GVL held.
 
-use magnus::{Error, RModule, Ruby};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-pub fn init(_ruby: &Ruby, _module: RModule) -> Result<(), Error> {
+use ferroprof_recorder::{Frame, Label, SampleValues, StackRecorder};
+use magnus::rb_sys::{AsRawValue, FromRawValue};
+use magnus::typed_data::DataTypeFunctions;
+use magnus::value::ReprValue;
+use magnus::{function, gc, prelude::*, Error, RHash, RModule, RString, Ruby, Value};
+use rb_sys::VALUE;
+
+use crate::recorder::RbRecorder;
+use crate::{arg_error, guard};
+
+/// Frames read per sample; deeper stacks keep their innermost frames.
+const MAX_FRAMES: usize = 400;
+/// Frames kept per queued allocation sample.
+const ALLOC_FRAMES: usize = 128;
+/// Allocation samples waiting for the job; more are dropped (counted).
+const MAX_PENDING: usize = 64;
+/// Cached frame names; the cache starts over beyond this.
+const MAX_CACHED_FRAMES: usize = 20_000;
+
+/// Set while the profiler runs: the handler, hooks and jobs do nothing otherwise.
+static RUNNING: AtomicBool = AtomicBool::new(false);
+/// `SIGPROF`s counted since the last CPU job.
+static CPU_SIGNALS: AtomicU64 = AtomicU64::new(0);
+/// The timer's interval.
+static INTERVAL_NS: AtomicU64 = AtomicU64::new(10_000_000);
+/// Inside one of our jobs: the allocations they make are not sampled.
+static IN_JOB: AtomicBool = AtomicBool::new(false);
+/// The profiler's own Ruby threads (writer, wall sampler): their samples are the profiler's
+/// cost, not the program's, and are not kept.
+static OWN_THREADS: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+
+/// Counters reported by `Ferroprof::Native._native_stats`.
+struct Counters {
+    signals: AtomicU64,
+    signals_outside_ruby: AtomicU64,
+    cpu_samples: AtomicU64,
+    alloc_events: AtomicU64,
+    alloc_samples: AtomicU64,
+    alloc_dropped: AtomicU64,
+    alloc_windows: AtomicU64,
+    gc_steps: AtomicU64,
+    record_errors: AtomicU64,
+}
+
+static COUNTERS: Counters = Counters {
+    signals: AtomicU64::new(0),
+    signals_outside_ruby: AtomicU64::new(0),
+    cpu_samples: AtomicU64::new(0),
+    alloc_events: AtomicU64::new(0),
+    alloc_samples: AtomicU64::new(0),
+    alloc_dropped: AtomicU64::new(0),
+    alloc_windows: AtomicU64::new(0),
+    gc_steps: AtomicU64::new(0),
+    record_errors: AtomicU64::new(0),
+};
+
+/// The allocation sampler's state. The hook runs with the GVL held, one at a time; atomics only
+/// make the statics `Sync`.
+struct AllocSampling {
+    /// Mean watched allocations per sample; 0: allocation sampling off.
+    every: AtomicU64,
+    /// Allocations until the next sample.
+    countdown: AtomicU64,
+    /// Watched allocations since the last sample (the next one stands for these, scaled by
+    /// [`watched_scale`]).
+    seen: AtomicU64,
+    /// xorshift state for the gaps.
+    rng: AtomicU64,
+}
+
+/// The share of CPU intervals whose allocations are watched, in millionths (1_000_000: all).
+/// An enabled `NEWOBJ` hook slows every allocation of Ruby 3.1 by more than half (the VM takes
+/// its slow allocation path and dispatches the hook), so the hook is on only during randomly
+/// chosen CPU intervals: each allocation is watched with the same probability whatever its
+/// site, and samples are weighed by its inverse.
+static DUTY_PPM: AtomicU64 = AtomicU64::new(1_000_000);
+/// All allocations the hook saw (hidden and our own included), and the VM's allocation counter
+/// at start: with a duty under 1, samples are scaled by the VM's count over these, which keeps
+/// totals right although watched intervals allocate slower (the hook's cost) than others.
+static WATCHED_ALL: AtomicU64 = AtomicU64::new(0);
+static VM_ALLOCATED_AT_START: AtomicU64 = AtomicU64::new(0);
+
+/// The VM's count of objects allocated since it started (`GC.stat(:total_allocated_objects)`).
+fn vm_allocated() -> u64 {
+    // SAFETY: rb_intern/rb_id2sym/rb_gc_stat read VM tables under the GVL; a Symbol key makes
+    // rb_gc_stat return that one value.
+    unsafe {
+        let key = rb_sys::rb_id2sym(rb_sys::rb_intern(c"total_allocated_objects".as_ptr()));
+        rb_sys::rb_gc_stat(key) as u64
+    }
+}
+
+/// Whether the `NEWOBJ` hook is enabled now.
+static HOOK_ON: AtomicBool = AtomicBool::new(false);
+
+static ALLOC: AllocSampling = AllocSampling {
+    every: AtomicU64::new(0),
+    countdown: AtomicU64::new(1),
+    seen: AtomicU64::new(0),
+    rng: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
+};
+
+/// One allocation sample waiting for the job: plain data, marked while queued.
+#[derive(Clone, Copy)]
+struct AllocSample {
+    obj: VALUE,
+    weight: u64,
+    len: usize,
+    frames: [VALUE; ALLOC_FRAMES],
+    lines: [i32; ALLOC_FRAMES],
+}
+
+/// The queue of allocation samples. Nothing allocates a Ruby object while holding it, so the
+/// GC (whose mark function takes it) never waits for it.
+static PENDING: Mutex<Vec<AllocSample>> = Mutex::new(Vec::new());
+
+/// A frame's names, as recorded.
+#[derive(Clone)]
+struct FrameNames {
+    name: Arc<str>,
+    path: Arc<str>,
+}
+
+/// Names by frame (`rb_profile_frames`' iseq or method entry). Its frames are marked, so a
+/// cached one is never freed and its address never reused for another.
+static NAMES: Mutex<Option<HashMap<VALUE, FrameNames>>> = Mutex::new(None);
+
+/// The recorder samples go to, and the hooks' tracepoints (0: none).
+struct Active {
+    recorder: Arc<StackRecorder>,
+    newobj_tp: VALUE,
+    gc_tp: VALUE,
+}
+
+static ACTIVE: Mutex<Option<Active>> = Mutex::new(None);
+
+/// Locks `m`; a panic elsewhere never leaves our data half-written in a way that matters here.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn recorder() -> Option<Arc<StackRecorder>> {
+    lock(&ACTIVE).as_ref().map(|a| a.recorder.clone())
+}
+
+/// Marks what the queue and the name cache hold.
+#[derive(magnus::TypedData)]
+#[magnus(class = "Ferroprof::Native::Roots", free_immediately, mark)]
+struct Roots;
+
+impl DataTypeFunctions for Roots {
+    fn mark(&self, _marker: &gc::Marker) {
+        // SAFETY (all rb_gc_mark calls below): called by the GC's mark phase with VALUEs of live
+        // objects: queued ones were handed to the NEWOBJ hook or read from a live stack and have
+        // been marked by every GC since; cached frames likewise. rb_gc_mark also pins them.
+        for s in lock(&PENDING).iter() {
+            unsafe { rb_sys::rb_gc_mark(s.obj) };
+            for &f in &s.frames[..s.len] {
+                unsafe { rb_sys::rb_gc_mark(f) };
+            }
+        }
+        if let Some(names) = lock(&NAMES).as_ref() {
+            for &f in names.keys() {
+                unsafe { rb_sys::rb_gc_mark(f) };
+            }
+        }
+        if let Some(a) = lock(&ACTIVE).as_ref() {
+            for tp in [a.newobj_tp, a.gc_tp] {
+                if tp != 0 {
+                    unsafe { rb_sys::rb_gc_mark(tp) };
+                }
+            }
+        }
+    }
+}
+
+// --- the signal handler ---------------------------------------------------------------------
+
+/// `SIGPROF`: counts the interval and asks the VM for a CPU job. Async-signal-safe: atomics,
+/// `ruby_native_thread_p` (a thread-local read) and `rb_postponed_job_register_one`, which Ruby
+/// documents as callable from a signal handler.
+extern "C" fn on_sigprof(_sig: libc::c_int, _info: *mut libc::siginfo_t, _ctx: *mut c_void) {
+    // SAFETY: __errno_location returns this thread's errno; restored before returning so the
+    // interrupted code sees its own.
+    let errno = unsafe { *libc::__errno_location() };
+    if RUNNING.load(Ordering::Relaxed) {
+        COUNTERS.signals.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: both are async-signal-safe (see above). A thread Ruby does not know has no
+        // execution context, which registering a job would dereference.
+        unsafe {
+            if rb_sys::ruby_native_thread_p() != 0 {
+                // timer_getoverrun is async-signal-safe: the intervals this signal stands for.
+                let timer = TIMER.load(Ordering::Relaxed);
+                let over = if timer.is_null() {
+                    0
+                } else {
+                    libc::timer_getoverrun(timer).max(0) as u64
+                };
+                CPU_SIGNALS.fetch_add(1 + over, Ordering::Relaxed);
+                rb_sys::rb_postponed_job_register_one(0, Some(cpu_job), std::ptr::null_mut());
+            } else {
+                COUNTERS
+                    .signals_outside_ruby
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
+}
+
+fn install_handler() -> std::io::Result<()> {
+    // SAFETY: a zeroed sigaction is valid; the handler is an extern "C" fn of the SA_SIGINFO
+    // signature; sigemptyset initializes the mask in place.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigprof as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        if libc::sigaction(libc::SIGPROF, &sa, std::ptr::null_mut()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The CPU timer (`timer_t`; null: none). Read by the handler for its overrun count.
+static TIMER: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Arms a process CPU-time timer raising `SIGPROF` every `interval_ns` of CPU (0: deletes it).
+/// A POSIX timer rather than `setitimer`: its overrun count tells how many intervals one signal
+/// stands for (the kernel checks CPU timers at its tick, so at high rates one signal often
+/// stands for several).
+fn set_timer(interval_ns: u64) -> std::io::Result<()> {
+    let old = TIMER.swap(std::ptr::null_mut(), Ordering::SeqCst);
+    if !old.is_null() {
+        // SAFETY: a timer this module created and has not deleted (swapped out above).
+        unsafe { libc::timer_delete(old) };
+    }
+    if interval_ns == 0 {
+        return Ok(());
+    }
+    // SAFETY: a zeroed sigevent is valid; SIGEV_SIGNAL with SIGPROF; timer_create writes the
+    // new id into `timer`; timer_settime reads an initialized itimerspec.
+    unsafe {
+        let mut sev: libc::sigevent = std::mem::zeroed();
+        sev.sigev_notify = libc::SIGEV_SIGNAL;
+        sev.sigev_signo = libc::SIGPROF;
+        let mut timer: libc::timer_t = std::ptr::null_mut();
+        if libc::timer_create(libc::CLOCK_PROCESS_CPUTIME_ID, &mut sev, &mut timer) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ts = libc::timespec {
+            tv_sec: (interval_ns / 1_000_000_000) as libc::time_t,
+            tv_nsec: (interval_ns % 1_000_000_000) as libc::c_long,
+        };
+        let spec = libc::itimerspec {
+            it_interval: ts,
+            it_value: ts,
+        };
+        TIMER.store(timer, Ordering::SeqCst);
+        if libc::timer_settime(timer, 0, &spec, std::ptr::null_mut()) != 0 {
+            let e = std::io::Error::last_os_error();
+            TIMER.store(std::ptr::null_mut(), Ordering::SeqCst);
+            libc::timer_delete(timer);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// After a fork the child has no timer (POSIX timers are not inherited): forget the parent's.
+fn forget_timer() {
+    TIMER.store(std::ptr::null_mut(), Ordering::SeqCst);
+}
+
+// --- stacks ---------------------------------------------------------------------------------
+
+/// `v` as a Rust string, when it is a Ruby String.
+fn string_of(v: VALUE) -> Option<String> {
+    // SAFETY: v is a VALUE returned by the VM (a String or nil), alive on this call's stack.
+    let v = unsafe { Value::from_raw(v) };
+    RString::from_value(v).and_then(|s| s.to_string().ok())
+}
+
+/// The names of `frame` (an entry of `rb_profile_frames`), from the cache or the VM.
+fn names_of(frame: VALUE) -> FrameNames {
+    if let Some(n) = lock(&NAMES).as_ref().and_then(|m| m.get(&frame)) {
+        return n.clone();
+    }
+    // Computed without holding the cache: these allocate Ruby strings, and a GC they start
+    // takes the cache's lock to mark it.
+    // SAFETY: frame came from rb_profile_frames on a live stack and is kept alive by the
+    // caller (on its stack, scanned by the GC, or marked in the queue).
+    let (label, abs, path) = unsafe {
+        (
+            rb_sys::rb_profile_frame_full_label(frame),
+            rb_sys::rb_profile_frame_absolute_path(frame),
+            rb_sys::rb_profile_frame_path(frame),
+        )
+    };
+    let names = FrameNames {
+        name: string_of(label)
+            .unwrap_or_else(|| "(unknown)".to_owned())
+            .into(),
+        path: string_of(abs)
+            .or_else(|| string_of(path))
+            .unwrap_or_default()
+            .into(),
+    };
+    let mut cache = lock(&NAMES);
+    let map = cache.get_or_insert_with(HashMap::new);
+    if map.len() >= MAX_CACHED_FRAMES {
+        map.clear();
+    }
+    map.insert(frame, names.clone());
+    names
+}
+
+/// Records one sample of the frames `frames`/`lines` (innermost first) with `values`, labelled
+/// with the current thread.
+fn record(rec: &StackRecorder, frames: &[VALUE], lines: &[i32], values: &SampleValues) {
+    let names: Vec<FrameNames> = frames.iter().map(|&f| names_of(f)).collect();
+    let refs: Vec<Frame<'_>> = names
+        .iter()
+        .zip(lines)
+        .map(|(n, &l)| Frame::sym(&n.name, &n.path, l as i64))
+        .collect();
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() } as i64;
+    let thread_name = current_thread_name();
+    let mut labels = vec![Label::num("thread id", tid)];
+    if let Some(n) = &thread_name {
+        labels.push(Label::str("thread name", n));
+    }
+    if rec.record_sample(&refs, values, &labels, 0).is_err() {
+        COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn current_thread_name() -> Option<String> {
+    // SAFETY: both read the VM's thread objects under the GVL, allocating nothing.
+    let (current, main) = unsafe { (rb_sys::rb_thread_current(), rb_sys::rb_thread_main()) };
+    // SAFETY: a live Thread object.
+    let thread = unsafe { Value::from_raw(current) };
+    let name: Option<String> = thread.funcall("name", ()).ok()?;
+    name.or_else(|| (current == main).then(|| "main".to_owned()))
+}
+
+fn on_own_thread() -> bool {
+    // SAFETY: rb_thread_current reads the running thread under the GVL; allocates nothing.
+    let current = unsafe { rb_sys::rb_thread_current() } as usize;
+    OWN_THREADS
+        .iter()
+        .any(|t| t.load(Ordering::Relaxed) == current)
+}
+
+/// Runs `f` as one of our jobs: allocations it makes are not sampled; a panic is contained
+/// (a job has no Ruby caller to raise to).
+fn as_job(f: impl FnOnce()) {
+    if IN_JOB.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
+    }
+    IN_JOB.store(false, Ordering::Relaxed);
+}
+
+// --- jobs -----------------------------------------------------------------------------------
+
+/// The CPU job: the current thread's stack gets the intervals counted since the last one.
+extern "C" fn cpu_job(_data: *mut c_void) {
+    let n = CPU_SIGNALS.swap(0, Ordering::Relaxed);
+    if n == 0 || !RUNNING.load(Ordering::Relaxed) || on_own_thread() {
+        return;
+    }
+    as_job(|| {
+        let Some(rec) = recorder() else { return };
+        // On this thread's machine stack, which the GC scans: the frames stay alive.
+        let mut frames = [0 as VALUE; MAX_FRAMES];
+        let mut lines = [0i32; MAX_FRAMES];
+        // SAFETY: the buffers hold MAX_FRAMES entries; called with the GVL from a safe point.
+        let len = unsafe {
+            rb_sys::rb_profile_frames(
+                0,
+                MAX_FRAMES as i32,
+                frames.as_mut_ptr(),
+                lines.as_mut_ptr(),
+            )
+        }
+        .max(0) as usize;
+        let values = SampleValues {
+            cpu_time_ns: (n * INTERVAL_NS.load(Ordering::Relaxed)) as i64,
+            cpu_or_wall_samples: n as i64,
+            ..SampleValues::default()
+        };
+        record(&rec, &frames[..len], &lines[..len], &values);
+        COUNTERS.cpu_samples.fetch_add(1, Ordering::Relaxed);
+        std::hint::black_box(&frames);
+        choose_alloc_window();
+        // Collections that ended while the GC hook was off: the young update from here.
+        // SAFETY: rb_gc_count reads a counter under the GVL.
+        let gcs = unsafe { rb_sys::rb_gc_count() } as u64;
+        if LAST_GC.swap(gcs, Ordering::Relaxed) != gcs && !HOOK_ON.load(Ordering::Relaxed) {
+            rec.after_gc_step();
+            COUNTERS.gc_steps.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+}
+
+/// The GC count the CPU job saw last.
+static LAST_GC: AtomicU64 = AtomicU64::new(0);
+
+/// At each CPU job: whether the allocations of the next CPU interval are watched (a coin of
+/// probability `DUTY_PPM`, independent of the program).
+fn choose_alloc_window() {
+    let duty = DUTY_PPM.load(Ordering::Relaxed);
+    if duty >= 1_000_000 {
+        return;
+    }
+    let on = random() % 1_000_000 < duty;
+    if on == HOOK_ON.load(Ordering::Relaxed) {
+        return;
+    }
+    // The GC hook goes with it: any GC event hook sends every allocation of Ruby 3.1 down its
+    // slow path (the VM lock), so it is on only while allocations are watched anyway.
+    let tps = lock(&ACTIVE)
+        .as_ref()
+        .map_or([0, 0], |a| [a.newobj_tp, a.gc_tp]);
+    for tp in tps.into_iter().filter(|&tp| tp != 0) {
+        // SAFETY: a tracepoint created by start and kept alive by Roots; toggled with the GVL
+        // held. Both events are internal: no instruction sequence is rewritten.
+        unsafe {
+            if on {
+                rb_sys::rb_tracepoint_enable(tp);
+            } else {
+                rb_sys::rb_tracepoint_disable(tp);
+            }
+        }
+    }
+    HOOK_ON.store(on, Ordering::Relaxed);
+    COUNTERS
+        .alloc_windows
+        .fetch_add(on as u64, Ordering::Relaxed);
+}
+
+/// The allocation job: names, class and heap recording of the queued samples.
+extern "C" fn alloc_job(_data: *mut c_void) {
+    as_job(|| {
+        let rec = recorder();
+        let scale = watched_scale();
+        while let Some(mut s) = next_pending() {
+            let Some(rec) = &rec else { continue };
+            s.weight = ((s.weight as f64 * scale).round() as u64).max(1);
+            // SAFETY: s.obj is alive: marked in the queue until now, on this stack since.
+            let obj = unsafe { Value::from_raw(s.obj) };
+            let weight = u32::try_from(s.weight).unwrap_or(u32::MAX);
+            // The VM may have hidden it since (e.g. a buffer it keeps for itself): still an
+            // allocation, but neither named nor tracked.
+            // SAFETY: alive, as above.
+            let tracked = unsafe { visible(s.obj) }.then(|| {
+                let class = class_name(obj);
+                rec.track_object(crate::heap::handle_of(obj), weight, class.as_deref())
+            });
+            let values = SampleValues {
+                alloc_samples: s.weight as i64,
+                alloc_samples_unscaled: 1,
+                // Ends the recording track_object started (or skipped): always, once started.
+                heap_sample: matches!(tracked, Some(Ok(_))),
+                ..SampleValues::default()
+            };
+            if matches!(tracked, Some(Err(_))) {
+                COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            record(rec, &s.frames[..s.len], &s.lines[..s.len], &values);
+            COUNTERS.alloc_samples.fetch_add(1, Ordering::Relaxed);
+            std::hint::black_box(&s);
+        }
+        if let Some(rec) = rec {
+            if rec.finalize_pending_heap_recordings().is_err() {
+                COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+}
+
+/// What one watched allocation stands for: 1 when every interval is watched, else all the
+/// VM's allocations since start over those the hook saw.
+fn watched_scale() -> f64 {
+    let duty = DUTY_PPM.load(Ordering::Relaxed);
+    if duty >= 1_000_000 {
+        return 1.0;
+    }
+    let seen = WATCHED_ALL.load(Ordering::Relaxed);
+    let all = vm_allocated().saturating_sub(VM_ALLOCATED_AT_START.load(Ordering::Relaxed));
+    if seen < 1000 {
+        // Too few to measure yet: the duty's own ratio.
+        return 1e6 / duty as f64;
+    }
+    (all as f64 / seen as f64).max(1.0)
+}
+
+/// The oldest queued allocation sample. One at a time: it leaves the (marked) queue for the
+/// caller's stack, which the GC scans; the queue's lock is not held while the caller allocates.
+fn next_pending() -> Option<AllocSample> {
+    let mut q = lock(&PENDING);
+    (!q.is_empty()).then(|| q.remove(0))
+}
+
+/// The class name of `obj` (`None` for an anonymous class).
+fn class_name(obj: Value) -> Option<String> {
+    // SAFETY: obj is a live object with a class (hidden objects are not queued).
+    let class = unsafe { Value::from_raw(rb_sys::rb_obj_class(obj.as_raw())) };
+    let name: Option<String> = class.funcall("name", ()).ok()?;
+    name
+}
+
+/// After a GC: the heap recorder's young update, out of the GC.
+extern "C" fn gc_job(_data: *mut c_void) {
+    if !RUNNING.load(Ordering::Relaxed) {
+        return;
+    }
+    as_job(|| {
+        if let Some(rec) = recorder() {
+            rec.after_gc_step();
+            COUNTERS.gc_steps.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+}
+
+// --- hooks ----------------------------------------------------------------------------------
+
+/// xorshift64: the sampler's gaps and windows (called with the GVL held).
+fn random() -> u64 {
+    let mut x = ALLOC.rng.load(Ordering::Relaxed);
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    ALLOC.rng.store(x, Ordering::Relaxed);
+    x
+}
+
+fn next_gap(every: u64) -> u64 {
+    // Uniform in 1..=2*every-1: mean `every`.
+    1 + random() % (2 * every - 1).max(1)
+}
+
+/// Whether heap object `obj` is one Ruby code can see: it has a class, and is not one of the
+/// VM's internal types (instruction sequences, method entries, include classes...).
+///
+/// # Safety
+/// `obj` must be a live heap object (its `RBasic` readable).
+unsafe fn visible(obj: VALUE) -> bool {
+    // SAFETY: the caller's contract.
+    let basic = unsafe { &*(obj as *const rb_sys::RBasic) };
+    let ty = (basic.flags & rb_sys::ruby_value_type::RUBY_T_MASK as VALUE) as u32;
+    basic.klass != 0
+        && ((rb_sys::ruby_value_type::RUBY_T_OBJECT as u32
+            ..=rb_sys::ruby_value_type::RUBY_T_RATIONAL as u32)
+            .contains(&ty)
+            || ty == rb_sys::ruby_value_type::RUBY_T_SYMBOL as u32)
+}
+
+/// `NEWOBJ`: counts, and every gap queues a sample. Runs inside the allocation: allocates no
+/// Ruby object and calls no Ruby method.
+unsafe extern "C" fn on_newobj(tpval: VALUE, _data: *mut c_void) {
+    let every = ALLOC.every.load(Ordering::Relaxed);
+    if every == 0 || !RUNNING.load(Ordering::Relaxed) {
+        return;
+    }
+    WATCHED_ALL.fetch_add(1, Ordering::Relaxed);
+    if IN_JOB.load(Ordering::Relaxed) {
+        return;
+    }
+    // SAFETY: called by the VM for this tracepoint's event; the object has its flags and class
+    // set (newobj_init runs before the hook).
+    let obj = unsafe { rb_sys::rb_tracearg_object(rb_sys::rb_tracearg_from_tracepoint(tpval)) };
+    // SAFETY: obj is a heap object (NEWOBJ is never raised for immediates).
+    if !unsafe { visible(obj) } || on_own_thread() {
+        // Hidden objects (no class, invisible to Ruby code) and the profiler's own are not
+        // counted: a sample's weight is the visible allocations it stands for.
+        return;
+    }
+    COUNTERS.alloc_events.fetch_add(1, Ordering::Relaxed);
+    let seen = ALLOC.seen.fetch_add(1, Ordering::Relaxed) + 1;
+    let left = ALLOC.countdown.load(Ordering::Relaxed);
+    if left > 1 {
+        ALLOC.countdown.store(left - 1, Ordering::Relaxed);
+        return;
+    }
+    ALLOC.seen.store(0, Ordering::Relaxed);
+    ALLOC.countdown.store(next_gap(every), Ordering::Relaxed);
+    let mut q = lock(&PENDING);
+    if q.len() >= MAX_PENDING {
+        COUNTERS.alloc_dropped.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let mut s = AllocSample {
+        obj,
+        weight: seen,
+        len: 0,
+        frames: [0; ALLOC_FRAMES],
+        lines: [0; ALLOC_FRAMES],
+    };
+    // SAFETY: buffers of ALLOC_FRAMES entries; rb_profile_frames reads the VM's frames and
+    // allocates nothing.
+    let n = unsafe {
+        rb_sys::rb_profile_frames(
+            0,
+            ALLOC_FRAMES as i32,
+            s.frames.as_mut_ptr(),
+            s.lines.as_mut_ptr(),
+        )
+    };
+    s.len = n.max(0) as usize;
+    q.push(s);
+    drop(q);
+    // SAFETY: called with the GVL held; the job runs at the next safe point.
+    unsafe { rb_sys::rb_postponed_job_register_one(0, Some(alloc_job), std::ptr::null_mut()) };
+}
+
+/// `GC_EXIT`: asks for the after-GC job (nothing else is allowed inside the GC).
+unsafe extern "C" fn on_gc_exit(_tpval: VALUE, _data: *mut c_void) {
+    if RUNNING.load(Ordering::Relaxed) {
+        // SAFETY: registering a postponed job is allowed during GC.
+        unsafe { rb_sys::rb_postponed_job_register_one(0, Some(gc_job), std::ptr::null_mut()) };
+    }
+}
+
+fn new_tracepoint(event: u32, hook: unsafe extern "C" fn(VALUE, *mut c_void), on: bool) -> VALUE {
+    // SAFETY: a process-wide tracepoint (target thread 0 = Qfalse) on an internal event with an
+    // extern "C" hook; called with the GVL.
+    let tp = unsafe { rb_sys::rb_tracepoint_new(0, event, Some(hook), std::ptr::null_mut()) };
+    if on {
+        // SAFETY: rb_tracepoint_new returns a TracePoint object.
+        unsafe { rb_sys::rb_tracepoint_enable(tp) };
+    }
+    tp
+}
+
+// --- Ruby entry points ----------------------------------------------------------------------
+
+/// `_native_start(recorder, cpu_interval_ns, alloc_every, alloc_duty, gc_hook)`:
+/// `cpu_interval_ns` 0 turns CPU sampling off, `alloc_every` (mean allocations per sample) 0
+/// allocation sampling off; `alloc_duty` is the share of CPU intervals whose allocations are
+/// watched (1 without CPU sampling, which delimits the intervals).
+fn start(
+    ruby: &Ruby,
+    rb: &RbRecorder,
+    cpu_interval_ns: u64,
+    alloc_every: u64,
+    alloc_duty: f64,
+    gc_hook: bool,
+) -> Result<bool, Error> {
+    guard(ruby, || {
+        if RUNNING.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        if cpu_interval_ns != 0 && cpu_interval_ns < 1_000_000 {
+            return Err(arg_error(
+                ruby,
+                format!("cpu interval {cpu_interval_ns} ns is under 1 ms (at most 1000 Hz)"),
+            ));
+        }
+        if !(alloc_duty > 0.0 && alloc_duty <= 1.0) {
+            return Err(arg_error(
+                ruby,
+                format!("alloc_duty must be in (0, 1], got {alloc_duty}"),
+            ));
+        }
+        let duty_ppm = if cpu_interval_ns == 0 {
+            1_000_000
+        } else {
+            ((alloc_duty * 1e6).round() as u64).clamp(1, 1_000_000)
+        };
+        // Watched allocations per sample: the mean over all allocations stays `alloc_every`.
+        let every = if alloc_every == 0 {
+            0
+        } else {
+            ((alloc_every as f64 * duty_ppm as f64 / 1e6).round() as u64).max(1)
+        };
+        CPU_SIGNALS.store(0, Ordering::Relaxed);
+        INTERVAL_NS.store(cpu_interval_ns.max(1), Ordering::Relaxed);
+        DUTY_PPM.store(duty_ppm, Ordering::Relaxed);
+        WATCHED_ALL.store(0, Ordering::Relaxed);
+        VM_ALLOCATED_AT_START.store(vm_allocated(), Ordering::Relaxed);
+        ALLOC.every.store(every, Ordering::Relaxed);
+        ALLOC.seen.store(0, Ordering::Relaxed);
+        ALLOC
+            .countdown
+            .store(next_gap(every.max(1)), Ordering::Relaxed);
+        let newobj_tp = if every > 0 {
+            let on = duty_ppm >= 1_000_000 || random() % 1_000_000 < duty_ppm;
+            HOOK_ON.store(on, Ordering::Relaxed);
+            new_tracepoint(rb_sys::RUBY_INTERNAL_EVENT_NEWOBJ, on_newobj, on)
+        } else {
+            0
+        };
+        let gc_tp = if gc_hook {
+            let on = every == 0 || HOOK_ON.load(Ordering::Relaxed);
+            new_tracepoint(rb_sys::RUBY_INTERNAL_EVENT_GC_EXIT, on_gc_exit, on)
+        } else {
+            0
+        };
+        *lock(&ACTIVE) = Some(Active {
+            recorder: rb.inner.clone(),
+            newobj_tp,
+            gc_tp,
+        });
+        RUNNING.store(true, Ordering::Relaxed);
+        if cpu_interval_ns > 0 {
+            let armed = install_handler().and_then(|()| set_timer(cpu_interval_ns));
+            if let Err(e) = armed {
+                stop_inner();
+                return Err(crate::error(
+                    ruby,
+                    format!("cannot start the CPU timer: {e}"),
+                ));
+            }
+        }
+        Ok(true)
+    })
+}
+
+/// Stops sampling. The handler stays installed (a `SIGPROF` already on its way must not meet
+/// the default action, which ends the process); it does nothing once stopped.
+fn stop_inner() -> bool {
+    let was = RUNNING.swap(false, Ordering::Relaxed);
+    let _ = set_timer(0);
+    HOOK_ON.store(false, Ordering::Relaxed);
+    let active = lock(&ACTIVE).take();
+    if let Some(a) = active {
+        for tp in [a.newobj_tp, a.gc_tp] {
+            if tp != 0 {
+                // SAFETY: a tracepoint created by start, kept alive until now by Roots.
+                unsafe { rb_sys::rb_tracepoint_disable(tp) };
+            }
+        }
+    }
+    lock(&PENDING).clear();
+    *lock(&NAMES) = None;
+    was
+}
+
+fn stop(ruby: &Ruby) -> Result<bool, Error> {
+    guard(ruby, || Ok(stop_inner()))
+}
+
+/// In a forked child: the CPU timer is not inherited; arm a new one.
+fn after_fork(ruby: &Ruby) -> Result<(), Error> {
+    guard(ruby, || {
+        CPU_SIGNALS.store(0, Ordering::Relaxed);
+        forget_timer();
+        if RUNNING.load(Ordering::Relaxed) {
+            let interval = INTERVAL_NS.load(Ordering::Relaxed);
+            if interval > 1 {
+                set_timer(interval)
+                    .map_err(|e| crate::error(ruby, format!("cannot re-arm the CPU timer: {e}")))?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The profiler's own threads, whose samples are not kept (`nil`: none).
+fn set_own_threads(ruby: &Ruby, writer: Option<Value>, wall: Option<Value>) -> Result<(), Error> {
+    guard(ruby, || {
+        for (slot, t) in OWN_THREADS.iter().zip([writer, wall]) {
+            slot.store(t.map_or(0, |t| t.as_raw() as usize), Ordering::Relaxed);
+        }
+        Ok(())
+    })
+}
+
+fn stats(ruby: &Ruby) -> Result<RHash, Error> {
+    guard(ruby, || {
+        let h = ruby.hash_new();
+        let c = &COUNTERS;
+        for (k, v) in [
+            ("signals", &c.signals),
+            ("signals_outside_ruby", &c.signals_outside_ruby),
+            ("cpu_samples", &c.cpu_samples),
+            ("alloc_events", &c.alloc_events),
+            ("alloc_samples", &c.alloc_samples),
+            ("alloc_dropped", &c.alloc_dropped),
+            ("alloc_windows", &c.alloc_windows),
+            ("gc_steps", &c.gc_steps),
+            ("record_errors", &c.record_errors),
+        ] {
+            h.aset(ruby.to_symbol(k), v.load(Ordering::Relaxed))?;
+        }
+        h.aset(ruby.to_symbol("running"), RUNNING.load(Ordering::Relaxed))?;
+        Ok(h)
+    })
+}
+
+/// `_native_sample(recorder, locations, wall_ns, thread)`: one wall sample of `thread` from its
+/// `backtrace_locations` (innermost first), read by the Ruby wall sampler.
+fn wall_sample(
+    ruby: &Ruby,
+    rb: &RbRecorder,
+    locations: magnus::RArray,
+    wall_ns: i64,
+    tid: i64,
+    name: Option<String>,
+) -> Result<(), Error> {
+    guard(ruby, || {
+        let mut frames: Vec<(String, String, i64)> = Vec::with_capacity(locations.len());
+        for loc in locations.into_iter().take(MAX_FRAMES) {
+            let label: Option<String> = loc.funcall("label", ())?;
+            let path: Option<String> = loc.funcall("absolute_path", ())?;
+            let path = match path {
+                Some(p) => p,
+                None => loc
+                    .funcall::<_, _, Option<String>>("path", ())?
+                    .unwrap_or_default(),
+            };
+            let line: i64 = loc.funcall("lineno", ())?;
+            frames.push((label.unwrap_or_else(|| "(unknown)".to_owned()), path, line));
+        }
+        let refs: Vec<Frame<'_>> = frames
+            .iter()
+            .map(|(n, p, l)| Frame::sym(n, p, *l))
+            .collect();
+        let mut labels = vec![Label::num("thread id", tid)];
+        if let Some(n) = &name {
+            labels.push(Label::str("thread name", n));
+        }
+        let values = SampleValues {
+            wall_time_ns: wall_ns,
+            ..SampleValues::default()
+        };
+        rb.inner
+            .record_sample(&refs, &values, &labels, 0)
+            .map_err(|e| crate::recorder::recorder_error(ruby, e))
+    })
+}
+
+pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
+    let native = module.define_module("Native")?;
+    native.define_class("Roots", ruby.class_object())?;
+    native.const_set("ROOTS", Roots)?;
+    native.define_module_function("_native_start", function!(start, 5))?;
+    native.define_module_function("_native_stop", function!(stop, 0))?;
+    native.define_module_function("_native_after_fork", function!(after_fork, 0))?;
+    native.define_module_function("_native_set_own_threads", function!(set_own_threads, 2))?;
+    native.define_module_function("_native_stats", function!(stats, 0))?;
+    native.define_module_function("_native_wall_sample", function!(wall_sample, 5))?;
     Ok(())
 }

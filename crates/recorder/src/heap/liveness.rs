@@ -30,6 +30,13 @@ pub trait LivenessSource: Send + Sync {
         self.lookup(id).is_some()
     }
 
+    /// Called while a full update waits for another thread's update to finish. A runtime whose
+    /// threads take turns under one lock (Ruby's GVL) must let the other thread run here: its
+    /// update may be waiting for that lock inside a lookup, and would never finish.
+    fn wait_for_other_update(&self) {
+        std::thread::yield_now();
+    }
+
     /// Deferred mode: `true` when ids cannot be computed while an allocation is being reported.
     /// [`HeapRecorder::start_recording`](super::HeapRecorder::start_recording) then receives a
     /// *handle* instead of an id, and the recording is committed by

@@ -1337,6 +1337,61 @@ mod tests {
     }
 
     #[test]
+    fn a_full_update_lets_the_runtime_run_the_update_it_waits_for() {
+        /// A runtime with one lock its threads take turns under (like Ruby's GVL): a young
+        /// update's lookup needs the turn, which the full update holds while it waits.
+        struct Turns {
+            inner: ArcHeap,
+            in_lookup: std::sync::Barrier,
+            entered: AtomicBool,
+            turn_given: AtomicBool,
+        }
+        impl LivenessSource for Turns {
+            fn gc_generation(&self) -> u64 {
+                self.inner.gc_generation()
+            }
+            fn lookup(&self, id: u64) -> Option<ObjectInfo> {
+                if !self.entered.swap(true, Ordering::AcqRel) {
+                    self.in_lookup.wait();
+                    // Waits for the turn (bounded, so the test fails rather than hangs).
+                    let t0 = std::time::Instant::now();
+                    while !self.turn_given.load(Ordering::Acquire)
+                        && t0.elapsed() < std::time::Duration::from_secs(5)
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                }
+                self.inner.lookup(id)
+            }
+            fn wait_for_other_update(&self) {
+                self.turn_given.store(true, Ordering::Release);
+                std::thread::yield_now();
+            }
+        }
+        let src = Arc::new(Turns {
+            inner: ArcHeap::default(),
+            in_lookup: std::sync::Barrier::new(2),
+            entered: AtomicBool::new(false),
+            turn_given: AtomicBool::new(false),
+        });
+        let dyn_src: Arc<dyn LivenessSource> = src.clone();
+        let rec = Arc::new(HeapRecorder::new(HeapConfig::managed(dyn_src), storage()).unwrap());
+        let (id, _obj) = src.inner.alloc(1);
+        rec.start_recording(id, 1, None).unwrap();
+        rec.end_recording(&[]).unwrap();
+        src.inner.gc();
+        let young = {
+            let rec = Arc::clone(&rec);
+            std::thread::spawn(move || rec.update_young_objects())
+        };
+        src.in_lookup.wait();
+        rec.prepare_iteration().unwrap();
+        rec.finish_iteration().unwrap();
+        young.join().unwrap();
+        assert!(src.turn_given.load(Ordering::Acquire));
+    }
+
+    #[test]
     fn deferred_recordings() {
         let heap = Arc::new(ArcHeap {
             deferred: true,

@@ -63,7 +63,7 @@ impl HeapRecorder {
                 .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
             {
-                std::thread::yield_now();
+                source.wait_for_other_update();
             }
         } else if self
             .updating
