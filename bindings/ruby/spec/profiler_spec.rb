@@ -197,6 +197,11 @@ RSpec.describe "Ferroprof.start" do
     expect(files).to all(satisfy { |f| File.size(f).positive? })
     expect(Ferroprof.running?).to be(false)
     expect(Ferroprof.stop).to eq([])
+    # Readable by go tool pprof, when Go is installed.
+    if system("go version", out: File::NULL, err: File::NULL)
+      raw = IO.popen(["go", "tool", "pprof", "-raw", files.first], err: %i[child out], &:read)
+      expect(raw).to include("cpu-time/nanoseconds")
+    end
   end
 
   it "survives every allocation sampled among threads, GC and compaction (no crash, no hang)" do
