@@ -1286,6 +1286,24 @@ mod tests {
         assert!(rec.is_object_recorded(id));
     }
 
+    /// A managed recorder on `src` tracking one object of `heap` (kept alive by the third
+    /// value), after a collection, with a young update started on another thread.
+    fn young_update_running(
+        src: Arc<dyn LivenessSource>,
+        heap: &ArcHeap,
+    ) -> (Arc<HeapRecorder>, std::thread::JoinHandle<()>, impl Sized) {
+        let rec = Arc::new(HeapRecorder::new(HeapConfig::managed(src), storage()).unwrap());
+        let (id, obj) = heap.alloc(1);
+        rec.start_recording(id, 1, None).unwrap();
+        rec.end_recording(&[]).unwrap();
+        heap.gc();
+        let young = {
+            let rec = Arc::clone(&rec);
+            std::thread::spawn(move || rec.update_young_objects())
+        };
+        (rec, young, obj)
+    }
+
     #[test]
     fn concurrent_young_updates_are_skipped_and_block_nobody() {
         /// Liveness source whose lookups wait until released, to hold an update open.
@@ -1309,16 +1327,7 @@ mod tests {
             entered: std::sync::Barrier::new(2),
             release: std::sync::Barrier::new(2),
         });
-        let dyn_src: Arc<dyn LivenessSource> = src.clone();
-        let rec = Arc::new(HeapRecorder::new(HeapConfig::managed(dyn_src), storage()).unwrap());
-        let (id, _obj) = src.inner.alloc(1);
-        rec.start_recording(id, 1, None).unwrap();
-        rec.end_recording(&[]).unwrap();
-        src.inner.gc();
-        let updater = {
-            let rec = Arc::clone(&rec);
-            std::thread::spawn(move || rec.update_young_objects())
-        };
+        let (rec, updater, _obj) = young_update_running(src.clone(), &src.inner);
         src.entered.wait();
         // An update is running (inside a lookup): another one is skipped, allocations are
         // skipped, and tracking elsewhere does not wait.
@@ -1374,16 +1383,7 @@ mod tests {
             entered: AtomicBool::new(false),
             turn_given: AtomicBool::new(false),
         });
-        let dyn_src: Arc<dyn LivenessSource> = src.clone();
-        let rec = Arc::new(HeapRecorder::new(HeapConfig::managed(dyn_src), storage()).unwrap());
-        let (id, _obj) = src.inner.alloc(1);
-        rec.start_recording(id, 1, None).unwrap();
-        rec.end_recording(&[]).unwrap();
-        src.inner.gc();
-        let young = {
-            let rec = Arc::clone(&rec);
-            std::thread::spawn(move || rec.update_young_objects())
-        };
+        let (rec, young, _obj) = young_update_running(src.clone(), &src.inner);
         src.in_lookup.wait();
         rec.prepare_iteration().unwrap();
         rec.finish_iteration().unwrap();
