@@ -3,7 +3,7 @@
 require_relative "spec_helper"
 
 # The behaviours of the seed's StackRecorder spec, against Ferroprof::StackRecorder. Profiles are
-# read back with the protobuf reader of spec_helper.rb. Behaviours that do not apply are listed in
+# read back with the protobuf reader of pprof_reader.rb. Behaviours that do not apply are listed in
 # bindings/ruby/README.md.
 RSpec.describe Ferroprof::StackRecorder do
   let(:cpu_time_enabled) { true }
