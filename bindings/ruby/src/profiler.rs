@@ -470,6 +470,9 @@ fn choose_alloc_window() {
         }
     }
     HOOK_ON.store(on, Ordering::Relaxed);
+    if !on {
+        update_scale();
+    }
     COUNTERS
         .alloc_windows
         .fetch_add(on as u64, Ordering::Relaxed);
@@ -516,20 +519,33 @@ extern "C" fn alloc_job(_data: *mut c_void) {
 }
 
 /// What one watched allocation stands for: 1 when every interval is watched, else all the
-/// VM's allocations since start over those the hook saw.
+/// VM's allocations over those the hook saw, as of the end of the last watched interval (a
+/// ratio taken mid-interval would credit the whole run's allocations to a partly counted
+/// interval), or 1/duty before the first one ends.
 fn watched_scale() -> f64 {
     let duty = DUTY_PPM.load(Ordering::Relaxed);
     if duty >= 1_000_000 {
         return 1.0;
     }
-    let seen = WATCHED_ALL.load(Ordering::Relaxed);
-    let all = vm_allocated().saturating_sub(VM_ALLOCATED_AT_START.load(Ordering::Relaxed));
-    if seen < 1000 {
-        // Too few to measure yet: the duty's own ratio.
-        return 1e6 / duty as f64;
+    match f64::from_bits(SCALE_BITS.load(Ordering::Relaxed)) {
+        x if x >= 1.0 => x,
+        _ => 1e6 / duty as f64,
     }
-    (all as f64 / seen as f64).max(1.0)
 }
+
+/// At the end of a watched interval: the VM's allocations since start over the hook's count.
+fn update_scale() {
+    let seen = WATCHED_ALL.load(Ordering::Relaxed);
+    if seen == 0 {
+        return;
+    }
+    let all = vm_allocated().saturating_sub(VM_ALLOCATED_AT_START.load(Ordering::Relaxed));
+    let scale = (all as f64 / seen as f64).max(1.0);
+    SCALE_BITS.store(scale.to_bits(), Ordering::Relaxed);
+}
+
+/// [`watched_scale`]'s ratio (f64 bits; 0: none yet).
+static SCALE_BITS: AtomicU64 = AtomicU64::new(0);
 
 /// The oldest queued allocation sample. One at a time: it leaves the (marked) queue for the
 /// caller's stack, which the GC scans; the queue's lock is not held while the caller allocates.
@@ -714,6 +730,7 @@ fn start(
         INTERVAL_NS.store(cpu_interval_ns.max(1), Ordering::Relaxed);
         DUTY_PPM.store(duty_ppm, Ordering::Relaxed);
         WATCHED_ALL.store(0, Ordering::Relaxed);
+        SCALE_BITS.store(0, Ordering::Relaxed);
         VM_ALLOCATED_AT_START.store(vm_allocated(), Ordering::Relaxed);
         ALLOC.every.store(every, Ordering::Relaxed);
         ALLOC.seen.store(0, Ordering::Relaxed);
