@@ -726,6 +726,8 @@ fn start(
         } else {
             ((alloc_every as f64 * duty_ppm as f64 / 1e6).round() as u64).max(1)
         };
+        // The hook pushes without growing the queue (no malloc inside an allocation).
+        lock(&PENDING).reserve_exact(MAX_PENDING);
         CPU_SIGNALS.store(0, Ordering::Relaxed);
         INTERVAL_NS.store(cpu_interval_ns.max(1), Ordering::Relaxed);
         DUTY_PPM.store(duty_ppm, Ordering::Relaxed);
@@ -842,48 +844,6 @@ fn stats(ruby: &Ruby) -> Result<RHash, Error> {
     })
 }
 
-/// `_native_sample(recorder, locations, wall_ns, thread)`: one wall sample of `thread` from its
-/// `backtrace_locations` (innermost first), read by the Ruby wall sampler.
-fn wall_sample(
-    ruby: &Ruby,
-    rb: &RbRecorder,
-    locations: magnus::RArray,
-    wall_ns: i64,
-    tid: i64,
-    name: Option<String>,
-) -> Result<(), Error> {
-    guard(ruby, || {
-        let mut frames: Vec<(String, String, i64)> = Vec::with_capacity(locations.len());
-        for loc in locations.into_iter().take(MAX_FRAMES) {
-            let label: Option<String> = loc.funcall("label", ())?;
-            let path: Option<String> = loc.funcall("absolute_path", ())?;
-            let path = match path {
-                Some(p) => p,
-                None => loc
-                    .funcall::<_, _, Option<String>>("path", ())?
-                    .unwrap_or_default(),
-            };
-            let line: i64 = loc.funcall("lineno", ())?;
-            frames.push((label.unwrap_or_else(|| "(unknown)".to_owned()), path, line));
-        }
-        let refs: Vec<Frame<'_>> = frames
-            .iter()
-            .map(|(n, p, l)| Frame::sym(n, p, *l))
-            .collect();
-        let mut labels = vec![Label::num("thread id", tid)];
-        if let Some(n) = &name {
-            labels.push(Label::str("thread name", n));
-        }
-        let values = SampleValues {
-            wall_time_ns: wall_ns,
-            ..SampleValues::default()
-        };
-        rb.inner
-            .record_sample(&refs, &values, &labels, 0)
-            .map_err(|e| crate::recorder::recorder_error(ruby, e))
-    })
-}
-
 pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     let native = module.define_module("Native")?;
     native.define_class("Roots", ruby.class_object())?;
@@ -893,6 +853,7 @@ pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     native.define_module_function("_native_after_fork", function!(after_fork, 0))?;
     native.define_module_function("_native_set_own_threads", function!(set_own_threads, 2))?;
     native.define_module_function("_native_stats", function!(stats, 0))?;
-    native.define_module_function("_native_wall_sample", function!(wall_sample, 5))?;
+    // The wall sampler records through the recorder's own sample entry point.
+    native.define_module_function("_native_sample", function!(crate::recorder::sample, 5))?;
     Ok(())
 }

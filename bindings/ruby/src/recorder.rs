@@ -472,7 +472,7 @@ fn pairs<V: TryConvert>(list: RArray) -> Result<Vec<(String, V)>, Error> {
 }
 
 /// Records one sample with the given stack, values and labels (string and numeric).
-fn sample(
+pub fn sample(
     ruby: &Ruby,
     rb: &RbRecorder,
     frames: RArray,

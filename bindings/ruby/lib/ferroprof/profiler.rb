@@ -168,8 +168,10 @@ module Ferroprof
           locs = t.backtrace_locations
           next if locs.nil? || locs.empty?
 
+          frames = locs.first(400).map { |l| [l.label || "(unknown)", l.absolute_path || l.path || "", l.lineno] }
           name = t.name || (t == Thread.main ? "main" : nil)
-          Native._native_wall_sample(@recorder, locs, elapsed, t.native_thread_id || 0, name)
+          labels = name ? [["thread name", name]] : []
+          Native._native_sample(@recorder, frames, { "wall-time" => elapsed }, labels, [["thread id", t.native_thread_id || 0]])
         end
       end
     rescue StandardError => e
