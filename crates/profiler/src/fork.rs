@@ -2,8 +2,8 @@
 //!
 //! A `pthread_atfork` triple, registered once:
 //! * *prepare* (parent, before fork): closes the fork gate (below) and takes a reference to the
-//!   running profiler. It takes no lock: a lock taken there makes other threads block on it, and
-//!   a thread blocked in `parking_lot` at fork time leaves a stale entry in its global wait table;
+//!   running profiler. It takes no lock of the profiler but the label table's (reset in the
+//!   child like the others);
 //! * *parent*: drops the reference and opens the gate;
 //! * *child* (the only thread left): forgets everything that belonged to threads that do not
 //!   exist in the child (reader counts, borrowed unwinder caches, pending signal requests, the
@@ -21,8 +21,9 @@
 //! [`after_fork`] in the children that should profile. A child that only computes (never
 //! allocates through the sampling allocator nor calls the profiler) calls [`after_fork`] to be
 //! profiled.
-//! Limits: a fork while another thread is blocked on a *contended* lock of the profiler leaves
-//! that lock's `parking_lot` wait entry behind in the child.
+//! The locks a thread may hold at the fork are `forklock` mutexes: `parking_lot`'s unlock hands
+//! a contended lock to a waiter, which in the child is a thread that is not there, so its
+//! `force_unlock` left such a lock held for ever.
 //!
 //! The recorder's own locks (its slots, the heap recorder's shards, the string table) are taken
 //! by application threads too, on the allocation and free paths, where the child cannot replace

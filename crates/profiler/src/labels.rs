@@ -217,9 +217,9 @@ pub fn stats() -> LabelStats {
 const NO_STR: AtomicPtr<&'static str> = AtomicPtr::new(std::ptr::null_mut());
 /// Id `i` (1-based) -> leaked `&'static str`, published before the id is handed out.
 static STRINGS: [AtomicPtr<&'static str>; MAX_STRINGS] = [NO_STR; MAX_STRINGS];
-static INTERNER: parking_lot::Mutex<
+static INTERNER: crate::forklock::Mutex<
     Option<HashMap<&'static str, u32, foldhash::fast::RandomState>>,
-> = parking_lot::const_mutex(None);
+> = crate::forklock::Mutex::new(None);
 
 fn string(id: u32) -> Option<&'static str> {
     let i = (id as usize).checked_sub(1)?;
@@ -289,7 +289,7 @@ static CHUNKS: [AtomicPtr<SlotChunk>; SLOT_CHUNKS] = [NO_CHUNK; SLOT_CHUNKS];
 /// Bumped when a slot changes owner: the sampler's tid -> slot map is rebuilt then.
 static OWNERS_GEN: AtomicU64 = AtomicU64::new(0);
 /// Slots handed out so far, and freed ones.
-static FREE: parking_lot::Mutex<(u32, Vec<u32>)> = parking_lot::const_mutex((0, Vec::new()));
+static FREE: crate::forklock::Mutex<(u32, Vec<u32>)> = crate::forklock::Mutex::new((0, Vec::new()));
 
 #[inline]
 fn slot(idx: u32) -> Option<&'static Slot> {
@@ -460,7 +460,7 @@ fn claim_slot() -> Option<&'static Slot> {
 /// Fork support (`pthread_atfork` prepare): holds this module's locks across `fork`, so the
 /// child never inherits one held by a thread it does not have.
 pub(crate) fn before_fork() {
-    use parking_lot::lock_api::RawMutex as _;
+    use lock_api::RawMutex as _;
     // Never held together elsewhere: no order to respect.
     // SAFETY (unlocks in `after_fork`): paired with the force_unlock calls there.
     unsafe {
@@ -472,10 +472,16 @@ pub(crate) fn before_fork() {
 /// Fork support (parent and child): releases what `before_fork` held. In the child, the
 /// forking thread's slot takes its new tid so the sampler finds it.
 pub(crate) fn after_fork(child: bool) {
-    // SAFETY: `before_fork` locked both on this thread; nobody else can have them.
+    // SAFETY: `before_fork` locked both on this thread; nobody else can have them. In the
+    // child, the threads waiting for them are gone: the locks are reset, not unlocked.
     unsafe {
-        FREE.force_unlock();
-        INTERNER.force_unlock();
+        if child {
+            crate::forklock::reset_in_child(&FREE);
+            crate::forklock::reset_in_child(&INTERNER);
+        } else {
+            FREE.force_unlock();
+            INTERNER.force_unlock();
+        }
     }
     if child {
         let idx = STATE.with(|s| s.label_slot.get());

@@ -70,6 +70,7 @@ pub mod tracing;
 mod alloc;
 mod error;
 mod fork;
+mod forklock;
 mod modules;
 mod notice;
 mod profiler;

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, AtomicUsize
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::forklock::{reset_in_child, Mutex};
 use ferroprof_recorder::StackRecorder;
-use parking_lot::{Mutex, RwLock};
 
 use crate::alloc::totals::AllocTotals;
 use crate::export::handoff::Outbox;
@@ -129,7 +129,7 @@ pub(crate) struct Shared {
     pub settings: Settings,
     pub stats: Stats,
     pub process_start: SystemTime,
-    taps: RwLock<Vec<Arc<Tap>>>,
+    taps: Mutex<Vec<Arc<Tap>>>,
     tap_count: AtomicUsize,
     pub symbolizer: Mutex<ProcessSymbolizer>,
     /// Allocations since the start per stack, for the heap profile (kept with heap profiling).
@@ -158,7 +158,7 @@ impl Shared {
             settings,
             stats: Stats::default(),
             process_start: process_start_time(),
-            taps: RwLock::new(Vec::new()),
+            taps: Mutex::new(Vec::new()),
             tap_count: AtomicUsize::new(0),
             symbolizer: Mutex::new(ProcessSymbolizer::new()),
             alloc_totals,
@@ -186,20 +186,20 @@ impl Shared {
         if self.tap_count.load(Ordering::Acquire) == 0 {
             return;
         }
-        let taps = self.taps.read();
+        let taps = self.taps.lock();
         for t in taps.iter().filter(|t| t.kind == kind) {
             f(&t.recorder);
         }
     }
 
     pub fn add_tap(&self, tap: Arc<Tap>) {
-        let mut taps = self.taps.write();
+        let mut taps = self.taps.lock();
         taps.push(tap);
         self.tap_count.store(taps.len(), Ordering::Release);
     }
 
     pub fn remove_tap(&self, tap: &Arc<Tap>) {
-        let mut taps = self.taps.write();
+        let mut taps = self.taps.lock();
         taps.retain(|t| !Arc::ptr_eq(t, tap));
         self.tap_count.store(taps.len(), Ordering::Release);
     }
@@ -222,7 +222,7 @@ impl Shared {
 
     /// Test support: holds the taps' lock (for writing) while `f` runs.
     pub fn hold_taps_lock(&self, f: &mut dyn FnMut()) {
-        let _held = self.taps.write();
+        let _held = self.taps.lock();
         f();
     }
 
@@ -248,9 +248,7 @@ impl Shared {
     pub unsafe fn after_fork_in_child(&self) {
         // SAFETY: no other thread exists; a held lock belongs to a thread that died in the fork.
         unsafe {
-            if self.threads.is_locked() {
-                self.threads.force_unlock();
-            }
+            reset_in_child(&self.threads);
             let threads = &mut *self.threads.data_ptr();
             // Handles of the parent's threads: joining them in the child would wait forever.
             std::mem::forget(threads.sampler.take());
@@ -259,7 +257,7 @@ impl Shared {
             // it is not this process's: see `crate::termination`).
             std::mem::forget(threads.termination.take());
             if self.taps.is_locked() {
-                self.taps.force_unlock_write();
+                reset_in_child(&self.taps);
                 std::mem::forget(std::ptr::read(self.taps.data_ptr()));
                 std::ptr::write(self.taps.data_ptr(), Vec::new());
             } else {
@@ -267,17 +265,13 @@ impl Shared {
             }
             self.tap_count.store(0, Ordering::Release);
             if self.symbolizer.is_locked() {
-                self.symbolizer.force_unlock();
+                reset_in_child(&self.symbolizer);
                 std::mem::forget(std::ptr::read(self.symbolizer.data_ptr()));
                 std::ptr::write(self.symbolizer.data_ptr(), ProcessSymbolizer::new());
             }
-            if self.serialize_lock.is_locked() {
-                self.serialize_lock.force_unlock();
-            }
-            if self.exporters.is_locked() {
-                // Mid-export in the parent: the exporters' own state is theirs to keep sane.
-                self.exporters.force_unlock();
-            }
+            reset_in_child(&self.serialize_lock);
+            // Mid-export in the parent: the exporters' own state is theirs to keep sane.
+            reset_in_child(&self.exporters);
         }
         for t in &self.own_tids {
             t.store(0, Ordering::SeqCst);

@@ -1,9 +1,9 @@
 //! Forked workers never hang on a lock of the profiler that a parent thread held at the moment
 //! of the fork.
 //!
-//! * For every lock the profiler's threads or API take, a thread of the parent holds it while
-//!   the main thread forks; the child then runs every path that takes it (restart, a CPU
-//!   capture, a flush, stop).
+//! * For every lock the profiler's threads or API take, a thread of the parent holds it, and
+//!   another waits for it, while the main thread forks; the child then runs every path that
+//!   takes it (restart, a CPU capture, a flush, stop).
 //! * A pre-fork server: the parent has thousands of mappings, creates threads and loads and
 //!   unloads a library all the time (so its sampler rebuilds its unwinding snapshot, under a
 //!   lock, again and again) and forks workers that allocate, then stop their profiler.
@@ -142,9 +142,13 @@ fn a_child_forked_while_each_profiler_lock_is_held_never_hangs() {
             })
         });
         held_rx.recv().expect("the lock is held");
+        // A thread asleep on the lock at the fork: the child must not hand the lock to it.
+        let waiter = std::thread::spawn(move || ferroprof::__hold_lock(name, || {}));
+        std::thread::sleep(Duration::from_millis(50));
         let pid = fork_child(&guard, use_every_lock);
         release_tx.send(()).unwrap();
         assert!(holder.join().unwrap(), "lock {name} held");
+        assert!(waiter.join().unwrap(), "lock {name} taken after the fork");
         if let Some(what) = reap(pid) {
             failures.push(format!("forked with {name} held: child {what}"));
         }

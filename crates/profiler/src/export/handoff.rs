@@ -110,7 +110,7 @@ struct Chan {
     queue: Mutex<Queue>,
     wake: Condvar,
     /// Locked only by the delivery thread, and by a forked child taking the exporter back.
-    exporter: parking_lot::Mutex<Option<Box<dyn Exporter>>>,
+    exporter: crate::forklock::Mutex<Option<Box<dyn Exporter>>>,
 }
 
 impl Chan {
@@ -125,7 +125,7 @@ impl Chan {
                 finished: exporter.is_none(),
             }),
             wake: Condvar::new(),
-            exporter: parking_lot::Mutex::new(exporter),
+            exporter: crate::forklock::Mutex::new(exporter),
         })
     }
 
@@ -187,11 +187,9 @@ impl HandOff {
             return;
         }
         self.pid = std::process::id();
-        if self.chan.exporter.is_locked() {
-            // SAFETY: the holder is the parent's delivery thread, which does not exist in this
-            // child; no guard of the lock will ever be used here, and nobody else takes it.
-            unsafe { self.chan.exporter.force_unlock() };
-        }
+        // SAFETY: a holder is the parent's delivery thread, which does not exist in this child;
+        // no guard of the lock will ever be used here, and nobody else takes it.
+        unsafe { crate::forklock::reset_in_child(&self.chan.exporter) };
         let exporter = self.chan.exporter.lock().take();
         // The parent's queue is left as it is: its lock may be held by the vanished thread.
         std::mem::forget(std::mem::replace(&mut self.chan, Chan::new(exporter)));

@@ -45,7 +45,6 @@ use framehop::{
     CacheNative, ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateDuringUnwind,
     Unwinder, UnwinderNative,
 };
-use parking_lot::Mutex;
 
 use crate::modules::{loaded_objects_for_unwind, objects_generation, LoadedObject};
 #[cfg(target_arch = "x86_64")]
@@ -698,7 +697,7 @@ static HOT: Hot = Hot {
     pool: AtomicPtr::new(ptr::null_mut()),
 };
 /// Snapshots replaced but possibly still read by a handler.
-static RETIRED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+static RETIRED: crate::forklock::Mutex<Vec<usize>> = crate::forklock::Mutex::new(Vec::new());
 /// Set by readers that found no stack mapping for their `sp`: the maps need a refresh.
 static MAPS_STALE: AtomicBool = AtomicBool::new(false);
 /// Snapshots built so far (for stats).
@@ -776,7 +775,7 @@ pub(crate) fn after_fork_in_child() {
         // the list until the unlock below.
         unsafe {
             std::ptr::write(RETIRED.data_ptr(), Vec::new());
-            RETIRED.force_unlock();
+            crate::forklock::reset_in_child(&RETIRED);
         }
     }
     #[cfg(target_arch = "x86_64")]
