@@ -432,8 +432,7 @@ impl ProcessSymbolizer {
                     None => od.obj.name.clone(),
                 };
                 let key = (od.obj.base, file);
-                if !self.indexes.contains_key(&key) {
-                    let built = d.unit_index();
+                if let Some(built) = d.index_to_build(self.indexes.get(&key), &probes) {
                     // Kept across passes: on the heap, not in the arena.
                     crate::alloc::arena::outside(|| {
                         let index = built.map(|b| b.to_heap());
@@ -563,11 +562,20 @@ struct DebugInfo {
 }
 
 /// Where an object's compilation units are: built once per object (walking every unit's
-/// header and root entry), kept across passes, a few bytes per unit and code range.
+/// header and root entry, or from `.debug_aranges`), kept across passes, a few bytes per unit
+/// and code range.
 struct UnitIndex {
     /// (start, end, index into `units`), sorted by start, adjacent ranges of a unit merged.
     ranges: Vec<(u64, u64, u32)>,
     units: Vec<UnitSpan>,
+    /// Read from `.debug_aranges` without inflating the compressed sections: the units' starts
+    /// only (their lengths, abbreviations and line programs are read from their headers by the
+    /// pass that inflates them, see `DebugInfo::inflate_units`).
+    from_aranges: bool,
+    /// From `.debug_aranges` listing (nearly) all of the object's code: what it leaves out is
+    /// code without debug info (`_start`, a C `main` shim, start files), not worth the full
+    /// index.
+    complete: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -585,6 +593,8 @@ impl UnitIndex {
         UnitIndex {
             ranges: self.ranges.to_vec(),
             units: self.units.to_vec(),
+            from_aranges: self.from_aranges,
+            complete: self.complete,
         }
     }
 
@@ -616,7 +626,9 @@ impl UnitIndex {
         out
     }
 
-    /// The unit holding `.debug_info` offset `offset`.
+    /// The unit holding `.debug_info` offset `offset` (`None` from an index read from
+    /// `.debug_aranges`, which knows no unit's length: a reference into another unit then reads
+    /// as missing, as into a unit not inflated).
     fn unit_at(&self, offset: usize) -> Option<UnitSpan> {
         let i = self.units.partition_point(|u| u.offset <= offset);
         let u = *self.units.get(i.checked_sub(1)?)?;
@@ -643,7 +655,8 @@ const SPARSE: [gimli::SectionId; 3] = [
 ];
 
 /// The DWARF sections `dwarf_walk` and the unit index read.
-const READ_SECTIONS: [gimli::SectionId; 9] = [
+const READ_SECTIONS: [gimli::SectionId; 10] = [
+    gimli::SectionId::DebugAranges,
     gimli::SectionId::DebugInfo,
     gimli::SectionId::DebugAbbrev,
     gimli::SectionId::DebugLine,
@@ -780,25 +793,92 @@ impl DebugInfo {
             _ if key.as_ref().is_some_and(|k| k.is_empty()) => return,
             _ => {}
         }
+        if index.is_some_and(|i| i.from_aranges) {
+            self.inflate_units(units);
+            self.inflated_for = Some(key);
+            return;
+        }
         for k in 0..self.lazy.len() {
-            let (id, c) = self.lazy[k];
-            let size = usize::try_from(c.uncompressed_size).unwrap_or(usize::MAX);
-            let wanted: Vec<(usize, usize)> = match index {
-                None => vec![(0, size)],
-                Some(index) => index.parts(id, units, size),
-            };
-            let Some(buf) = inflate_parts(c.data, size, &wanted) else {
-                continue;
-            };
-            // SAFETY: the box is kept in `_owned` (dropped after every borrower) and its bytes
-            // do not move when it is moved there.
-            let data = unsafe { extend(&buf[..]) };
-            self._owned.push(buf);
-            if let Some(e) = self.sections.iter_mut().find(|(s, _)| *s == id) {
-                e.1 = data;
-            }
+            let id = self.lazy[k].0;
+            self.inflate_lazy(id, |c, size| {
+                let wanted: Vec<(usize, usize)> = match index {
+                    None => vec![(0, size)],
+                    Some(index) => index.parts(id, units, size),
+                };
+                inflate_parts(c.data, size, &wanted)
+            });
         }
         self.inflated_for = Some(key);
+    }
+
+    /// Inflates, for an index read from `.debug_aranges`, the abbreviations whole (a table runs
+    /// to an end mark, not for a length: libc's are 140 kB compressed), and of the unit entries
+    /// and line programs only the units starting at `units` and their programs, each as long as
+    /// its header says.
+    fn inflate_units(&mut self, units: &[usize]) {
+        let little = matches!(self.endian, gimli::RunTimeEndian::Little);
+        if self.section(gimli::SectionId::DebugAbbrev).is_empty() {
+            self.inflate_lazy(gimli::SectionId::DebugAbbrev, |c, size| {
+                inflate_parts(c.data, size, &[(0, size)])
+            });
+        }
+        self.inflate_lazy(gimli::SectionId::DebugInfo, |c, size| {
+            inflate_units_of(c.data, size, units, little)
+        });
+        if self.is_sparse(gimli::SectionId::DebugLine) {
+            let programs = self.line_programs(units);
+            self.inflate_lazy(gimli::SectionId::DebugLine, |c, size| {
+                inflate_units_of(c.data, size, &programs, little)
+            });
+        }
+    }
+
+    /// Replaces compressed section `id`'s bytes with what `inflate` makes of them (nothing
+    /// when it is not compressed).
+    fn inflate_lazy(
+        &mut self,
+        id: gimli::SectionId,
+        inflate: impl FnOnce(object::CompressedData<'static>, usize) -> Option<Box<[u8]>>,
+    ) {
+        let Some(&(_, c)) = self.lazy.iter().find(|(s, _)| *s == id) else {
+            return;
+        };
+        let size = usize::try_from(c.uncompressed_size).unwrap_or(usize::MAX);
+        let Some(buf) = inflate(c, size) else {
+            return;
+        };
+        // SAFETY: the box is kept in `_owned` (dropped after every borrower) and its bytes do
+        // not move when it is moved there.
+        let data = unsafe { extend(&buf[..]) };
+        self._owned.push(buf);
+        if let Some(e) = self.sections.iter_mut().find(|(s, _)| *s == id) {
+            e.1 = data;
+        }
+    }
+
+    /// Where the line programs of the units starting at `units` start (their root entries'
+    /// `DW_AT_stmt_list`), sorted and distinct; the units must be inflated.
+    fn line_programs(&self, units: &[usize]) -> Vec<usize> {
+        let dwarf = self.dwarf();
+        let mut out: Vec<usize> = units
+            .iter()
+            .filter_map(|&o| {
+                let header = dwarf
+                    .debug_info
+                    .header_from_offset(gimli::DebugInfoOffset(o))
+                    .ok()?;
+                let abbrevs = dwarf.abbreviations(&header).ok()?;
+                let mut entries = header.entries(&abbrevs);
+                let root = entries.next_dfs().ok()??;
+                match root.attr_value(gimli::DW_AT_stmt_list)? {
+                    gimli::AttributeValue::DebugLineRef(l) => Some(l.0),
+                    _ => None,
+                }
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Hands the pages of the mapped files read so far back (they stay in the page cache; a
@@ -818,11 +898,147 @@ impl DebugInfo {
         }
     }
 
-    /// Walks every unit once: its code ranges.
+    /// Where the units are: from `.debug_aranges` (see `aranges_index`), else by walking every
+    /// unit once.
     fn unit_index(&mut self) -> Option<UnitIndex> {
         if self.sections.is_empty() {
             return None;
         }
+        self.aranges_index().or_else(|| self.full_unit_index())
+    }
+
+    /// A new index to resolve `probes` with and keep, or `None` to use `kept` (the object's
+    /// index kept across passes, `None` when there is none yet): an index from
+    /// `.debug_aranges` that leaves one of them out gives way to the full one.
+    fn index_to_build(
+        &mut self,
+        kept: Option<&Option<UnitIndex>>,
+        probes: &[u64],
+    ) -> Option<Option<UnitIndex>> {
+        let misses = |i: &UnitIndex| {
+            i.from_aranges && !i.complete && probes.iter().any(|&p| i.unit_of(p).is_none())
+        };
+        let built = match kept {
+            None => self.unit_index(),
+            Some(Some(i)) if misses(i) => self.full_unit_index(),
+            Some(_) => return None,
+        };
+        Some(match built {
+            Some(i) if misses(&i) => self.full_unit_index(),
+            other => other,
+        })
+    }
+
+    fn is_sparse(&self, id: gimli::SectionId) -> bool {
+        self.lazy.iter().any(|(s, _)| *s == id)
+    }
+
+    /// The units' code ranges from `.debug_aranges`. Walking every unit's root entry and
+    /// ranges to index costs more than most passes spend resolving (rg's 939 units: 10 ms, a
+    /// third of its symbolization), and a compressed `.debug_info` must be inflated whole for
+    /// it (libc's 4,000 units: 40 ms) where a pass needs a few units, inflated only as far as
+    /// they are. The units' extents come from their headers alone when uncompressed (so
+    /// references across units resolve), are unknown when compressed. A compiler may leave code
+    /// out of the table: an address it does not cover sends its object to the full index (see
+    /// `index_to_build`). `None` without a usable table.
+    fn aranges_index(&self) -> Option<UnitIndex> {
+        let data = self.section(gimli::SectionId::DebugAranges);
+        if data.is_empty() {
+            return None;
+        }
+        let aranges = gimli::DebugAranges::new(data, self.endian);
+        let mut offsets = Vec::new();
+        let mut raw = Vec::new();
+        let mut headers = aranges.headers();
+        while let Ok(Some(h)) = headers.next() {
+            let at = h.debug_info_offset().0;
+            let mut entries = h.entries();
+            while let Ok(Some(e)) = entries.next() {
+                let r = e.range();
+                if r.begin < r.end {
+                    raw.push((r.begin, r.end, at));
+                }
+            }
+            offsets.push(at);
+        }
+        if raw.is_empty() {
+            return None;
+        }
+        offsets.sort_unstable();
+        offsets.dedup();
+        let units: Vec<UnitSpan> = if self.is_sparse(gimli::SectionId::DebugInfo) {
+            offsets
+                .iter()
+                .map(|&offset| UnitSpan {
+                    offset,
+                    len: 0,
+                    abbrev: 0,
+                    line: None,
+                })
+                .collect()
+        } else {
+            // Headers only: no entry, abbreviation or line program is read.
+            let dwarf = self.dwarf();
+            let mut units = Vec::new();
+            let mut headers = dwarf.units();
+            while let Ok(Some(h)) = headers.next() {
+                if let Some(offset) = h.debug_info_offset() {
+                    units.push(UnitSpan {
+                        offset: offset.0,
+                        len: h.unit_length() + h.format().initial_length_size() as usize,
+                        abbrev: h.debug_abbrev_offset().0,
+                        line: None,
+                    });
+                }
+            }
+            units
+        };
+        let mut ranges: Vec<(u64, u64, u32)> = raw
+            .into_iter()
+            .filter_map(|(b, e, at)| {
+                let u = units.binary_search_by_key(&at, |u| u.offset).ok()?;
+                Some((b, e, u as u32))
+            })
+            .collect();
+        let ranges = merge_ranges(&mut ranges);
+        let complete = self.covers_most_code(&ranges);
+        Some(UnitIndex {
+            ranges,
+            units,
+            from_aranges: true,
+            complete,
+        })
+    }
+
+    /// Whether `ranges` (sorted by start) cover at least 90% of the object's `.text`. rustc and GCC list every unit with code; clang lists none unless asked, and a
+    /// program linking clang-built code next to rustc's covers only part of its code.
+    fn covers_most_code(&self, ranges: &[(u64, u64, u32)]) -> bool {
+        let text: Vec<(u64, u64)> = self
+            .elf
+            .sections()
+            .filter(|s| s.name().is_ok_and(|n| n.starts_with(".text")))
+            .map(|s| (s.address(), s.address().saturating_add(s.size())))
+            .collect();
+        let total: u64 = text.iter().map(|t| t.1 - t.0).sum();
+        let mut covered = 0u64;
+        // The union of the ranges (those of different units may overlap), within the code.
+        let mut reach = 0u64;
+        for &(b, e, _) in ranges {
+            let b = b.max(reach);
+            if b >= e {
+                continue;
+            }
+            covered += text
+                .iter()
+                .map(|t| e.min(t.1).saturating_sub(b.max(t.0)))
+                .sum::<u64>();
+            reach = e;
+        }
+        total > 0 && covered * 10 >= total * 9
+    }
+
+    /// Walks every unit once: its code ranges.
+    fn full_unit_index(&mut self) -> Option<UnitIndex> {
         self.inflate(None, &[]);
         let dwarf = self.dwarf();
         let mut units = Vec::new();
@@ -852,18 +1068,12 @@ impl DebugInfo {
                 }
             }
         }
-        ranges.sort_unstable_by_key(|r| r.0);
-        let mut merged: Vec<(u64, u64, u32)> = Vec::with_capacity(ranges.len());
-        for r in ranges {
-            match merged.last_mut() {
-                Some(last) if last.2 == r.2 && last.1 >= r.0 => last.1 = last.1.max(r.1),
-                _ => merged.push(r),
-            }
-        }
         self.forget_pages();
         Some(UnitIndex {
-            ranges: merged,
+            ranges: merge_ranges(&mut ranges),
             units,
+            from_aranges: false,
+            complete: false,
         })
     }
 
@@ -1138,6 +1348,19 @@ fn path_tail(s: &str) -> &str {
     &s[from..to.unwrap_or(b.len()).max(from)]
 }
 
+/// `ranges` sorted by start, adjacent or overlapping ranges of one unit merged.
+fn merge_ranges(ranges: &mut [(u64, u64, u32)]) -> Vec<(u64, u64, u32)> {
+    ranges.sort_unstable_by_key(|r| r.0);
+    let mut merged: Vec<(u64, u64, u32)> = Vec::with_capacity(ranges.len());
+    for &r in ranges.iter() {
+        match merged.last_mut() {
+            Some(last) if last.2 == r.2 && last.1 >= r.0 => last.1 = last.1.max(r.1),
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
 /// Rust names lose their hash (`{:#}`); other names pass through.
 fn demangle(raw: &str) -> String {
     match rustc_demangle::try_demangle(raw) {
@@ -1146,16 +1369,14 @@ fn demangle(raw: &str) -> String {
     }
 }
 
-/// Inflates zlib `data` (`size` bytes inflated) into a zeroed buffer, writing only the byte
-/// ranges `wanted` (sorted): the stream is inflated through a small window, so the memory
-/// touched is the window and the wanted parts.
-fn inflate_parts(data: &[u8], size: usize, wanted: &[(usize, usize)]) -> Option<Box<[u8]>> {
-    let mut buf = vec![0u8; size].into_boxed_slice();
-    let end = wanted.iter().map(|w| w.1).max().unwrap_or(0).min(size);
+/// Inflates zlib `data` through a small window, handing each piece to `take(at, piece)` (`at`:
+/// where the piece starts in the inflated stream) while it returns true and the stream lasts.
+/// `None` on a corrupt stream.
+fn inflate_stream(data: &[u8], mut take: impl FnMut(usize, &[u8]) -> bool) -> Option<()> {
     let mut window = vec![0u8; 64 * 1024];
     let mut z = flate2::Decompress::new(true);
     let mut at = 0usize;
-    while at < end {
+    loop {
         let read = z.total_in() as usize;
         let before = z.total_out();
         let status = z
@@ -1166,18 +1387,94 @@ fn inflate_parts(data: &[u8], size: usize, wanted: &[(usize, usize)]) -> Option<
             )
             .ok()?;
         let n = (z.total_out() - before) as usize;
-        for &(from, to) in wanted {
-            let (lo, hi) = (from.max(at), to.min(at + n));
-            if lo < hi {
-                buf[lo..hi].copy_from_slice(&window[lo - at..hi - at]);
-            }
-        }
+        let more = take(at, &window[..n]);
         at += n;
-        if status == flate2::Status::StreamEnd || n == 0 && z.total_in() as usize == read {
-            break;
+        if !more || status == flate2::Status::StreamEnd || n == 0 && z.total_in() as usize == read {
+            return Some(());
         }
     }
+}
+
+/// Inflates zlib `data` (`size` bytes inflated) into a zeroed buffer, writing only the byte
+/// ranges `wanted` (sorted): the stream is inflated through a small window, so the memory
+/// touched is the window and the wanted parts.
+fn inflate_parts(data: &[u8], size: usize, wanted: &[(usize, usize)]) -> Option<Box<[u8]>> {
+    let mut buf = vec![0u8; size].into_boxed_slice();
+    let end = wanted.iter().map(|w| w.1).max().unwrap_or(0).min(size);
+    if end == 0 {
+        return Some(buf);
+    }
+    inflate_stream(data, |at, piece| {
+        for &(from, to) in wanted {
+            let (lo, hi) = (from.max(at), to.min(at + piece.len()).min(size));
+            if lo < hi {
+                buf[lo..hi].copy_from_slice(&piece[lo - at..hi - at]);
+            }
+        }
+        at + piece.len() < end
+    })?;
     Some(buf)
+}
+
+/// Inflates zlib `data` (`size` bytes inflated) into a zeroed buffer, writing only the DWARF
+/// units (or line programs) starting at `starts` (sorted, distinct), each as long as the
+/// initial length it starts with, read once its first bytes are out. The stream is inflated
+/// through a small window and only as far as the end of the last one.
+fn inflate_units_of(data: &[u8], size: usize, starts: &[usize], little: bool) -> Option<Box<[u8]>> {
+    let mut buf = vec![0u8; size].into_boxed_slice();
+    if starts.is_empty() {
+        return Some(buf);
+    }
+    // The next unit to copy, and its end once its header is out.
+    let mut k = 0usize;
+    let mut end: Option<usize> = None;
+    inflate_stream(data, |at, piece| {
+        let top = (at + piece.len()).min(size);
+        while let Some(&from) = starts.get(k).filter(|&&f| f < top) {
+            // Until its length is known, a unit runs to the section's end.
+            let to = end.unwrap_or(size).min(size);
+            let (lo, hi) = (from.max(at), to.min(top));
+            if lo < hi {
+                buf[lo..hi].copy_from_slice(&piece[lo - at..hi - at]);
+            }
+            if end.is_none() {
+                match unit_extent(&buf[from..top], little) {
+                    Some(len) => {
+                        end = Some(from.saturating_add(len));
+                        continue;
+                    }
+                    None => break,
+                }
+            }
+            if to > top {
+                break;
+            }
+            k += 1;
+            end = None;
+        }
+        k < starts.len() && top < size
+    })?;
+    Some(buf)
+}
+
+/// The bytes a DWARF unit or line program starting with `head` spans, header included, from
+/// its initial length; `None` until enough of it is there.
+fn unit_extent(head: &[u8], little: bool) -> Option<usize> {
+    let word = |b: &[u8]| {
+        let mut v = 0u64;
+        for (i, &x) in b.iter().enumerate() {
+            let shift = if little { 8 * i } else { 8 * (b.len() - 1 - i) };
+            v |= u64::from(x) << shift;
+        }
+        usize::try_from(v).unwrap_or(usize::MAX)
+    };
+    let short = word(head.get(..4)?);
+    if short == 0xffff_ffff {
+        // 64-bit DWARF: the length follows in 8 bytes.
+        Some(word(head.get(4..12)?).saturating_add(12))
+    } else {
+        Some(short.saturating_add(4))
+    }
 }
 
 fn map_file(path: &Path) -> Option<Mmap> {
@@ -1388,12 +1685,13 @@ mod tests {
     /// Resolves addresses of `obj` (symbols and points inside them) by walking their units, all
     /// in one batch and one at a time, and through addr2line's context over the whole object;
     /// asserts all read the same, and returns (addresses compared, with lines, with inlined
-    /// frames).
-    fn compare_with_addr2line(obj: &LoadedObject) -> [usize; 3] {
-        // Three loads: the index (and addr2line) inflate compressed sections whole, the batch
-        // side anew with only the parts its units need.
+    /// frames, resolved through the index read from `.debug_aranges`).
+    fn compare_with_addr2line(obj: &LoadedObject) -> [usize; 4] {
+        // Four loads: the full index (and addr2line) inflate compressed sections whole, the
+        // batch side anew with only the parts its units need, the `.debug_aranges` side anew
+        // with only its units' (as far as the stream goes to reach them).
         let mut whole = DebugInfo::load(obj).expect("debug info");
-        let index = whole.unit_index().expect("a unit index");
+        let index = whole.full_unit_index().expect("a unit index");
         assert!(index.units.len() > 10, "{} units", index.units.len());
         let ctx = addr2line::Context::from_dwarf(whole.dwarf()).expect("addr2line reads it");
         let mut d = DebugInfo::load(obj).expect("debug info");
@@ -1416,7 +1714,22 @@ mod tests {
         probes.sort_unstable();
         probes.dedup();
         let batch = d.resolve_all(&probes, Some(&index));
-        let mut n = [0usize; 3];
+        // Only compressed objects are indexed from `.debug_aranges`, and only the addresses it
+        // covers (others send the object to the full index).
+        let mut through_aranges = DebugInfo::load(obj).expect("debug info");
+        let (covered, by_aranges) = match through_aranges.unit_index().filter(|i| i.from_aranges) {
+            Some(ar) => {
+                let covered: Vec<u64> = probes
+                    .iter()
+                    .copied()
+                    .filter(|&p| ar.unit_of(p).is_some())
+                    .collect();
+                let got = through_aranges.resolve_all(&covered, Some(&ar));
+                (covered, got)
+            }
+            None => Default::default(),
+        };
+        let mut n = [0usize; 4];
         for (k, &probe) in probes.iter().enumerate() {
             let want = reference_frames(&ctx, &mut d, probe);
             // addr2line names a routine with several subprograms (assembly aliases) by any
@@ -1435,15 +1748,25 @@ mod tests {
                     one[0]
                 );
             }
+            if let Ok(i) = covered.binary_search(&probe) {
+                assert!(
+                    same(&by_aranges[i]),
+                    "at {probe:#x} (units from .debug_aranges): {:?} vs {want:?}",
+                    by_aranges[i]
+                );
+                n[3] += 1;
+            }
             n[0] += 1;
             n[1] += usize::from(want.iter().any(|f| f.line > 0));
             n[2] += usize::from(want.len() > 1);
         }
         eprintln!(
-            "{} addresses, {} with lines, {} with inlined frames; {} units, {} ranges",
+            "{} addresses, {} with lines, {} with inlined frames, {} through .debug_aranges; \
+             {} units, {} ranges",
             n[0],
             n[1],
             n[2],
+            n[3],
             index.units.len(),
             index.ranges.len()
         );
@@ -1490,7 +1813,163 @@ mod tests {
         drop(d);
         let n = compare_with_addr2line(&obj);
         let _ = std::fs::remove_file(&copy);
-        assert!(n[1] > n[0] / 4 && n[2] > 0, "{n:?}");
+        // rustc lists some of its units in `.debug_aranges`.
+        assert!(n[1] > n[0] / 4 && n[2] > 0 && n[3] > 0, "{n:?}");
+    }
+
+    /// `path` copied with its debug sections compressed, as an object to symbolize.
+    fn compressed_copy(path: &Path, name: &str) -> (LoadedObject, PathBuf) {
+        let copy = std::env::temp_dir().join(format!("ferroprof-{name}-{}", std::process::id()));
+        let status = std::process::Command::new("objcopy")
+            .arg("--compress-debug-sections=zlib")
+            .arg(path)
+            .arg(&copy)
+            .status()
+            .expect("objcopy (binutils) runs");
+        assert!(status.success());
+        let obj = LoadedObject {
+            path: Some(copy.clone()),
+            name: String::new(),
+            base: 0,
+            segments: Vec::new(),
+            eh_frame_hdr: None,
+            unwind_copy: None,
+            build_id: Vec::new(),
+        };
+        (obj, copy)
+    }
+
+    /// Builds, in `dir`, a C program of 13 units with inlined calls across functions (enough
+    /// code that the start files' few functions without debug info are under a tenth of it).
+    fn c_program(dir: &Path) -> PathBuf {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut files = Vec::new();
+        let mut calls = String::new();
+        for u in 0..12 {
+            let src = dir.join(format!("u{u}.c"));
+            std::fs::write(
+                &src,
+                format!(
+                    "static inline int twice{u}(int x) {{ return x * 2 + {u}; }}\n\
+                     static inline int shift{u}(int x) {{ return twice{u}(x) >> 1; }}\n\
+                     int f{u}(int x) {{ int s = 0; for (int i = 0; i < x; i++) \
+                     s += shift{u}(i) ^ twice{u}(s); return s; }}\n\
+                     int h{u}(int x, int y) {{ switch (x & 7) {{ case 0: return y * 3; \
+                     case 1: return y / (x | 1); case 2: return f{u}(y) - x; \
+                     case 3: return shift{u}(y) * x; case 4: return y % (x | 3); \
+                     case 5: return twice{u}(x + y); case 6: return y ^ (x << 3); \
+                     default: return x - y; }} }}\n\
+                     int k{u}(int x) {{ return shift{u}(x * x) + 1; }}\n\
+                     int g{u}(int x) {{ int s = 0; for (int k = 0; k < x; k++) \
+                     s += h{u}(k, x) + f{u}(k) * h{u}(x, k); return s + k{u}(x); }}\n"
+                ),
+            )
+            .unwrap();
+            files.push(src);
+            calls.push_str(&format!("int g{u}(int); s += g{u}(c);\n"));
+        }
+        let main = dir.join("main.c");
+        std::fs::write(
+            &main,
+            format!("int main(int c, char **v) {{ (void)v; int s = 0;\n{calls} return s; }}\n"),
+        )
+        .unwrap();
+        files.push(main);
+        let exe = dir.join("prog");
+        let status = std::process::Command::new("gcc")
+            .args(["-O2", "-g", "-o"])
+            .arg(&exe)
+            .args(&files)
+            .status()
+            .expect("gcc runs");
+        assert!(status.success());
+        exe
+    }
+
+    /// A C program's compressed debug info (as Debian's debug packages ship libc's): GCC lists
+    /// every unit in `.debug_aranges`, so every address in one resolves through the units read
+    /// from there, inflating the stream only as far as they are, exactly as through the full
+    /// index and addr2line.
+    #[test]
+    fn units_from_debug_aranges_resolve_like_addr2line_in_a_compressed_c_program() {
+        let dir = std::env::temp_dir().join(format!("ferroprof-aranges-{}", std::process::id()));
+        let (obj, copy) = compressed_copy(&c_program(&dir), "aranges-c");
+        let mut d = DebugInfo::load(&obj).expect("debug info");
+        let index = d.unit_index().expect("an index");
+        assert!(index.from_aranges && index.complete);
+        // Code without debug info (`_start`) is left out of a complete table, and does not
+        // send the object to the full index.
+        let start = symbol_names(&d)
+            .iter()
+            .find(|s| s.1 == "_start")
+            .map(|s| s.0)
+            .expect("_start");
+        assert!(index.unit_of(start).is_none());
+        assert!(d.index_to_build(Some(&Some(index)), &[start]).is_none());
+        let n = compare_with_addr2line(&obj);
+        let _ = std::fs::remove_file(&copy);
+        let _ = std::fs::remove_dir_all(&dir);
+        // Every address in the program's own functions is in a listed unit; the start files'
+        // code (`_start`, `_init`) has no unit.
+        assert!(
+            n[3] >= 25 && n[3] * 2 > n[0] && n[1] > 0 && n[2] > 0,
+            "{n:?}"
+        );
+    }
+
+    /// An address `.debug_aranges` leaves out (rustc lists some units only; here the table is
+    /// cut to its first unit) makes the object's index the full one, which finds its unit.
+    #[test]
+    fn an_address_left_out_of_debug_aranges_sends_its_object_to_the_full_index() {
+        let dir = std::env::temp_dir().join(format!("ferroprof-arangescut-{}", std::process::id()));
+        let exe = c_program(&dir);
+        let bytes = std::fs::read(&exe).unwrap();
+        let elf = object::File::parse(&bytes[..]).unwrap();
+        let table = elf.section_by_name(".debug_aranges").unwrap();
+        let table = table.data().unwrap();
+        let first = unit_extent(table, true).unwrap();
+        let cut_table = dir.join("aranges.bin");
+        std::fs::write(&cut_table, &table[..first]).unwrap();
+        let cut = dir.join("prog-cut");
+        let status = std::process::Command::new("objcopy")
+            .arg(format!(
+                "--update-section=.debug_aranges={}",
+                cut_table.display()
+            ))
+            .arg(&exe)
+            .arg(&cut)
+            .status()
+            .expect("objcopy runs");
+        assert!(status.success());
+        let (obj, copy) = compressed_copy(&cut, "aranges-cut");
+        let mut d = DebugInfo::load(&obj).expect("debug info");
+        let full = DebugInfo::load(&obj)
+            .expect("debug info")
+            .full_unit_index()
+            .expect("a unit index");
+        let ar = d.unit_index().expect("an index");
+        assert!(
+            ar.from_aranges,
+            "a compressed object is indexed from .debug_aranges"
+        );
+        let addresses: Vec<u64> = symbol_names(&d).iter().map(|s| s.0).collect();
+        let listed = *addresses
+            .iter()
+            .find(|&&a| ar.unit_of(a).is_some())
+            .expect("an address in a listed unit");
+        let left_out = *addresses
+            .iter()
+            .find(|&&a| ar.unit_of(a).is_none() && full.unit_of(a).is_some())
+            .expect("an address in a unit .debug_aranges leaves out");
+        let kept = Some(ar);
+        assert!(d.index_to_build(Some(&kept), &[listed]).is_none());
+        for kept in [Some(&kept), None] {
+            let built = d.index_to_build(kept, &[listed, left_out]);
+            let index = built.flatten().expect("a new index");
+            assert!(!index.from_aranges && index.unit_of(left_out).is_some());
+        }
+        let _ = std::fs::remove_file(&copy);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// The same on another binary: `FERROPROF_SYMBOLIZE_CHECK=path cargo test -p ferroprof
