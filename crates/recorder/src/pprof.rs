@@ -131,7 +131,8 @@ const INITIAL_OUTPUT_BYTES: usize = 32 * 1024;
 /// Where encoded bytes end up.
 enum Sink {
     Raw(Vec<u8>),
-    Gzip(flate2::write::GzEncoder<Vec<u8>>),
+    // Boxed: the encoder's state is large (hundreds of bytes inline with zlib-rs).
+    Gzip(Box<flate2::write::GzEncoder<Vec<u8>>>),
     #[cfg(feature = "zstd")]
     Zstd(zstd::stream::write::Encoder<'static, Vec<u8>>),
 }
@@ -141,10 +142,10 @@ impl Sink {
         let out = Vec::with_capacity(INITIAL_OUTPUT_BYTES);
         match compression {
             Compression::None => Ok(Sink::Raw(out)),
-            Compression::Gzip => Ok(Sink::Gzip(flate2::write::GzEncoder::new(
+            Compression::Gzip => Ok(Sink::Gzip(Box::new(flate2::write::GzEncoder::new(
                 out,
                 flate2::Compression::new(GZIP_LEVEL),
-            ))),
+            )))),
             #[cfg(feature = "zstd")]
             Compression::Zstd => zstd::stream::write::Encoder::new(out, ZSTD_LEVEL)
                 .map(Sink::Zstd)
