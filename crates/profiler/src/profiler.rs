@@ -1026,49 +1026,53 @@ impl ProfilerGuard {
             return Ok(());
         }
         self.stopped = true;
+        // The sampler's last visits leave this thread alone: its time in here is the
+        // profiler's.
         tls::with_guard(|| {
-            let sh = &self.shared;
-            let term = sh.threads.lock().termination.take();
-            if let Some(t) = term {
-                crate::termination::disarm(t);
-            }
-            sh.stopping.store(true, Ordering::SeqCst);
-            // A forked child's pending restart is dropped (or one under way finishes first).
-            fork::settle_restart();
-            sh.wake_all();
-            // Sampler first (it records its pending samples), then no new allocation samples,
-            // then the export thread writes the last profile.
-            let sampler = sh.threads.lock().sampler.take();
-            if let Some(h) = sampler {
-                let _ = h.join();
-            }
-            sh.sampler_stopped.store(true, Ordering::SeqCst);
-            sh.wake_all();
-            alloc::set_interval(0);
-            let export = sh.threads.lock().export.take();
-            if let Some(h) = export {
-                let _ = h.join();
-            }
-            state::deactivate(sh);
-            if sh.settings.profiles.heap {
-                // No recorder holds tracked addresses any more.
-                FILTER.clear();
-            }
-            let stuck = std::mem::take(
-                &mut *self
-                    .deliveries
-                    .abandoned_names
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()),
-            );
-            if stuck.is_empty() {
-                Ok(())
-            } else {
-                Err(ProfilerError::Export(ExportError::Timeout {
-                    backend: stuck.join(", "),
-                    after: sh.settings.stop_timeout,
-                }))
-            }
+            state::as_own_thread(|| {
+                let sh = &self.shared;
+                let term = sh.threads.lock().termination.take();
+                if let Some(t) = term {
+                    crate::termination::disarm(t);
+                }
+                sh.stopping.store(true, Ordering::SeqCst);
+                // A forked child's pending restart is dropped (or one under way finishes first).
+                fork::settle_restart();
+                sh.wake_all();
+                // Sampler first (it records its pending samples), then no new allocation samples,
+                // then the export thread writes the last profile.
+                let sampler = sh.threads.lock().sampler.take();
+                if let Some(h) = sampler {
+                    let _ = h.join();
+                }
+                sh.sampler_stopped.store(true, Ordering::SeqCst);
+                sh.wake_all();
+                alloc::set_interval(0);
+                let export = sh.threads.lock().export.take();
+                if let Some(h) = export {
+                    let _ = h.join();
+                }
+                state::deactivate(sh);
+                if sh.settings.profiles.heap {
+                    // No recorder holds tracked addresses any more.
+                    FILTER.clear();
+                }
+                let stuck = std::mem::take(
+                    &mut *self
+                        .deliveries
+                        .abandoned_names
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()),
+                );
+                if stuck.is_empty() {
+                    Ok(())
+                } else {
+                    Err(ProfilerError::Export(ExportError::Timeout {
+                        backend: stuck.join(", "),
+                        after: sh.settings.stop_timeout,
+                    }))
+                }
+            })
         })
     }
 

@@ -5,7 +5,9 @@
 //! waits for the count to be seen at zero before dropping its reference. So a slow path that got
 //! the pointer can use it to the end, and no slow path can see a freed profiler.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{
+    AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -140,6 +142,9 @@ pub(crate) struct Shared {
     pub threads: Mutex<Threads>,
     /// Set when stopping; the sampler and export threads exit.
     pub stopping: AtomicBool,
+    /// Moved (with a futex wake) when stopping: the sampler sleeps on it between ticks, so
+    /// that `stop` does not wait out its sleep.
+    pub sampler_wake: AtomicU32,
     /// Set by `stop()` once the sampler thread finished (it records what it still held): the
     /// export thread writes the last profile only after that.
     pub sampler_stopped: AtomicBool,
@@ -166,6 +171,7 @@ impl Shared {
             serialize_lock: Mutex::new(()),
             threads: Mutex::new(Threads::default()),
             stopping: AtomicBool::new(false),
+            sampler_wake: AtomicU32::new(0),
             sampler_stopped: AtomicBool::new(false),
             own_tids: [AtomicI32::new(0), AtomicI32::new(0)],
             flush_requested: AtomicU64::new(0),
@@ -226,8 +232,20 @@ impl Shared {
         f();
     }
 
-    /// Wakes the export thread.
+    /// Wakes the export thread, and the sampler when stopping.
     pub fn wake_all(&self) {
+        if self.stopping.load(Ordering::SeqCst) {
+            self.sampler_wake.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: a process-private futex wake on a word of ours.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    self.sampler_wake.as_ptr(),
+                    libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+                    i32::MAX,
+                );
+            }
+        }
         let t = self
             .threads
             .lock()
@@ -287,30 +305,49 @@ static OWN_GEN: AtomicU64 = AtomicU64::new(0);
 
 /// Registers the calling thread as one of ferroprof's until it exits.
 pub(crate) fn register_own_thread() {
-    struct Leave(usize);
-    impl Drop for Leave {
-        fn drop(&mut self) {
-            OWN_TIDS[self.0].store(0, Ordering::SeqCst);
-            OWN_GEN.fetch_add(1, Ordering::SeqCst);
-        }
-    }
     thread_local! {
-        static REGISTERED: std::cell::RefCell<Option<Leave>> = const { std::cell::RefCell::new(None) };
+        static REGISTERED: std::cell::RefCell<Option<OwnSlot>> = const { std::cell::RefCell::new(None) };
     }
-    let tid = current_tid();
     let _ = REGISTERED.try_with(|r| {
         let mut r = r.borrow_mut();
-        if r.is_some() {
-            return;
-        }
-        if let Some(i) = OWN_TIDS.iter().position(|t| {
-            t.compare_exchange(0, tid, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        }) {
-            OWN_GEN.fetch_add(1, Ordering::SeqCst);
-            *r = Some(Leave(i));
+        if r.is_none() {
+            *r = OwnSlot::claim();
         }
     });
+}
+
+/// Runs `f` with the calling thread counted as one of ferroprof's, so that the sampler leaves
+/// it alone meanwhile: for `stop`, whose time (joining the profiler's threads, writing the last
+/// profile) is the profiler's, not the application's.
+pub(crate) fn as_own_thread<R>(f: impl FnOnce() -> R) -> R {
+    let _slot = if is_own_tid(current_tid()) {
+        None
+    } else {
+        OwnSlot::claim()
+    };
+    f()
+}
+
+/// The calling thread's entry in the table of ferroprof's threads, left when dropped.
+struct OwnSlot(usize);
+
+impl OwnSlot {
+    fn claim() -> Option<OwnSlot> {
+        let tid = current_tid();
+        let i = OWN_TIDS.iter().position(|t| {
+            t.compare_exchange(0, tid, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        })?;
+        OWN_GEN.fetch_add(1, Ordering::SeqCst);
+        Some(OwnSlot(i))
+    }
+}
+
+impl Drop for OwnSlot {
+    fn drop(&mut self) {
+        OWN_TIDS[self.0].store(0, Ordering::SeqCst);
+        OWN_GEN.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 /// Whether `tid` is one of ferroprof's threads.

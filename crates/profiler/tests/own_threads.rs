@@ -182,3 +182,37 @@ fn a_thread_of_ours_found_before_it_registered_leaves_nothing() {
         "a ferroprof thread was sampled before it registered: {names:?}"
     );
 }
+
+#[inline(never)]
+fn app_sleeps(d: Duration) {
+    std::thread::sleep(d);
+    std::hint::black_box(d);
+}
+
+/// `stop` returns without waiting out the sampler's sleep between ticks, and the thread that
+/// stops the profiler is left alone while it does: its time there (joining the profiler's
+/// threads, writing the last profile) is the profiler's, not the application's.
+#[test]
+fn stopping_is_quick_and_never_in_the_profile() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Collect::default();
+    // 1 Hz: the sampler sleeps up to a second between ticks.
+    let guard = start_cpu_wall("stop-test", 1, &c);
+    app_sleeps(Duration::from_millis(4000));
+    // Symbolizes what there is to name now: `stop` then times its own work, not a first
+    // symbolization (hundreds of milliseconds in a debug build).
+    guard.flush().expect("flush");
+    let t = Instant::now();
+    guard.stop().unwrap();
+    let took = t.elapsed();
+    let ps = c.decoded();
+    let wall = |pred: &dyn Fn(&ferroprof_pprof::Profile, &ferroprof_pprof::Sample) -> bool| {
+        sum_all(&ps, "wall-time", |p, s| pred(p, s))
+    };
+    let app = wall(&|p, s| has_fn(p, s, "app_sleeps"));
+    let in_stop = wall(&|p, s| has_fn(p, s, "ProfilerGuard::stop"));
+    println!("stop took {took:?}; wall in app_sleeps {app} ns, in stop {in_stop} ns");
+    assert!(app > 0, "the application's sleep is sampled");
+    assert_eq!(in_stop, 0, "the stopping thread was sampled inside stop");
+    assert!(took < Duration::from_millis(250), "stop took {took:?}");
+}

@@ -983,7 +983,11 @@ impl Sampler {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
-            sleep_until(next + rng % period);
+            let seen = self.shared.sampler_wake.load(Ordering::SeqCst);
+            if self.shared.stopping.load(Ordering::SeqCst) {
+                break;
+            }
+            sleep_until(next + rng % period, &self.shared.sampler_wake, seen);
             if self.shared.stopping.load(Ordering::SeqCst) {
                 break;
             }
@@ -1714,6 +1718,8 @@ impl Sampler {
 
     /// On stop: the last captures and visits, then every timer deleted.
     fn finish(&mut self) {
+        // The thread stopping the profiler counts as ferroprof's (see `ProfilerGuard::stop`).
+        self.check_own_threads();
         self.stamps.update();
         let now = monotonic_ns();
         self.tick += 1;
@@ -1845,23 +1851,26 @@ fn ask_for_short_slice() {
     };
 }
 
-fn sleep_until(deadline_ns: u64) {
+/// Sleeps until `deadline_ns` (monotonic), or until `wake` no longer holds `seen` (`stop`).
+fn sleep_until(deadline_ns: u64, wake: &AtomicU32, seen: u32) {
     let ts = libc::timespec {
         tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
         tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
     };
-    loop {
-        // SAFETY: valid timespec; absolute monotonic sleep.
-        let rc = unsafe {
-            libc::clock_nanosleep(
-                libc::CLOCK_MONOTONIC,
-                libc::TIMER_ABSTIME,
-                &ts,
-                std::ptr::null_mut(),
-            )
-        };
-        if rc != libc::EINTR {
-            return;
+    while wake.load(Ordering::SeqCst) == seen && monotonic_ns() < deadline_ns {
+        // SAFETY: a process-private futex wait on a word of ours with a valid absolute
+        // timeout (FUTEX_WAIT_BITSET measures it on CLOCK_MONOTONIC); it returns at the
+        // deadline, at a wake, when the word moved, or on a signal (the loop looks again).
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                wake.as_ptr(),
+                libc::FUTEX_WAIT_BITSET | libc::FUTEX_PRIVATE_FLAG,
+                seen,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                libc::FUTEX_BITSET_MATCH_ANY,
+            );
         }
     }
 }
