@@ -51,7 +51,7 @@ unsafe impl lock_api::RawMutex for RawForkLock {
     #[inline]
     unsafe fn unlock(&self) {
         if self.state.swap(FREE, Ordering::Release) == CONTENDED {
-            futex(&self.state, libc::FUTEX_WAKE, 1);
+            wake(&self.state, 1);
         }
     }
 
@@ -81,6 +81,11 @@ impl RawForkLock {
             futex(&self.state, libc::FUTEX_WAIT, CONTENDED);
         }
     }
+}
+
+/// Wakes up to `n` threads waiting on the futex `word`.
+pub(crate) fn wake(word: &AtomicU32, n: u32) {
+    futex(word, libc::FUTEX_WAKE, n);
 }
 
 fn futex(word: &AtomicU32, op: libc::c_int, val: u32) {

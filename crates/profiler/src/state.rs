@@ -236,15 +236,8 @@ impl Shared {
     pub fn wake_all(&self) {
         if self.stopping.load(Ordering::SeqCst) {
             self.sampler_wake.fetch_add(1, Ordering::SeqCst);
-            // SAFETY: a process-private futex wake on a word of ours.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_futex,
-                    self.sampler_wake.as_ptr(),
-                    libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
-                    i32::MAX,
-                );
-            }
+            // The sampler is its only waiter.
+            crate::forklock::wake(&self.sampler_wake, 1);
         }
         let t = self
             .threads

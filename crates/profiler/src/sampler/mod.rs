@@ -653,10 +653,7 @@ fn create_cpu_timer(tid: i32, sig: i32, value: u64, period_ns: u64) -> Option<li
     if unsafe { libc::timer_create(clock, &mut ev, &mut id) } != 0 {
         return None;
     }
-    let ts = libc::timespec {
-        tv_sec: (period_ns / 1_000_000_000) as libc::time_t,
-        tv_nsec: (period_ns % 1_000_000_000) as libc::c_long,
-    };
+    let ts = timespec(period_ns);
     let spec = libc::itimerspec {
         it_interval: ts,
         it_value: ts,
@@ -1851,12 +1848,16 @@ fn ask_for_short_slice() {
     };
 }
 
+fn timespec(ns: u64) -> libc::timespec {
+    libc::timespec {
+        tv_sec: (ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (ns % 1_000_000_000) as libc::c_long,
+    }
+}
+
 /// Sleeps until `deadline_ns` (monotonic), or until `wake` no longer holds `seen` (`stop`).
 fn sleep_until(deadline_ns: u64, wake: &AtomicU32, seen: u32) {
-    let ts = libc::timespec {
-        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
-        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
-    };
+    let ts = timespec(deadline_ns);
     while wake.load(Ordering::SeqCst) == seen && monotonic_ns() < deadline_ns {
         // SAFETY: a process-private futex wait on a word of ours with a valid absolute
         // timeout (FUTEX_WAIT_BITSET measures it on CLOCK_MONOTONIC); it returns at the
