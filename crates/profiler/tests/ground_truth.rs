@@ -6,7 +6,7 @@
 //!   loop of cheap system calls (`clock_gettime` through the vDSO, `getppid`) and a computation
 //!   40 frames deep, calls of about 10 ms; each function's truth is the thread's own CPU clock
 //!   around each call;
-//! * blocking threads (6): 30 µs of work, then a wait on a mutex its own holder keeps for a
+//! * blocking threads (12): 30 µs of work, then a wait on a mutex its own holder keeps for a
 //!   while, a channel its own feeder answers after 5 ms and a sleep; each site's truth is the
 //!   wall clock around the wait;
 //! * short threads, started and ending during the run (3 s each, computing and sleeping), their
@@ -21,7 +21,10 @@
 //!
 //! `ground_truth_short` (default run): one run of `FERROPROF_GT_SECS` (6) seconds.
 //! `ground_truth_full` (ignored; `scripts/ground_truth.sh` runs it in release): `FERROPROF_GT_RUNS`
-//! (20) runs of 15 s, then the worst error per target. `FERROPROF_GT_HZ` sets the rate (100, the
+//! (20) runs of 20 s, then the worst error per target and each site's error over the runs next
+//! to what point sampling alone would give (each site's waits are shorter than a sampling
+//! period, so a run's wall time per site is a count of ticks that found a thread there, with a
+//! binomial spread). `FERROPROF_GT_HZ` sets the rate (100, the
 //! default setting). `foreign_sigprof_user_neither_starves_us_nor_gets_our_signals`: a
 //! gperftools-style `SIGPROF` handler with `setitimer` next to the profiler.
 
@@ -353,6 +356,7 @@ struct Report {
     blocking_threads: Vec<String>,
     eintr: Eintr,
     profile: Vec<Profile>,
+    hz: u32,
 }
 
 fn run_once(secs: f64, hz: u32) -> Report {
@@ -388,7 +392,10 @@ fn run_once(secs: f64, hz: u32) -> Report {
     let mut holders = Vec::new();
     let mut feeders = Vec::new();
     let mut blocking_threads = Vec::new();
-    for i in 0..env_or("FERROPROF_GT_BLOCKING_THREADS", 6) {
+    // Twelve: with six, one 20 s run has about 24,000 wall samples of them, and point sampling
+    // alone spreads the mutex site's (a fifth of them) by ±2.3% (one sd), too close to the ±5%
+    // bound for 20 runs.
+    for i in 0..env_or("FERROPROF_GT_BLOCKING_THREADS", 12) {
         let (tx, rx) = mpsc::channel();
         let (req_tx, req_rx) = mpsc::channel::<()>();
         feeders.push(
@@ -478,6 +485,7 @@ fn run_once(secs: f64, hz: u32) -> Report {
         blocking_threads,
         eintr,
         profile: c.decoded(),
+        hz,
     }
 }
 
@@ -519,6 +527,8 @@ struct Check {
 /// CPU and wall coverage in percent (the 1 in the full runs; 2 in the short one, whose
 /// threads have about 150 captures, and which runs unoptimized on a loaded CI machine: there
 /// a busy thread's wall coverage has read -1.1%; the sampler before the redesign lost 26-89%).
+/// Over the truth, CPU may go one period further (CPU samples count whole timer periods;
+/// 20 full runs have read up to +1.10% for a thread of 1.2 s of CPU, where a period is 0.82%).
 fn check(r: &Report, share_bound: f64, site_bounds: [f64; 3], cover_bound: f64) -> Vec<Check> {
     let mut out = Vec::new();
     let by_thread = |value: &str| -> HashMap<String, f64> {
@@ -537,7 +547,7 @@ fn check(r: &Report, share_bound: f64, site_bounds: [f64; 3], cover_bound: f64) 
     };
     let cpu = by_thread("cpu-time");
     let wall = by_thread("wall-time");
-    // 1. No thread lost: CPU and wall cover 99-101% of each thread's truth.
+    // 1. No thread lost: CPU and wall cover 99-101% of each thread's truth (CPU: and a period).
     for t in &r.truths {
         for (kind, got, truth) in [
             (
@@ -557,14 +567,20 @@ fn check(r: &Report, share_bound: f64, site_bounds: [f64; 3], cover_bound: f64) 
                 continue;
             }
             let ratio = got / truth.max(1.0);
+            let error = (ratio - 1.0) * 100.0;
             let bound = cover_bound;
+            let period = if kind == "cpu" {
+                100.0 * 1e9 / f64::from(r.hz.max(1)) / truth.max(1.0)
+            } else {
+                0.0
+            };
             out.push(Check {
                 what: format!("{} {kind} coverage", t.name),
                 truth: truth / 1e9,
                 found: got / 1e9,
-                error: (ratio - 1.0) * 100.0,
+                error,
                 bound,
-                ok: ((ratio - 1.0) * 100.0).abs() <= bound,
+                ok: error >= -bound && error <= bound + period,
             });
         }
     }
@@ -741,7 +757,7 @@ fn ground_truth_short() {
 fn ground_truth_full() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let runs = env_or("FERROPROF_GT_RUNS", 20usize);
-    let secs = env_or("FERROPROF_GT_SECS", 15.0);
+    let secs = env_or("FERROPROF_GT_SECS", 20.0);
     let hz = env_or("FERROPROF_GT_HZ", 100);
     // Worst absolute error per target kind (thread names folded), and failures.
     let mut worst: HashMap<String, (f64, f64)> = HashMap::new();
@@ -749,8 +765,28 @@ fn ground_truth_full() {
     // Signed errors per site over the runs: their mean is the sampler's bias, their spread the
     // sampling noise of one run.
     let mut site_errors: HashMap<&str, Vec<f64>> = HashMap::new();
+    // Per site, the spread point sampling alone gives a run (averaged over the runs): with n
+    // ticks' samples of the blocking threads and a share p of them at the site, a relative sd
+    // of sqrt((1 - p) / (p n)).
+    let mut binomial_sd: HashMap<&str, f64> = HashMap::new();
     for run in 0..runs {
-        let checks = check(&run_once(secs, hz), 3.0, [5.0; 3], 1.0);
+        let report = run_once(secs, hz);
+        let blocking = report
+            .truths
+            .iter()
+            .filter(|t| report.blocking_threads.contains(&t.name));
+        let wall: f64 = blocking.clone().map(|t| t.wall_ns as f64).sum();
+        let ticks = wall * f64::from(hz) / 1e9;
+        for site in SITES {
+            let at: f64 = blocking
+                .clone()
+                .map(|t| t.per.get(site).copied().unwrap_or(0) as f64)
+                .sum();
+            let p = (at / wall.max(1.0)).clamp(1e-9, 1.0);
+            *binomial_sd.entry(site).or_default() +=
+                100.0 * ((1.0 - p) / (p * ticks.max(1.0))).sqrt() / runs as f64;
+        }
+        let checks = check(&report, 3.0, [5.0; 3], 1.0);
         print_table(run, &checks);
         for c in &checks {
             if let Some(site) = SITES
@@ -782,7 +818,10 @@ fn ground_truth_full() {
         let n = e.len().max(1) as f64;
         let mean = e.iter().sum::<f64>() / n;
         let sd = (e.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0)).sqrt();
-        println!("  {site} wall error over runs: mean {mean:+.2}%, sd {sd:.2}%");
+        let expected = binomial_sd.get(site).copied().unwrap_or(0.0);
+        println!(
+            "  {site} wall error over runs: mean {mean:+.2}%, sd {sd:.2}% (point sampling alone: sd {expected:.2}%)"
+        );
     }
     println!("  failed checks: {failures}");
     assert_eq!(failures, 0, "{failures} checks failed");
