@@ -897,8 +897,8 @@ pub struct ProfilerStats {
     /// Stacks of blocked threads read without a signal (from their stack pointer and program
     /// counter in `/proc/self/task/<tid>/syscall`), for wall time.
     pub wall_remote_stacks: u64,
-    /// Such reads discarded because the thread ran during the read (its previous stack was
-    /// kept).
+    /// Such reads (or reads of a woken thread's recent calls) taken again because the thread
+    /// ran while its stack was copied; after three, its previous stack is kept.
     pub wall_remote_retries: u64,
     /// Bytes of the profiler's own large blocks (128 KiB and up: grown tables, encoded
     /// profiles) mapped now. They are mapped and unmapped directly, never through the

@@ -20,7 +20,8 @@
 //!   again: its timer captures of the interval carry its on-CPU time; for the rest, where it
 //!   is now: blocked in a system call, its stack pointer and program counter are read from
 //!   `/proc/self/task/<tid>/syscall` and its stack is unwound from a copy
-//!   ([`crate::sampler::remote`]), kept only if its CPU clock did not move meanwhile; runnable after
+//!   ([`crate::sampler::remote`]), kept only if its CPU clock did not move while the copy was
+//!   taken (else it is looked at again, up to three times); runnable after
 //!   mostly running, it waits where its timer last caught it running; runnable after mostly
 //!   waiting (woken, waiting for a CPU), it is where the calls it made since its stack was last
 //!   read lead ([`RemoteUnwinder::recent_calls`]). Each visit weighs exactly the wall time since
@@ -73,6 +74,11 @@ const COLD_REVISIT_NS: u64 = 2_000_000_000;
 const COLD_VISITS_PER_SEC: u64 = 800;
 /// Wall time an idle thread accumulates on one stack before it is recorded.
 const IDLE_FLUSH_NS: u64 = 100_000_000;
+/// Looks at a thread before it is left where its stack was last read: a thread that ran while
+/// its stack was copied is looked at again. (Keeping the old stack booked the time to the wait
+/// before the one it was in: a lag, which took about 1% of the wall time from each blocking
+/// site and gave it to the site before.)
+const LOOK_ATTEMPTS: usize = 3;
 /// A thread is on probation (nothing of it recorded) until it used this much CPU or lived
 /// PROBATION_MAX_NS: ferroprof's own threads register from the first lines they run, and one
 /// listed before that must leave nothing in the profile.
@@ -1618,50 +1624,83 @@ impl Sampler {
     /// Where thread `t` (that ran since its last visit, CPU clock `cpu`) stands now. `busy`:
     /// when it is runnable, it waits where its timer last caught it.
     fn where_now(&mut self, t: &ThreadInfo, cpu: u64, busy: bool) -> Where {
-        let fallback = if busy { Where::Ran } else { Where::Unchanged };
-        match remote::task_syscall(self.task_dir(), t.tid) {
-            TaskSyscall::Gone => Where::Gone,
-            TaskSyscall::Running if busy || t.stack_sps.is_empty() => fallback,
-            TaskSyscall::Running => {
-                // It mostly waited since the last visit, ran a little, and is runnable now:
-                // most likely woken from a wait and waiting for a CPU. The calls it made
-                // since its stack was read say where it waited; kept only if it did not run
-                // during the look (a thread on a CPU keeps its old stack, as before).
-                let n = self.remote.recent_calls(
-                    &t.stack,
-                    &t.stack_sps,
-                    &mut self.remote_frames,
-                    &mut self.remote_sps,
-                );
-                if n > 0 && thread_cpu_ns(t.tid) == Some(cpu) {
-                    self.shared
-                        .stats
-                        .wall_recent_calls
-                        .fetch_add(1, Ordering::Relaxed);
-                    Where::Read(n)
-                } else {
-                    fallback
-                }
-            }
-            TaskSyscall::InSyscall { sp, pc, .. } | TaskSyscall::Stopped { sp, pc } => {
-                let n = self
-                    .remote
-                    .unwind(sp, pc, &mut self.remote_frames, &mut self.remote_sps);
-                // Read while it stood still, or not at all: a thread that ran meanwhile may
-                // have changed the stack under the walk.
-                if n > 0 && thread_cpu_ns(t.tid) == Some(cpu) {
-                    self.shared
-                        .stats
-                        .wall_remote_stacks
-                        .fetch_add(1, Ordering::Relaxed);
-                    Where::Read(n)
-                } else {
+        let mut cpu = cpu;
+        for _ in 0..LOOK_ATTEMPTS {
+            match self.look(t, cpu, busy) {
+                Ok(w) => return w,
+                Err(moved_on) => {
                     self.shared
                         .stats
                         .wall_remote_retries
                         .fetch_add(1, Ordering::Relaxed);
-                    fallback
+                    cpu = moved_on;
                 }
+            }
+        }
+        if busy {
+            Where::Ran
+        } else {
+            Where::Unchanged
+        }
+    }
+
+    /// One look at thread `t` for [`Self::where_now`]: `Err` with its new CPU clock when it ran
+    /// while its stack was copied (the copy may be torn).
+    fn look(&mut self, t: &ThreadInfo, cpu: u64, busy: bool) -> Result<Where, u64> {
+        let fallback = if busy { Where::Ran } else { Where::Unchanged };
+        let mut moved_on = None;
+        // Asked right after the copy: the walk goes over the copy, so only the copy must be
+        // taken while the thread stands still.
+        let mut stood_still = || match thread_cpu_ns(t.tid) {
+            Some(c) if c != cpu => {
+                moved_on = Some(c);
+                false
+            }
+            _ => true,
+        };
+        match remote::task_syscall(self.task_dir(), t.tid) {
+            TaskSyscall::Gone => Ok(Where::Gone),
+            TaskSyscall::Running if busy || t.stack_sps.is_empty() => Ok(fallback),
+            TaskSyscall::Running => {
+                // It mostly waited since the last visit, ran a little, and is runnable now:
+                // most likely woken from a wait and waiting for a CPU. The calls it made
+                // since its stack was read say where it waited.
+                let Ok(n) = self.remote.recent_calls(
+                    &t.stack,
+                    &t.stack_sps,
+                    &mut self.remote_frames,
+                    &mut self.remote_sps,
+                    &mut stood_still,
+                ) else {
+                    return Err(moved_on.unwrap_or(cpu));
+                };
+                if n == 0 {
+                    return Ok(fallback);
+                }
+                self.shared
+                    .stats
+                    .wall_recent_calls
+                    .fetch_add(1, Ordering::Relaxed);
+                Ok(Where::Read(n))
+            }
+            TaskSyscall::InSyscall { sp, pc, .. } | TaskSyscall::Stopped { sp, pc } => {
+                let Ok(n) = self.remote.unwind(
+                    sp,
+                    pc,
+                    &mut self.remote_frames,
+                    &mut self.remote_sps,
+                    &mut stood_still,
+                ) else {
+                    return Err(moved_on.unwrap_or(cpu));
+                };
+                if n == 0 {
+                    return Ok(fallback);
+                }
+                self.shared
+                    .stats
+                    .wall_remote_stacks
+                    .fetch_add(1, Ordering::Relaxed);
+                Ok(Where::Read(n))
             }
         }
     }

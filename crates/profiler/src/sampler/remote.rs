@@ -93,18 +93,30 @@ impl RemoteUnwinder {
 
     /// Copies the stack of a thread stopped at (`sp`, `pc`) and unwinds it into `out`, and
     /// where the stack pointer stood in each frame into `sps` (as many as it holds); the
-    /// number of frames, 0 when the stack cannot be read.
-    pub(crate) fn unwind(&mut self, sp: u64, pc: u64, out: &mut [u64], sps: &mut [u64]) -> usize {
+    /// number of frames, 0 when the stack cannot be read. `Err` when `stood_still`, asked
+    /// right after the copy, says the thread ran meanwhile (the copy may be torn); the walk
+    /// itself goes over the copy, so the thread may run during it.
+    pub(crate) fn unwind(
+        &mut self,
+        sp: u64,
+        pc: u64,
+        out: &mut [u64],
+        sps: &mut [u64],
+        stood_still: &mut dyn FnMut() -> bool,
+    ) -> Result<usize, ()> {
         if sp == 0 || pc == 0 {
-            return 0;
+            return Ok(0);
         }
         let n = unwind::read_own_memory(sp, &mut self.copy);
+        if !stood_still() {
+            return Err(());
+        }
         if n < 8 {
-            return 0;
+            return Ok(0);
         }
         // A full copy may have more stack above it: a walk that runs off it is cut, and marked.
         let more_above = n == self.copy.len();
-        unwind::unwind_copied(
+        Ok(unwind::unwind_copied(
             pc,
             sp,
             &self.copy[..n],
@@ -112,7 +124,7 @@ impl RemoteUnwinder {
             &mut self.cache,
             out,
             sps,
-        )
+        ))
     }
 
     /// Where a thread that cannot be stopped to read its registers (runnable, so the kernel
@@ -127,98 +139,123 @@ impl RemoteUnwinder {
     /// waiting for a CPU, that is the call it waited in.
     ///
     /// Writes the stack into `out` and `out_sps` (same form) and returns its length; 0 when
-    /// nothing changed, the stack is unknown or cut, or the change does not check out.
+    /// nothing changed, the stack is unknown or cut, or the change does not check out; `Err`
+    /// when the thread ran during the copy (see [`Self::unwind`]).
     pub(crate) fn recent_calls(
         &mut self,
         frames: &[u64],
         sps: &[u64],
         out: &mut [u64],
         out_sps: &mut [u64],
-    ) -> usize {
+        stood_still: &mut dyn FnMut() -> bool,
+    ) -> Result<usize, ()> {
         let n = frames.len();
         if n < 3 || sps.len() != n || out.len() < n || out_sps.len() < out.len() {
-            return 0;
+            return Ok(0);
         }
         if frames.iter().any(|&f| unwind::is_truncation_marker(f)) {
-            return 0;
+            return Ok(0);
         }
         // The window read: from well below the old leaf (the thread may have gone deeper) up.
         let lo = sps[0].saturating_sub(SCAN_BYTES as u64) & !7;
         let got = unwind::read_own_memory(lo, &mut self.copy);
-        let hi = lo + got as u64;
-        let copy = &self.copy[..got];
-        let read = |addr: u64| -> Result<u64, ()> {
-            if addr < lo || addr.checked_add(8).is_none_or(|e| e > hi) {
-                return Err(());
-            }
-            let off = (addr - lo) as usize;
-            Ok(u64::from_ne_bytes(
-                copy[off..off + 8].try_into().map_err(|_| ())?,
-            ))
-        };
-        // The outermost frame whose call changed (frames past the window count as unchanged).
-        let Some(i) = (1..n)
-            .rev()
-            .find(|&k| read(sps[k].wrapping_sub(8)).is_ok_and(|w| w != frames[k].wrapping_add(1)))
-        else {
-            return 0;
-        };
-        if i + 1 >= n {
-            return 0;
+        if !stood_still() {
+            return Err(());
         }
-        let mut slot = sps[i] - 8;
-        let Ok(mut ret) = read(slot) else {
-            return 0;
-        };
-        let outer_ret = frames[i + 1].wrapping_add(1);
-        if !unwind::returns_into(ret, slot, sps[i + 1], outer_ret, &mut self.cache, read) {
-            return 0;
-        }
-        // Below it, deepest last; then frame i's new call and the unchanged frames above.
-        let keep = n - i;
-        let room = out.len() - keep;
-        let mut found = 0;
-        let mut below = [(0u64, 0u64); MAX_CALLS_BELOW];
-        let cache = &mut self.cache;
-        while found < room.min(MAX_CALLS_BELOW) {
-            // Where the callee's call came from, when several words check out: the one whose
-            // calls go on deepest. A call that returned leaves a chain that checks out too,
-            // but a newer call at or below its frames overwrites part of it, where the newest
-            // chain is whole down to the thread's leaf (a thread woken in a mutex wait, after
-            // a sleep through another function of the same caller, leaves the sleep's frames
-            // above the mutex's when the sleep's function has the smaller frame).
-            let cands = callees(slot, ret, lo, MAX_CANDIDATES, cache, read);
-            let pick = match cands.len() {
-                0 => break,
-                1 => cands[0],
-                _ => {
-                    let mut best = (cands[0], 0usize);
-                    for &(v, a) in cands.iter() {
-                        let depth = chain_depth(a, v, lo, cache, read);
-                        if depth > best.1 {
-                            best = ((v, a), depth);
-                        }
-                    }
-                    best.0
-                }
-            };
-            below[found] = pick;
-            found += 1;
-            (ret, slot) = pick;
-        }
-        let mut k = 0;
-        for &(v, a) in below[..found].iter().rev() {
-            out[k] = v - 1;
-            out_sps[k] = a + 8;
-            k += 1;
-        }
-        out[k] = read(sps[i] - 8).map_or(0, |w| w - 1);
-        out_sps[k] = sps[i];
-        k += 1;
-        out[k..k + keep - 1].copy_from_slice(&frames[i + 1..]);
-        out_sps[k..k + keep - 1].copy_from_slice(&sps[i + 1..]);
-        k + keep - 1
+        Ok(calls_in_copy(
+            lo,
+            &self.copy[..got],
+            &mut self.cache,
+            frames,
+            sps,
+            out,
+            out_sps,
+        ))
     }
+}
+
+/// [`RemoteUnwinder::recent_calls`] over `copy`, the stack from `lo`.
+fn calls_in_copy(
+    lo: u64,
+    copy: &[u8],
+    cache: &mut OwnCache,
+    frames: &[u64],
+    sps: &[u64],
+    out: &mut [u64],
+    out_sps: &mut [u64],
+) -> usize {
+    let n = frames.len();
+    let hi = lo + copy.len() as u64;
+    let read = |addr: u64| -> Result<u64, ()> {
+        if addr < lo || addr.checked_add(8).is_none_or(|e| e > hi) {
+            return Err(());
+        }
+        let off = (addr - lo) as usize;
+        Ok(u64::from_ne_bytes(
+            copy[off..off + 8].try_into().map_err(|_| ())?,
+        ))
+    };
+    // The outermost frame whose call changed (frames past the window count as unchanged).
+    let Some(i) = (1..n)
+        .rev()
+        .find(|&k| read(sps[k].wrapping_sub(8)).is_ok_and(|w| w != frames[k].wrapping_add(1)))
+    else {
+        return 0;
+    };
+    if i + 1 >= n {
+        return 0;
+    }
+    let mut slot = sps[i] - 8;
+    let Ok(mut ret) = read(slot) else {
+        return 0;
+    };
+    let outer_ret = frames[i + 1].wrapping_add(1);
+    if !unwind::returns_into(ret, slot, sps[i + 1], outer_ret, cache, read) {
+        return 0;
+    }
+    // Below it, deepest last; then frame i's new call and the unchanged frames above.
+    let keep = n - i;
+    let room = out.len() - keep;
+    let mut found = 0;
+    let mut below = [(0u64, 0u64); MAX_CALLS_BELOW];
+    while found < room.min(MAX_CALLS_BELOW) {
+        // Where the callee's call came from, when several words check out: the one whose
+        // calls go on deepest. A call that returned leaves a chain that checks out too,
+        // but a newer call at or below its frames overwrites part of it, where the newest
+        // chain is whole down to the thread's leaf (a thread woken in a mutex wait, after
+        // a sleep through another function of the same caller, leaves the sleep's frames
+        // above the mutex's when the sleep's function has the smaller frame).
+        let cands = callees(slot, ret, lo, MAX_CANDIDATES, cache, read);
+        let pick = match cands.len() {
+            0 => break,
+            1 => cands[0],
+            _ => {
+                let mut best = (cands[0], 0usize);
+                for &(v, a) in cands.iter() {
+                    let depth = chain_depth(a, v, lo, cache, read);
+                    if depth > best.1 {
+                        best = ((v, a), depth);
+                    }
+                }
+                best.0
+            }
+        };
+        below[found] = pick;
+        found += 1;
+        (ret, slot) = pick;
+    }
+    let mut k = 0;
+    for &(v, a) in below[..found].iter().rev() {
+        out[k] = v - 1;
+        out_sps[k] = a + 8;
+        k += 1;
+    }
+    out[k] = read(sps[i] - 8).map_or(0, |w| w - 1);
+    out_sps[k] = sps[i];
+    k += 1;
+    out[k..k + keep - 1].copy_from_slice(&frames[i + 1..]);
+    out_sps[k..k + keep - 1].copy_from_slice(&sps[i + 1..]);
+    k + keep - 1
 }
 
 /// Words below the slot `slot` (holding return address `ret`) that check out as the return
@@ -379,7 +416,9 @@ mod tests {
         };
         let mut out = [0u64; 64];
         let mut u = RemoteUnwinder::new();
-        let n = u.unwind(sp, pc, &mut out, &mut [0; 128]);
+        let n = u
+            .unwind(sp, pc, &mut out, &mut [0; 128], &mut || true)
+            .unwrap();
         let leaf = remote_probe_leaf as *const () as u64;
         let middle = remote_probe_middle as *const () as u64;
         // Return addresses land inside the callers: the leaf's call is within the middle
@@ -406,7 +445,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         // A garbage position reads nothing and never faults.
-        assert_eq!(u.unwind(8, 0x1000, &mut out, &mut []), 0);
+        assert_eq!(u.unwind(8, 0x1000, &mut out, &mut [], &mut || true), Ok(0));
     }
 
     #[inline(never)]
@@ -482,17 +521,26 @@ mod tests {
         let mut u = RemoteUnwinder::new();
         let (mut old, mut old_sps) = ([0u64; 128], [0u64; 128]);
         let first = blocked_at(tid, None);
-        let n_old = u.unwind(first.0, first.1, &mut old, &mut old_sps);
+        let n_old = u
+            .unwind(first.0, first.1, &mut old, &mut old_sps, &mut || true)
+            .unwrap();
         let (old, old_sps) = (&old[..n_old], &old_sps[..n_old]);
         // Still blocked where it was read: nothing changed.
         let (mut out, mut out_sps) = ([0u64; 128], [0u64; 128]);
-        assert_eq!(u.recent_calls(old, old_sps, &mut out, &mut out_sps), 0);
+        assert_eq!(
+            u.recent_calls(old, old_sps, &mut out, &mut out_sps, &mut || true),
+            Ok(0)
+        );
         // SAFETY: closing our own pipe's write end wakes the reader, which goes on to b.
         unsafe { libc::close(a[1]) };
         let second = blocked_at(tid, Some(first));
         let (mut now, mut now_sps) = ([0u64; 128], [0u64; 128]);
-        let n_now = u.unwind(second.0, second.1, &mut now, &mut now_sps);
-        let n = u.recent_calls(old, old_sps, &mut out, &mut out_sps);
+        let n_now = u
+            .unwind(second.0, second.1, &mut now, &mut now_sps, &mut || true)
+            .unwrap();
+        let n = u
+            .recent_calls(old, old_sps, &mut out, &mut out_sps, &mut || true)
+            .unwrap();
         // SAFETY: as above, for b.
         unsafe { libc::close(b[1]) };
         h.join().unwrap();
@@ -600,7 +648,9 @@ mod tests {
                 std::thread::sleep(std::time::Duration::from_millis(2));
             };
             let mut out = [0u64; 128];
-            let n = u.unwind(sp, pc, &mut out, &mut [0; 128]);
+            let n = u
+                .unwind(sp, pc, &mut out, &mut [0; 128], &mut || true)
+                .unwrap();
             let names: Vec<String> = sym.pass(|s| {
                 out[..n]
                     .iter()
