@@ -242,12 +242,29 @@ fn walk_entries(unit: gimli::UnitRef<'_, Reader>, probes: &[u64], found: &mut [F
         }
         match abbrev.tag() {
             gimli::DW_TAG_subprogram => {
+                // Only its ranges are read here (its names come later, for the hit ones):
+                // the attributes between are skipped together, most of them by their size.
                 let mut ranges = Ranges::default();
-                for spec in abbrev.attributes() {
+                let specs = abbrev.attributes();
+                let mut from = 0;
+                for (i, spec) in specs.iter().enumerate() {
+                    if !matches!(
+                        spec.name(),
+                        gimli::DW_AT_low_pc | gimli::DW_AT_high_pc | gimli::DW_AT_ranges
+                    ) {
+                        continue;
+                    }
+                    if entries.skip_attributes(&specs[from..i]).is_err() {
+                        return;
+                    }
                     match entries.read_attribute(*spec) {
                         Ok(attr) => ranges.take(unit, &attr),
                         Err(_) => return,
                     }
+                    from = i + 1;
+                }
+                if entries.skip_attributes(&specs[from..]).is_err() {
+                    return;
                 }
                 let mut hit = false;
                 ranges.each(unit, |b, e| {

@@ -154,6 +154,9 @@ impl Mappings {
     }
 }
 
+/// Most threads resolving objects at once (see `resolve_objects`).
+const MAX_SYMBOLIZE_THREADS: usize = 4;
+
 /// Alignment of the mappings: the smallest page size, so start and file offset stay congruent
 /// whatever the system's.
 const PAGE: u64 = 4096;
@@ -416,68 +419,214 @@ impl ProcessSymbolizer {
             }
         }
         by_object.sort_unstable();
-        for group in by_object.chunk_by(|a, b| a.0 == b.0) {
-            let od = &mut objects[group[0].0];
-            let probes: Vec<u64> = group
+        let mut jobs: Vec<Job<'_>> = Vec::new();
+        let mut groups = by_object.chunk_by(|a, b| a.0 == b.0).peekable();
+        for (i, od) in objects.iter_mut().enumerate() {
+            let Some(group) = groups.next_if(|g| g[0].0 == i) else {
+                continue;
+            };
+            let ks: Vec<usize> = group.iter().map(|&(_, k)| k).collect();
+            let probes = ks
                 .iter()
-                .map(|&(_, k)| addresses[k].wrapping_sub(od.obj.base))
+                .map(|&k| addresses[k].wrapping_sub(od.obj.base))
                 .collect();
-            let debug = od
-                .debug
-                .get_or_insert_with(|| DebugInfo::load(&od.obj).ok());
-            let mut frames = Vec::new();
-            if let Some(d) = debug.as_mut() {
-                let file = match &od.obj.path {
-                    Some(p) => p.to_string_lossy().into_owned(),
-                    None => od.obj.name.clone(),
-                };
-                let key = (od.obj.base, file);
-                if let Some(built) = d.index_to_build(self.indexes.get(&key), &probes) {
-                    // Kept across passes: on the heap, not in the arena.
-                    crate::alloc::arena::outside(|| {
-                        let index = built.map(|b| b.to_heap());
-                        self.indexes
-                            .insert((key.0, key.1.as_str().to_owned()), index);
-                    });
-                }
-                let index = self.indexes.get(&key).and_then(Option::as_ref);
-                self.mappings
-                    .set_flags(od.obj.base, &od.obj.name, true, index.is_some());
-                frames = d.resolve_all(&probes, index);
+            jobs.push((od, ks, probes));
+        }
+        let indexes = &self.indexes;
+        // In parallel when the arena is off (the preload library, which symbolizes at exit with
+        // the program's threads done): arena memory has one owner at a time.
+        let parallel = !crate::alloc::arena::enabled();
+        let answers = resolve_objects(jobs, parallel, |od, probes| {
+            resolve_object(od, probes, |key| indexes.get(key))
+        });
+        for (od_key, ks, answer) in answers {
+            let ObjectAnswer {
+                frames,
+                built,
+                has_debug,
+                has_index,
+            } = answer;
+            if let Some(built) = built {
+                // Kept across passes: on the heap, not in the arena.
+                crate::alloc::arena::outside(|| {
+                    self.indexes
+                        .insert((od_key.0, od_key.1.as_str().to_owned()), built);
+                });
             }
-            frames.resize_with(probes.len(), Vec::new);
-            for ((&(_, k), &probe), f) in group.iter().zip(&probes).zip(frames) {
+            if has_debug {
+                self.mappings
+                    .set_flags(od_key.0, &od_key.2, true, has_index);
+            }
+            for (k, f) in ks.into_iter().zip(frames) {
                 out[k] = f;
-                if out[k].is_empty() {
-                    // Unnamed code (a stripped object's internal function) is named by its
-                    // function's entry where the unwind table knows it, so that the samples
-                    // of one function add up instead of spreading over its addresses.
-                    let at = debug
-                        .as_ref()
-                        .and_then(|d| d.function_start(probe))
-                        .unwrap_or(probe);
-                    let module = od
-                        .obj
-                        .path
-                        .as_deref()
-                        .and_then(Path::file_name)
-                        .map(|n| n.to_string_lossy().into_owned())
-                        .unwrap_or_else(|| od.obj.name.clone());
-                    out[k].push(ResolvedFrame {
-                        name: format!("{module}+{at:#x}"),
-                        filename: od
-                            .obj
-                            .path
-                            .as_deref()
-                            .map(|p| p.to_string_lossy().into_owned())
-                            .unwrap_or_default(),
-                        ..ResolvedFrame::default()
-                    });
-                }
             }
         }
         out
     }
+}
+
+/// What [`resolve_object`] found for one object's addresses.
+struct ObjectAnswer {
+    /// Per address, innermost first (never empty).
+    frames: Vec<Vec<ResolvedFrame>>,
+    /// A unit index built for it, to keep (on the heap).
+    built: Option<Option<UnitIndex>>,
+    /// Whether it has debug info, and a unit index.
+    has_debug: bool,
+    has_index: bool,
+}
+
+/// The key of an object's kept unit index: (its base, its file).
+type IndexKey = (u64, String);
+
+/// One object's share of a pass: the object, the positions of its addresses among the
+/// pass's, and those addresses relative to its base.
+type Job<'a> = (&'a mut ObjectDebug, Vec<usize>, Vec<u64>);
+
+/// A job done: the object's (base, file, name), the positions, the answer.
+type JobDone = ((u64, String, String), Vec<usize>, ObjectAnswer);
+
+/// Resolves `probes` (addresses relative to its base) in object `od`; `kept` finds its unit
+/// index kept from earlier passes.
+fn resolve_object<'k>(
+    od: &mut ObjectDebug,
+    probes: &[u64],
+    kept: impl Fn(&IndexKey) -> Option<&'k Option<UnitIndex>>,
+) -> ObjectAnswer {
+    let debug = od
+        .debug
+        .get_or_insert_with(|| DebugInfo::load(&od.obj).ok());
+    let mut frames = Vec::new();
+    let mut built = None;
+    let mut has_index = false;
+    if let Some(d) = debug.as_mut() {
+        let file = match &od.obj.path {
+            Some(p) => p.to_string_lossy().into_owned(),
+            None => od.obj.name.clone(),
+        };
+        let key = (od.obj.base, file);
+        let kept = kept(&key);
+        if let Some(b) = d.index_to_build(kept, probes) {
+            built = Some(crate::alloc::arena::outside(|| b.map(|b| b.to_heap())));
+        }
+        let index = match &built {
+            Some(b) => b.as_ref(),
+            None => kept.and_then(Option::as_ref),
+        };
+        has_index = index.is_some();
+        frames = d.resolve_all(probes, index);
+    }
+    frames.resize_with(probes.len(), Vec::new);
+    for (f, &probe) in frames.iter_mut().zip(probes) {
+        if f.is_empty() {
+            // Unnamed code (a stripped object's internal function) is named by its
+            // function's entry where the unwind table knows it, so that the samples
+            // of one function add up instead of spreading over its addresses.
+            let at = debug
+                .as_ref()
+                .and_then(|d| d.function_start(probe))
+                .unwrap_or(probe);
+            let module = od
+                .obj
+                .path
+                .as_deref()
+                .and_then(Path::file_name)
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| od.obj.name.clone());
+            f.push(ResolvedFrame {
+                name: format!("{module}+{at:#x}"),
+                filename: od
+                    .obj
+                    .path
+                    .as_deref()
+                    .map(|p| p.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                ..ResolvedFrame::default()
+            });
+        }
+    }
+    ObjectAnswer {
+        frames,
+        built,
+        has_debug: debug.is_some(),
+        has_index,
+    }
+}
+
+/// Runs `resolve` over each object's job and returns, per job, the object's (base, file, name),
+/// the job's positions and the answer; with `parallel`, objects go to up to one thread per CPU
+/// (ferroprof's own threads, the caller among them).
+fn resolve_objects(
+    jobs: Vec<Job<'_>>,
+    parallel: bool,
+    resolve: impl Fn(&mut ObjectDebug, &[u64]) -> ObjectAnswer + Sync,
+) -> Vec<JobDone> {
+    let key = |od: &ObjectDebug| {
+        let file = match &od.obj.path {
+            Some(p) => p.to_string_lossy().into_owned(),
+            None => od.obj.name.clone(),
+        };
+        (od.obj.base, file, od.obj.name.clone())
+    };
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_SYMBOLIZE_THREADS)
+        .min(jobs.len());
+    if workers <= 1 || !parallel {
+        return jobs
+            .into_iter()
+            .map(|(od, ks, probes)| {
+                let answer = resolve(od, &probes);
+                (key(od), ks, answer)
+            })
+            .collect();
+    }
+    // The objects with the most addresses first, each taken by the next free thread.
+    let mut jobs = jobs;
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.2.len()));
+    let slots: Vec<std::sync::Mutex<Option<Job<'_>>>> = jobs
+        .into_iter()
+        .map(|j| std::sync::Mutex::new(Some(j)))
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(slot) = slots.get(i) else {
+                return done;
+            };
+            let taken = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some((od, ks, probes)) = taken {
+                let answer = resolve(od, &probes);
+                done.push((key(od), ks, answer));
+            }
+        }
+    };
+    std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..workers)
+            .filter_map(|n| {
+                crate::tls::with_guard(|| {
+                    std::thread::Builder::new()
+                        .name(format!("ferroprof-sym-{n}"))
+                        .spawn_scoped(scope, || {
+                            crate::tls::enter_profiler_thread();
+                            work()
+                        })
+                        .ok()
+                })
+            })
+            .collect();
+        // This thread works too (alone, if no helper could start).
+        let mut all = work();
+        for h in helpers {
+            match h.join() {
+                Ok(done) => all.extend(done),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        all
+    })
 }
 
 impl Drop for ProcessSymbolizer {
@@ -1542,6 +1691,71 @@ mod tests {
             frames.iter().any(|f| f.name.contains("clock_gettime")),
             "{name} at {at:#x}: {frames:?}"
         );
+    }
+
+    /// Objects resolved on parallel threads give what one thread gives, each object on one of
+    /// ferroprof's threads, and the jobs back with their positions.
+    #[test]
+    fn objects_resolved_in_parallel_match_one_thread() {
+        let probes_of = |o: &LoadedObject| -> Vec<u64> {
+            let Ok(d) = DebugInfo::load(o) else {
+                return Vec::new();
+            };
+            let mut at: Vec<u64> = symbol_names(&d)
+                .into_iter()
+                .map(|(a, _)| a + 1)
+                .step_by(7)
+                .take(40)
+                .collect();
+            at.sort_unstable();
+            at.dedup();
+            at
+        };
+        let run = |parallel: bool| {
+            let mut objects: Vec<ObjectDebug> = loaded_objects()
+                .into_iter()
+                .map(|obj| ObjectDebug { obj, debug: None })
+                .collect();
+            let mut jobs = Vec::new();
+            let mut k = 0;
+            for od in objects.iter_mut() {
+                let probes = probes_of(&od.obj);
+                if probes.is_empty() {
+                    continue;
+                }
+                let ks: Vec<usize> = (k..k + probes.len()).collect();
+                k += probes.len();
+                jobs.push((od, ks, probes));
+            }
+            assert!(jobs.len() >= 2, "at least two objects with symbols");
+            let threads = std::sync::Mutex::new(HashSet::new());
+            let mut got = resolve_objects(jobs, parallel, |od, probes| {
+                let me = std::thread::current();
+                threads
+                    .lock()
+                    .unwrap()
+                    .insert(me.name().unwrap_or("").to_owned());
+                if me.name().is_some_and(|n| n.starts_with("ferroprof-sym")) {
+                    assert!(crate::state::is_own_tid(crate::state::current_tid()));
+                }
+                resolve_object(od, probes, |_| None)
+            });
+            got.sort_by_key(|(_, ks, _)| ks[0]);
+            let frames: Vec<Vec<Vec<ResolvedFrame>>> =
+                got.into_iter().map(|(_, _, a)| a.frames).collect();
+            (frames, threads.into_inner().unwrap())
+        };
+        let (one, one_threads) = run(false);
+        let (many, many_threads) = run(true);
+        assert_eq!(one_threads.len(), 1, "{one_threads:?}");
+        if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
+            assert!(
+                many_threads.iter().any(|n| n.starts_with("ferroprof-sym")),
+                "{many_threads:?}"
+            );
+        }
+        assert_eq!(one, many);
+        assert!(one.iter().flatten().all(|f| !f.is_empty()));
     }
 
     /// The line `fn a_known_function` is declared at.
