@@ -794,6 +794,26 @@ fn read_comm(dirfd: Option<libc::c_int>, tid: i32, buf: &mut [u8; 64]) -> &str {
 }
 
 /// Replaces `name` with thread `tid`'s current name; whether it changed.
+/// When thread `tid` started, on the monotonic clock: its start time in
+/// `/proc/self/task/<tid>/stat` (clock ticks since boot) moved from the boot-time clock, plus
+/// half a tick (it started within that tick). `None` when the file cannot be read.
+fn thread_start_ns(dirfd: Option<libc::c_int>, tid: i32) -> Option<u64> {
+    let mut buf = [0u8; 512];
+    let n = read_task_file(dirfd, tid, "stat", &mut buf)?;
+    let text = std::str::from_utf8(&buf[..n]).ok()?;
+    // The name, in parentheses, may hold spaces and parentheses: fields follow the last ')'.
+    // The start time is the 22nd field, the 20th after the name.
+    let rest = &text[text.rfind(')')? + 1..];
+    let ticks: u64 = rest.split_ascii_whitespace().nth(19)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let hz = u64::try_from(hz).ok().filter(|&h| h > 0)?;
+    let tick = 1_000_000_000 / hz;
+    let start_boot = ticks.checked_mul(tick)? + tick / 2;
+    let since_start = clock_ns(libc::CLOCK_BOOTTIME)?.checked_sub(start_boot)?;
+    Some(monotonic_ns().saturating_sub(since_start))
+}
+
 fn refresh_name(dirfd: Option<libc::c_int>, tid: i32, name: &mut String) -> bool {
     let mut buf = [0u8; 64];
     let fresh = read_comm(dirfd, tid, &mut buf);
@@ -1122,11 +1142,17 @@ impl Sampler {
     /// comes less often than every tick (at most 1/LIST_BUDGET of the time).
     fn list_threads(&mut self, now: u64) {
         let mut tids = std::mem::take(&mut self.tids);
+        // The listing's cost in the sampler's own CPU time: time on the clock would count the
+        // rest of the tick and any wait for a CPU (milliseconds on a busy machine, which put
+        // the next listing seconds away).
+        let cpu0 = clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0);
         let listed = match self.lister.as_mut() {
             Some(l) => l.list(&mut tids),
             None => false,
         };
-        let cost = monotonic_ns().saturating_sub(now);
+        let cost = clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
+            .unwrap_or(0)
+            .saturating_sub(cpu0);
         self.next_list_at = now + (cost * LIST_BUDGET).max(self.period / 2);
         if !listed {
             self.tids = tids;
@@ -1153,6 +1179,18 @@ impl Sampler {
                 .as_ref()
                 .is_some_and(|t| t.listed != self.listing);
             if gone {
+                if let Some(t) = self.threads[idx].as_mut().filter(|_| self.wall_enabled) {
+                    // Its wall time since the last visit: it lived up to the last listing,
+                    // then ended at an unknown time since (half that), as for an exit found
+                    // by a visit. (An idle thread's last visit may be seconds ago.)
+                    let since = now.saturating_sub(t.last_wall);
+                    let sure = self.last_list_at.saturating_sub(t.last_wall).min(since);
+                    let lived = sure + (since - sure) / 2;
+                    let pay = lived.min(t.wall_debt);
+                    t.wall_debt -= pay;
+                    t.idle_wall += lived - pay;
+                    t.last_wall = t.last_wall.max(now);
+                }
                 self.finish_thread(idx, true);
             }
         }
@@ -1184,14 +1222,20 @@ impl Sampler {
         if !own {
             refresh_name(self.task_dir(), tid, &mut name);
         }
-        // A thread found by a later listing started since the previous tick (the thread count
-        // is checked every tick): the CPU it used so far is in this profile, and its wall time
-        // since about half-way between the two ticks.
+        // A thread found by a later listing started since the last listing: the CPU it used
+        // so far is in this profile, and its wall time since it started, as the kernel says
+        // (to a clock tick), else since half-way between the previous tick and now. (The
+        // thread count, checked every tick, misses a thread that started in the tick another
+        // ended; the regular listing finds it later.)
         let (cpu_carry, since) = if first {
             (0, now)
         } else {
             let after = self.last_tick_at.max(self.last_list_at);
-            (cpu, now - now.saturating_sub(after) / 2)
+            let since = thread_start_ns(self.task_dir(), tid)
+                .map_or(now - now.saturating_sub(after) / 2, |s| {
+                    s.clamp(self.last_list_at.min(now), now)
+                });
+            (cpu, since)
         };
         let mut t = ThreadInfo {
             tid,
