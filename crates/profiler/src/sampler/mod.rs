@@ -909,6 +909,8 @@ pub(crate) struct Sampler {
     tids: Vec<i32>,
     listing: u64,
     last_list_at: u64,
+    /// When the first listing was taken (the profile's start for the threads it found).
+    first_list_at: u64,
     last_tick_at: u64,
     next_list_at: u64,
     own_gen: u64,
@@ -962,6 +964,7 @@ impl Sampler {
             tids: Vec::new(),
             listing: 0,
             last_list_at: 0,
+            first_list_at: 0,
             last_tick_at: 0,
             next_list_at: 0,
             own_gen: u64::MAX,
@@ -1195,6 +1198,9 @@ impl Sampler {
             }
         }
         self.last_list_at = now;
+        if first {
+            self.first_list_at = now;
+        }
         self.tids = tids;
         self.maps_wanted |= new_threads;
     }
@@ -1231,10 +1237,15 @@ impl Sampler {
             (0, now)
         } else {
             let after = self.last_tick_at.max(self.last_list_at);
-            let since = thread_start_ns(self.task_dir(), tid)
-                .map_or(now - now.saturating_sub(after) / 2, |s| {
-                    s.clamp(self.last_list_at.min(now), now)
-                });
+            let since = thread_start_ns(self.task_dir(), tid).map_or(
+                now - now.saturating_sub(after) / 2,
+                |s| {
+                    // Not before the profile began. (Not before the last listing either, one
+                    // would think; but a listing can miss a thread when another exits while
+                    // `/proc/self/task` is read.)
+                    s.clamp(self.first_list_at.min(now), now)
+                },
+            );
             (cpu, since)
         };
         let mut t = ThreadInfo {
@@ -1702,51 +1713,42 @@ impl Sampler {
             }
             _ => true,
         };
-        match remote::task_syscall(self.task_dir(), t.tid) {
-            TaskSyscall::Gone => Ok(Where::Gone),
-            TaskSyscall::Running if busy || t.stack_sps.is_empty() => Ok(fallback),
-            TaskSyscall::Running => {
-                // It mostly waited since the last visit, ran a little, and is runnable now:
-                // most likely woken from a wait and waiting for a CPU. The calls it made
-                // since its stack was read say where it waited.
-                let Ok(n) = self.remote.recent_calls(
+        let stats = &self.shared.stats;
+        let (read, counter) = match remote::task_syscall(self.task_dir(), t.tid) {
+            TaskSyscall::Gone => return Ok(Where::Gone),
+            TaskSyscall::Running if busy || t.stack_sps.is_empty() => return Ok(fallback),
+            // It mostly waited since the last visit, ran a little, and is runnable now: most
+            // likely woken from a wait and waiting for a CPU. The calls it made since its
+            // stack was read say where it waited.
+            TaskSyscall::Running => (
+                self.remote.recent_calls(
                     &t.stack,
                     &t.stack_sps,
                     &mut self.remote_frames,
                     &mut self.remote_sps,
                     &mut stood_still,
-                ) else {
-                    return Err(moved_on.unwrap_or(cpu));
-                };
-                if n == 0 {
-                    return Ok(fallback);
-                }
-                self.shared
-                    .stats
-                    .wall_recent_calls
-                    .fetch_add(1, Ordering::Relaxed);
-                Ok(Where::Read(n))
-            }
-            TaskSyscall::InSyscall { sp, pc, .. } | TaskSyscall::Stopped { sp, pc } => {
-                let Ok(n) = self.remote.unwind(
+                ),
+                &stats.wall_recent_calls,
+            ),
+            TaskSyscall::InSyscall { sp, pc, .. } | TaskSyscall::Stopped { sp, pc } => (
+                self.remote.unwind(
                     sp,
                     pc,
                     &mut self.remote_frames,
                     &mut self.remote_sps,
                     &mut stood_still,
-                ) else {
-                    return Err(moved_on.unwrap_or(cpu));
-                };
-                if n == 0 {
-                    return Ok(fallback);
-                }
-                self.shared
-                    .stats
-                    .wall_remote_stacks
-                    .fetch_add(1, Ordering::Relaxed);
-                Ok(Where::Read(n))
-            }
+                ),
+                &stats.wall_remote_stacks,
+            ),
+        };
+        let Ok(n) = read else {
+            return Err(moved_on.unwrap_or(cpu));
+        };
+        if n == 0 {
+            return Ok(fallback);
         }
+        counter.fetch_add(1, Ordering::Relaxed);
+        Ok(Where::Read(n))
     }
 
     /// Records the off-CPU wall time `t` accumulated, on its stack (or where it ran, when its
