@@ -479,6 +479,14 @@ struct ObjectAnswer {
 /// The key of an object's kept unit index: (its base, its file).
 type IndexKey = (u64, String);
 
+fn index_key(obj: &LoadedObject) -> IndexKey {
+    let file = match &obj.path {
+        Some(p) => p.to_string_lossy().into_owned(),
+        None => obj.name.clone(),
+    };
+    (obj.base, file)
+}
+
 /// One object's share of a pass: the object, the positions of its addresses among the
 /// pass's, and those addresses relative to its base.
 type Job<'a> = (&'a mut ObjectDebug, Vec<usize>, Vec<u64>);
@@ -500,12 +508,7 @@ fn resolve_object<'k>(
     let mut built = None;
     let mut has_index = false;
     if let Some(d) = debug.as_mut() {
-        let file = match &od.obj.path {
-            Some(p) => p.to_string_lossy().into_owned(),
-            None => od.obj.name.clone(),
-        };
-        let key = (od.obj.base, file);
-        let kept = kept(&key);
+        let kept = kept(&index_key(&od.obj));
         if let Some(b) = d.index_to_build(kept, probes) {
             built = Some(crate::alloc::arena::outside(|| b.map(|b| b.to_heap())));
         }
@@ -562,11 +565,8 @@ fn resolve_objects(
     resolve: impl Fn(&mut ObjectDebug, &[u64]) -> ObjectAnswer + Sync,
 ) -> Vec<JobDone> {
     let key = |od: &ObjectDebug| {
-        let file = match &od.obj.path {
-            Some(p) => p.to_string_lossy().into_owned(),
-            None => od.obj.name.clone(),
-        };
-        (od.obj.base, file, od.obj.name.clone())
+        let (base, file) = index_key(&od.obj);
+        (base, file, od.obj.name.clone())
     };
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
