@@ -188,23 +188,33 @@ fn walk_lines(unit: &gimli::Unit<Reader>, probes: &[u64], found: &mut [Found]) {
     let mut rows = program.rows();
     // The row in force: (address, file, line).
     let mut current: Option<(u64, u64, u32)> = None;
+    // A probe keeps the first row assigned to it, so the walk ends once every probe has one
+    // (a unit with a few probes is read about half-way on average).
+    let mut left = probes.len();
     let mut assign = |from: u64, to: u64, file: u64, line: u32| {
         for i in probes_in(probes, from, to) {
-            found[i].row.get_or_insert((file, line));
+            if found[i].row.is_none() {
+                found[i].row = Some((file, line));
+                left -= 1;
+            }
         }
+        left == 0
     };
     while let Ok(Some((_, row))) = rows.next_row() {
         let address = row.address();
         if row.end_sequence() {
             if let Some((at, file, line)) = current.take() {
-                assign(at, address, file, line);
+                if assign(at, address, file, line) {
+                    return;
+                }
             }
             continue;
         }
         let line = row.line().map_or(0, |l| l.get() as u32);
-        match current {
-            Some((at, file, l)) if address > at => assign(at, address, file, l),
-            _ => {}
+        if let Some((at, file, l)) = current {
+            if address > at && assign(at, address, file, l) {
+                return;
+            }
         }
         current = Some((address, row.file_index(), line));
     }
@@ -228,6 +238,12 @@ fn walk_entries(unit: gimli::UnitRef<'_, Reader>, probes: &[u64], found: &mut [F
     };
     let mut open: Vec<(isize, Open)> = Vec::new();
     let mut ordinal = 0u32;
+    // For the walk's early end: probes no subprogram holds yet, open subprograms holding some.
+    let mut unplaced = probes.len();
+    let mut open_hits = 0usize;
+    // Whether a later subprogram may still matter to a placed probe: an alias (C and assembly
+    // name one routine several times); rustc gives each function one subprogram.
+    let mut aliases_possible = true;
     while !entries.is_empty() {
         let offset = entries.next_offset();
         let depth = entries.next_depth();
@@ -238,7 +254,14 @@ fn walk_entries(unit: gimli::UnitRef<'_, Reader>, probes: &[u64], found: &mut [F
             continue; // a null entry ends a list of children
         };
         while open.last().is_some_and(|(d, _)| *d >= depth) {
-            open.pop();
+            if let Some((_, Open::Function { hit: true, .. })) = open.pop() {
+                open_hits -= 1;
+            }
+        }
+        if unplaced == 0 && open_hits == 0 && !aliases_possible {
+            // Every probe has its subprogram, and the entries under those (their inlined
+            // calls) are behind: nothing further changes an answer.
+            return;
         }
         match abbrev.tag() {
             gimli::DW_TAG_subprogram => {
@@ -273,11 +296,13 @@ fn walk_entries(unit: gimli::UnitRef<'_, Reader>, probes: &[u64], found: &mut [F
                             found[i].function = Some((ordinal, offset));
                             found[i].entry = b;
                             hit = true;
+                            unplaced -= 1;
                         } else {
                             found[i].aliases.push(offset);
                         }
                     }
                 });
+                open_hits += usize::from(hit);
                 open.push((depth, Open::Function { ordinal, hit }));
                 ordinal += 1;
             }
@@ -336,6 +361,18 @@ fn walk_entries(unit: gimli::UnitRef<'_, Reader>, probes: &[u64], found: &mut [F
                     }
                 });
                 open.push((depth, Open::Inlined));
+            }
+            gimli::DW_TAG_compile_unit if depth == 0 => {
+                for spec in abbrev.attributes() {
+                    let Ok(attr) = entries.read_attribute(*spec) else {
+                        return;
+                    };
+                    if let (gimli::DW_AT_language, AttributeValue::Language(l)) =
+                        (attr.name(), attr.value())
+                    {
+                        aliases_possible = l != gimli::DW_LANG_Rust;
+                    }
+                }
             }
             _ => {
                 if entries.skip_attributes(abbrev.attributes()).is_err() {
