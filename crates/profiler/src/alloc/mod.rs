@@ -714,6 +714,22 @@ pub(crate) fn is_allocator_path(name: &str) -> bool {
         || last.starts_with("__rg_")
 }
 
+/// Whether the mangled (legacy or v0) or plain symbol name `raw` may demangle to a name of the
+/// allocator path ([`is_allocator_path`]) or be a C allocation entry: a cheap test, so that
+/// only those few are demangled. ferroprof's paths are matched down to `ferroprof::alloc`:
+/// matching the crate alone demangled every symbol of the preload library, 2 ms of each start.
+fn may_be_allocator_path(raw: &str) -> bool {
+    is_c_allocation_entry(raw)
+        // `ferroprof::alloc::...`: `9ferroprof5alloc` in both manglings (`_ZN9ferroprof5alloc`,
+        // `...Cs<hash>_9ferroprof5alloc`), `ferroprof..alloc..` inside a legacy `<...>` path.
+        || raw.contains("9ferroprof5alloc")
+        || raw.contains("ferroprof..alloc..")
+        || raw.contains("10current_sp")
+        || raw.contains("__r")
+        || raw.contains("5alloc5alloc")
+        || raw.contains("alloc..alloc")
+}
+
 /// The C allocation API's entry points (see [`allocator_ranges`]).
 fn is_c_allocation_entry(name: &str) -> bool {
     matches!(
@@ -784,13 +800,7 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
                 continue;
             }
             let Ok(raw) = sym.name() else { continue };
-            // Cheap test on the mangled name before demangling (legacy and v0 manglings).
-            let maybe = is_c_allocation_entry(raw)
-                || raw.contains("ferroprof")
-                || raw.contains("__r")
-                || raw.contains("5alloc5alloc")
-                || raw.contains("alloc..alloc");
-            if !maybe {
+            if !may_be_allocator_path(raw) {
                 continue;
             }
             let name = match rustc_demangle::try_demangle(raw) {
@@ -932,6 +942,42 @@ mod tests {
         let found = allocator_ranges();
         assert!(!found.is_empty());
         assert!(found.windows(2).all(|w| w[0].1 < w[1].0 && w[0].0 < w[0].1));
+    }
+
+    /// The cheap test on mangled names lets through every symbol of this binary (which holds
+    /// ferroprof's allocator, in legacy mangling) that the full test on its demangled name
+    /// takes, and in v0 mangling too; and it keeps most symbols away from demangling.
+    #[test]
+    fn the_mangled_name_test_misses_no_allocator_path_symbol() {
+        use object::{Object, ObjectSymbol};
+        let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        let elf = object::File::parse(&*exe).unwrap();
+        let (mut all, mut passed, mut taken) = (0, 0, 0);
+        for sym in elf.symbols() {
+            let Ok(raw) = sym.name() else { continue };
+            let Ok(d) = rustc_demangle::try_demangle(raw) else {
+                continue;
+            };
+            all += 1;
+            let name = format!("{d:#}");
+            passed += usize::from(may_be_allocator_path(raw));
+            if is_allocator_path(&name) {
+                taken += 1;
+                assert!(may_be_allocator_path(raw), "{raw} ({name})");
+            }
+        }
+        assert!(taken > 0, "no allocator-path symbol in {all}");
+        assert!(passed * 10 < all, "{passed} of {all} symbols passed");
+        for v0 in [
+            "_RNvNtCs1234_9ferroprof5alloc13on_alloc_slow",
+            "_RNvXs_NtCs1234_9ferroprof5allocINtB4_17SamplingAllocatorpENtNtNtCs5678_4core5alloc6global11GlobalAlloc5alloc",
+            "_RNvNtCs1234_9ferroprof6unwind10current_sp",
+            "_RNvCs1234_7___rustc12___rust_alloc",
+        ] {
+            let name = format!("{:#}", rustc_demangle::demangle(v0));
+            assert!(is_allocator_path(&name), "{name}");
+            assert!(may_be_allocator_path(v0), "{v0}");
+        }
     }
 
     #[test]
