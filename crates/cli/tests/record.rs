@@ -659,6 +659,51 @@ fn a_program_without_malloc_gets_cpu_and_a_no_allocations_note() {
     assert!(through(&load(&files[0].1), "cpu-time", "fixture_burn") > 0);
 }
 
+/// glibc's `pthread_getattr_np` allocates while it holds the calling thread's lock; with every
+/// allocation sampled, a new thread's first sample lands in there, and the sample's query of
+/// the thread's stack bounds (through `pthread_getattr_np`) waited for that lock for ever. The
+/// program must finish, its threads' allocations outside that call still sampled.
+#[test]
+fn a_sample_inside_pthread_getattr_np_does_not_deadlock_the_thread() {
+    let dir = work_dir("getattr");
+    let mut child = Command::new(BIN)
+        .env("FERROPROF_PRELOAD", preload())
+        .args([
+            "record",
+            "--alloc-interval",
+            "1",
+            "--profiles",
+            "alloc",
+            "-o",
+        ])
+        .arg(&dir)
+        .arg("--")
+        .arg(fixture(false))
+        .arg("getattr")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run ferroprof record");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().expect("wait for record").is_none() {
+        if std::time::Instant::now() > deadline {
+            // The program is record's child: a kill of the group would take the test with it.
+            let _ = Command::new("pkill")
+                .args(["-KILL", "-f", "record_fixture getattr"])
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the program hung in pthread_getattr_np (60 s)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("record's output");
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("getattr ok"), "{stdout}");
+    assert_eq!(profiles(&dir).len(), 1, "{stdout}");
+}
+
 fn refused(out: &Output) -> String {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
     text(&out.stderr)

@@ -150,6 +150,49 @@ pub unsafe extern "C" fn pvalloc(size: size_t) -> *mut c_void {
     p
 }
 
+/// glibc's `pthread_getattr_np`, found once (0: not yet).
+static GETATTR: AtomicUsize = AtomicUsize::new(0);
+
+/// glibc's `pthread_getattr_np` allocates (its CPU-affinity buffer, and for the main thread
+/// stdio's) while it holds the thread's own lock. The first allocation sample of a thread
+/// asks for the thread's stack bounds, through `pthread_getattr_np`: taken in there, it waited
+/// for that lock for ever (ripgrep hung so: Rust's thread start calls it). Its allocations are
+/// therefore never sampled.
+///
+/// # Safety
+/// The C `pthread_getattr_np` contract.
+#[no_mangle]
+pub unsafe extern "C" fn pthread_getattr_np(
+    thread: libc::pthread_t,
+    attr: *mut libc::pthread_attr_t,
+) -> c_int {
+    let mut f = GETATTR.load(Ordering::Acquire);
+    if f == 0 {
+        // Called before the constructor (from another library's): looked up now.
+        f = find_getattr();
+        if f == 0 {
+            return libc::ENOSYS;
+        }
+    }
+    // SAFETY: `f` is glibc's pthread_getattr_np, of this signature.
+    let real: unsafe extern "C" fn(libc::pthread_t, *mut libc::pthread_attr_t) -> c_int =
+        unsafe { std::mem::transmute(f) };
+    // SAFETY: forwarded contract.
+    ferroprof::__unsampled(|| unsafe { real(thread, attr) })
+}
+
+/// Looks up glibc's `pthread_getattr_np`. From the constructor, like the `exec` functions:
+/// `dlsym` may allocate and takes the loader's lock, which a forked child must not.
+pub(crate) fn find_getattr() -> usize {
+    // SAFETY: a symbol lookup with a NUL-terminated name (its allocations go through the
+    // hooks, unsampled here).
+    let f = ferroprof::__unsampled(|| unsafe {
+        libc::dlsym(libc::RTLD_NEXT, c"pthread_getattr_np".as_ptr())
+    }) as usize;
+    GETATTR.store(f, Ordering::Release);
+    f
+}
+
 /// glibc's `malloc_usable_size`, found once (0: not yet).
 static USABLE_SIZE: AtomicUsize = AtomicUsize::new(0);
 

@@ -98,5 +98,5 @@ pub use profiler::{
 pub use settings::Profiles;
 pub use symbolize::ProcessSymbolizer;
 #[doc(hidden)]
-pub use tls::{__late_own_thread, __spawn_own_thread};
+pub use tls::{__late_own_thread, __spawn_own_thread, __unsampled};
 pub use unwind::MAX_FRAMES;

@@ -74,6 +74,12 @@ pub(crate) fn with_guard<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// For an interposed C allocator, not API: runs `f` with this thread's allocations unsampled.
+#[doc(hidden)]
+pub fn __unsampled<R>(f: impl FnOnce() -> R) -> R {
+    with_guard(f)
+}
+
 /// Runs `f` (a call into the recorder) with the free path told not to re-enter the recorder.
 pub(crate) fn in_recorder<R>(f: impl FnOnce() -> R) -> R {
     struct Reset(bool);
