@@ -19,7 +19,7 @@
 //! executable segment, file, build id, and what its frames could be given.
 //!
 //! Memory: no per-unit tables are built. The mapped files live for one *pass* (one
-//! serialization) and their pages are handed back after each unit; the little a pass allocates
+//! serialization) and their pages are handed back every few units walked; the little a pass allocates
 //! lives in the profiler's private arena (see `crate::alloc::arena`), released at its end. What stays
 //! is a per-address cache of resolved frames, bounded in entries and aged (CACHE_PASSES),
 //! emptied when an object was unloaded (another may take its addresses), and each object's unit
