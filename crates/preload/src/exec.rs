@@ -64,9 +64,7 @@ const LD_PRELOAD: &[u8] = b"LD_PRELOAD=";
 /// At load, before the profiler starts (may allocate).
 pub(crate) fn init() {
     for (slot, name) in REAL.iter().zip(NAMES) {
-        // SAFETY: a symbol lookup with a NUL-terminated name.
-        let f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
-        slot.store(f as usize, Ordering::Release);
+        crate::hooks::next_symbol(slot, name);
     }
     // SAFETY: getpid has no preconditions; the handler is a plain extern "C" fn.
     unsafe {

@@ -169,7 +169,7 @@ pub unsafe extern "C" fn pthread_getattr_np(
     let mut f = GETATTR.load(Ordering::Acquire);
     if f == 0 {
         // Called before the constructor (from another library's): looked up now.
-        f = find_getattr();
+        f = next_symbol(&GETATTR, c"pthread_getattr_np");
         if f == 0 {
             return libc::ENOSYS;
         }
@@ -181,15 +181,18 @@ pub unsafe extern "C" fn pthread_getattr_np(
     ferroprof::__unsampled(|| unsafe { real(thread, attr) })
 }
 
-/// Looks up glibc's `pthread_getattr_np`. From the constructor, like the `exec` functions:
-/// `dlsym` may allocate and takes the loader's lock, which a forked child must not.
-pub(crate) fn find_getattr() -> usize {
-    // SAFETY: a symbol lookup with a NUL-terminated name (its allocations go through the
-    // hooks, unsampled here).
-    let f = ferroprof::__unsampled(|| unsafe {
-        libc::dlsym(libc::RTLD_NEXT, c"pthread_getattr_np".as_ptr())
-    }) as usize;
-    GETATTR.store(f, Ordering::Release);
+/// Looks up the interposed functions glibc defines (`dlsym` may allocate and takes the
+/// loader's lock, which a forked child must not: done from the constructor).
+pub(crate) fn init() {
+    next_symbol(&GETATTR, c"pthread_getattr_np");
+}
+
+/// Looks up the next definition of `name` (glibc's, under the one here) and keeps it in
+/// `slot`; 0 when there is none.
+pub(crate) fn next_symbol(slot: &AtomicUsize, name: &std::ffi::CStr) -> usize {
+    // SAFETY: a symbol lookup with a NUL-terminated name.
+    let f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+    slot.store(f, Ordering::Release);
     f
 }
 
@@ -205,12 +208,10 @@ pub unsafe extern "C" fn malloc_usable_size(p: *mut c_void) -> size_t {
     // never through this function).
     let mut f = USABLE_SIZE.load(Ordering::Acquire);
     if f == 0 {
-        // SAFETY: a symbol lookup with a NUL-terminated name.
-        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"malloc_usable_size".as_ptr()) } as usize;
+        f = next_symbol(&USABLE_SIZE, c"malloc_usable_size");
         if f == 0 {
             return 0;
         }
-        USABLE_SIZE.store(f, Ordering::Release);
     }
     // SAFETY: `f` is glibc's malloc_usable_size, of this signature.
     let real: unsafe extern "C" fn(*mut c_void) -> size_t = unsafe { std::mem::transmute(f) };

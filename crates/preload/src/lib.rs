@@ -42,7 +42,7 @@ static AT_EXIT_SET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 static INIT: extern "C" fn() = init;
 
 extern "C" fn init() {
-    hooks::find_getattr();
+    hooks::init();
     // A panic must not unwind into the loader (nor abort the program): profiling just stays off.
     if std::panic::catch_unwind(exec::init).is_err() {
         eprintln!("ferroprof: internal error while starting; exec'd programs may run unprofiled");

@@ -19,11 +19,11 @@
 //! executable segment, file, build id, and what its frames could be given.
 //!
 //! Memory: no per-unit tables are built. The mapped files live for one *pass* (one
-//! serialization) and their pages are handed back every few units walked; the little a pass allocates
-//! lives in the profiler's private arena (see `crate::alloc::arena`), released at its end. What stays
-//! is a per-address cache of resolved frames, bounded in entries and aged (CACHE_PASSES),
-//! emptied when an object was unloaded (another may take its addresses), and each object's unit
-//! index.
+//! serialization) and their pages are handed back every few units walked; the little a pass
+//! allocates lives in the profiler's private arena (see `crate::alloc::arena`), released at its
+//! end. What stays is a per-address cache of resolved frames, bounded in entries and aged
+//! (CACHE_PASSES), emptied when an object was unloaded (another may take its addresses), and each
+//! object's unit index.
 
 pub(crate) mod dwarf_walk;
 
@@ -159,7 +159,7 @@ const MAX_SYMBOLIZE_THREADS: usize = 4;
 
 /// Bytes of unit entries a pass walks before it hands the mapped files' pages back. Each
 /// `madvise` scans the whole mapping and the next unit faults the shared sections (names,
-/// abbreviations) in again: after every unit that was a tenth of a pass over ripgrep. The
+/// abbreviations) in again: after every unit, that was about a sixth of ripgrep's walk. The
 /// resident pages this leaves are those few units' entries, line programs and strings.
 const FORGET_AFTER_BYTES: usize = 2 << 20;
 
