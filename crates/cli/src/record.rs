@@ -51,6 +51,12 @@ pub struct RecordArgs {
     /// last one at exit) [default: 60].
     #[arg(long, value_name = "SECONDS")]
     pub period: Option<f64>,
+    /// Where inflated debug sections (compressed separate debug files, such as libc's) are
+    /// kept for the next run to map instead of inflating again, or `off` [default:
+    /// $FERROPROF_DEBUG_CACHE, else $XDG_CACHE_HOME/ferroprof/debug, else
+    /// ~/.cache/ferroprof/debug].
+    #[arg(long, value_name = "DIR|off")]
+    pub debug_cache: Option<OsString>,
     /// Functions shown per profile type.
     #[arg(short = 'n', default_value_t = 8)]
     pub n: usize,
@@ -123,6 +129,9 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     }
     if let Some(p) = args.period {
         command.env("FERROPROF_PERIOD_SECS", p.to_string());
+    }
+    if let Some(d) = debug_cache(args.debug_cache.as_deref())? {
+        command.env("FERROPROF_DEBUG_CACHE", d);
     }
     // Sample counts for the progress line, written by each profiled process (see the preload
     // library's `progress`); only for a terminal.
@@ -476,6 +485,30 @@ fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> usize {
         }
     }
     n
+}
+
+/// The debug cache directory to give the program: `--debug-cache` (made absolute), else
+/// `None` to leave `$FERROPROF_DEBUG_CACHE` as it is when set, else the user's cache directory
+/// (`off` when there is none).
+fn debug_cache(given: Option<&std::ffi::OsStr>) -> anyhow::Result<Option<OsString>> {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    let dir = match given {
+        Some(g) if g == "off" => return Ok(Some(OsString::from("off"))),
+        Some(g) => std::path::absolute(g)
+            .map_err(|e| CliError(format!("--debug-cache {}: {e}", g.to_string_lossy())))?,
+        None if env("FERROPROF_DEBUG_CACHE").is_some() => return Ok(None),
+        None => {
+            let xdg = env("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .filter(|p| p.is_absolute());
+            let home = env("HOME").map(|h| PathBuf::from(h).join(".cache"));
+            match xdg.or(home) {
+                Some(base) => base.join("ferroprof").join("debug"),
+                None => return Ok(Some(OsString::from("off"))),
+            }
+        }
+    };
+    Ok(Some(dir.into_os_string()))
 }
 
 /// The preload library: `$FERROPROF_PRELOAD`, else next to the `ferroprof` binary, else in

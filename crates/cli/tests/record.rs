@@ -784,3 +784,106 @@ fn a_library_loaded_too_late_for_static_tls_does_not_start() {
     );
     assert!(profiles(&dir).is_empty(), "no profiler ran");
 }
+
+/// A program whose own debug info is zlib-compressed (as a distribution's debug files are) and
+/// large enough to be cached: the first `record` inflates its units and leaves the prefix in
+/// the debug cache; the second maps it (the file is not written again) and names the same
+/// frames with their files and lines.
+#[test]
+fn compressed_debug_info_is_inflated_once_then_read_from_the_debug_cache() {
+    let dir = work_dir("debug-cache");
+    // 3,000 functions with a struct each: about 360 kB of `.debug_info`.
+    let mut src = String::from("#include <time.h>\n");
+    let n = 3000;
+    for i in 0..n {
+        src.push_str(&format!(
+            "__attribute__((noinline)) long f{i}(long x) {{ struct s{i} {{ long a, b, c, d; }} \
+             s = {{ x, x + {i}, x ^ {i}, x * 3 }}; return s.a + s.b * s.c - s.d; }}\n"
+        ));
+    }
+    src.push_str("static long (*const table[])(long) = {\n");
+    for i in 0..n {
+        src.push_str(&format!("f{i},\n"));
+    }
+    src.push_str(&format!(
+        "}};\n__attribute__((noinline)) long spin(void) {{ long s = 0; struct timespec a, b;\n\
+         clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);\n\
+         do {{ for (int i = 0; i < {n}; i++) s += table[i](s);\n\
+         clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b); }}\n\
+         while ((b.tv_sec - a.tv_sec) * 1000000000L + (b.tv_nsec - a.tv_nsec) < 400000000L);\n\
+         return s; }}\nint main(void) {{ return spin() == 42; }}\n",
+    ));
+    let c = dir.join("many.c");
+    std::fs::write(&c, src).unwrap();
+    let exe = dir.join("many");
+    let o = Command::new("gcc")
+        .args(["-O1", "-g", "-gz=zlib", "-fno-omit-frame-pointer", "-o"])
+        .arg(&exe)
+        .arg(&c)
+        .output()
+        .expect("gcc runs");
+    assert!(o.status.success(), "gcc: {}", text(&o.stderr));
+    let cache = dir.join("cache");
+    let run = |out: &str| {
+        let out = dir.join(out);
+        let o = record(
+            &[
+                "--profiles",
+                "cpu",
+                "--debug-cache",
+                cache.to_str().unwrap(),
+                "-o",
+                out.to_str().unwrap(),
+            ],
+            &exe,
+            &[],
+        );
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let (_, file) = profiles(&out).pop().expect("a profile");
+        load(&file)
+    };
+    // `spin`'s frame with its file, as only DWARF gives it.
+    let spin_from_dwarf = |p: &ferroprof_pprof::Profile| {
+        p.function.iter().any(|f| {
+            p.string_table[f.name as usize] == "spin"
+                && p.string_table[f.filename as usize].ends_with("many.c")
+        })
+    };
+    let cached = || -> Vec<(String, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let mut v: Vec<(String, u64)> = std::fs::read_dir(&cache)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        (name, e.metadata().unwrap().ino())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    assert!(cached().is_empty());
+    let first = run("p1");
+    assert!(
+        spin_from_dwarf(&first),
+        "the first run names spin from DWARF"
+    );
+    let files = cached();
+    assert!(
+        files.iter().any(|(name, _)| name.ends_with(".debug_info")),
+        "the inflated prefix is cached: {files:?}"
+    );
+    let second = run("p2");
+    assert!(
+        spin_from_dwarf(&second),
+        "the second run names spin from DWARF"
+    );
+    assert_eq!(
+        cached(),
+        files,
+        "the second run wrote nothing: it read the cache"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -85,6 +85,12 @@ pub enum ProfilerError {
         #[source]
         source: std::io::Error,
     },
+    /// The debug cache directory is a relative path (the program may change its directory).
+    #[error("debug cache directory {path} is not an absolute path")]
+    DebugCacheDir {
+        /// The directory given.
+        path: PathBuf,
+    },
     /// A profiler already runs in this process (one at a time).
     #[error("a profiler is already running in this process; stop it before starting another")]
     AlreadyRunning,

@@ -1,6 +1,6 @@
 //! The profiler's front door: the builder, the guard, the export loop and the on-demand source.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime};
@@ -71,6 +71,7 @@ pub struct ProfilerBuilder {
     keep_files: usize,
     keep_bytes: u64,
     flush_on_termination: bool,
+    debug_cache: Option<PathBuf>,
     deferred: Option<ProfilerError>,
 }
 
@@ -93,6 +94,7 @@ impl Default for ProfilerBuilder {
             keep_files: crate::export::dir::DEFAULT_KEEP_FILES,
             keep_bytes: crate::export::dir::DEFAULT_KEEP_BYTES,
             flush_on_termination: false,
+            debug_cache: None,
             deferred: None,
         }
     }
@@ -158,6 +160,17 @@ impl ProfilerBuilder {
     /// exporter is configured).
     pub fn output_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.output_dir = Some(dir.into());
+        self
+    }
+
+    /// Keeps the compressed debug sections symbolization inflates (a distribution's separate
+    /// debug files, libc's among them) in `dir`, by build id, for the next pass or process to
+    /// map instead of inflating again; `None` (the default) keeps nothing. The directory is
+    /// created private to the user, and not used if others may write to it; its files are kept
+    /// under 256 MiB, the oldest removed first. `ferroprof record` uses
+    /// `~/.cache/ferroprof/debug`. A relative path is an error at `start()`.
+    pub fn debug_cache(mut self, dir: Option<PathBuf>) -> Self {
+        self.debug_cache = dir;
         self
     }
 
@@ -231,7 +244,8 @@ impl ProfilerBuilder {
     /// (`k:v,k:v`), `FERROPROF_PERIOD_SECS`, `FERROPROF_CPU_HZ`, `FERROPROF_ALLOC_INTERVAL`
     /// (bytes), `FERROPROF_OUTPUT_DIR`, `FERROPROF_KEEP_FILES` and `FERROPROF_KEEP_MB` (the
     /// directory's retention, see [`Self::keep_profiles`]), `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`),
-    /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap), `FERROPROF_FLUSH_ON_SIGTERM` (`1`: see
+    /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap), `FERROPROF_DEBUG_CACHE` (an absolute
+    /// directory, or `off`: see [`Self::debug_cache`]), `FERROPROF_FLUSH_ON_SIGTERM` (`1`: see
     /// [`Self::flush_on_termination`]) and `FERROPROF_SIGNAL` (signal number). Set variables
     /// override what the builder was given before (`FERROPROF_ENV`, `FERROPROF_VERSION` and
     /// `FERROPROF_TAGS` add tags); unset ones keep it. A bad value is reported by `start()`
@@ -344,6 +358,19 @@ impl ProfilerBuilder {
                 }
             }
         }
+        if let Some(v) = get("FERROPROF_DEBUG_CACHE") {
+            match v.trim() {
+                "" | "off" => self.debug_cache = None,
+                d if Path::new(d).is_absolute() => self.debug_cache = Some(PathBuf::from(d)),
+                _ => {
+                    err.get_or_insert(bad(
+                        "FERROPROF_DEBUG_CACHE",
+                        &v,
+                        "expected an absolute directory, or off",
+                    ));
+                }
+            }
+        }
         if let Some(v) = get("FERROPROF_KEEP_FILES") {
             match v.trim().parse::<usize>() {
                 Ok(n) => self.keep_files = n,
@@ -448,6 +475,9 @@ impl ProfilerBuilder {
                 source,
             })?;
         }
+        if let Some(d) = self.debug_cache.as_ref().filter(|d| !d.is_absolute()) {
+            return Err(ProfilerError::DebugCacheDir { path: d.clone() });
+        }
         Ok(Settings {
             service,
             tags: self.tags.clone(),
@@ -463,6 +493,7 @@ impl ProfilerBuilder {
             keep_files: self.keep_files,
             keep_bytes: self.keep_bytes,
             max_profile_bytes: (self.max_profile_bytes > 0).then_some(self.max_profile_bytes),
+            debug_cache: self.debug_cache.as_deref().map(Arc::from),
         })
     }
 

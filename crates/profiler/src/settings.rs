@@ -109,4 +109,6 @@ pub(crate) struct Settings {
     pub keep_bytes: u64,
     /// Cap on each in-flight profile's tables; `None`: no cap.
     pub max_profile_bytes: Option<u64>,
+    /// Where symbolization keeps inflated debug sections (see `symbolize::disk_cache`).
+    pub debug_cache: Option<std::sync::Arc<std::path::Path>>,
 }

@@ -158,6 +158,7 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn new(recorder: Arc<StackRecorder>, settings: Settings, exporters: Outbox) -> Shared {
         let alloc_totals = AllocTotals::new(settings.max_profile_bytes);
+        let symbolizer = ProcessSymbolizer::new().with_debug_cache(settings.debug_cache.clone());
         Shared {
             recorder,
             settings,
@@ -165,7 +166,7 @@ impl Shared {
             process_start: process_start_time(),
             taps: Mutex::new(Vec::new()),
             tap_count: AtomicUsize::new(0),
-            symbolizer: Mutex::new(ProcessSymbolizer::new()),
+            symbolizer: Mutex::new(symbolizer),
             alloc_totals,
             exporters: Mutex::new(exporters),
             serialize_lock: Mutex::new(()),
@@ -278,7 +279,9 @@ impl Shared {
             if self.symbolizer.is_locked() {
                 reset_in_child(&self.symbolizer);
                 std::mem::forget(std::ptr::read(self.symbolizer.data_ptr()));
-                std::ptr::write(self.symbolizer.data_ptr(), ProcessSymbolizer::new());
+                let fresh =
+                    ProcessSymbolizer::new().with_debug_cache(self.settings.debug_cache.clone());
+                std::ptr::write(self.symbolizer.data_ptr(), fresh);
             }
             reset_in_child(&self.serialize_lock);
             // Mid-export in the parent: the exporters' own state is theirs to keep sane.

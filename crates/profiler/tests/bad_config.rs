@@ -86,6 +86,29 @@ fn vars(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Opti
 }
 
 #[test]
+fn a_relative_debug_cache_directory_is_an_error_at_start() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let b = || Profiler::builder().exporter(Box::new(Collect::default()));
+    let e = start_err(
+        b().from_vars(vars(&[("FERROPROF_DEBUG_CACHE", "cache/debug")])),
+        "FERROPROF_DEBUG_CACHE",
+    );
+    assert!(e.to_string().contains("cache/debug"), "{e}");
+    assert!(matches!(e, ProfilerError::Env { .. }), "{e:?}");
+    let e = start_err(b().debug_cache(Some(PathBuf::from("rel/dir"))), "rel/dir");
+    assert!(matches!(e, ProfilerError::DebugCacheDir { .. }), "{e:?}");
+    // `off` and an absolute directory start.
+    for value in ["off", "/nonexistent/ferroprof-debug-cache"] {
+        let get = move |k: &str| (k == "FERROPROF_DEBUG_CACHE").then(|| value.to_owned());
+        b().from_vars(get)
+            .start()
+            .unwrap_or_else(|e| panic!("{value}: {e}"))
+            .stop()
+            .unwrap();
+    }
+}
+
+#[test]
 fn zero_and_negative_rates_are_errors_at_start() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let c = || Box::new(Collect::default());

@@ -25,6 +25,7 @@
 //! (CACHE_PASSES), emptied when an object was unloaded (another may take its addresses), and each
 //! object's unit index.
 
+pub(crate) mod disk_cache;
 pub(crate) mod dwarf_walk;
 
 use std::borrow::Cow;
@@ -69,6 +70,8 @@ pub struct ProcessSymbolizer {
     indexes: HashMap<(u64, String), Option<UnitIndex>>,
     /// The loaded objects' code as pprof mappings, kept across passes.
     mappings: Mappings,
+    /// Where inflated debug sections are kept for later processes (see `disk_cache`).
+    debug_cache: Option<Arc<Path>>,
 }
 
 /// One pprof mapping per executable segment of each loaded object, kept across passes and read
@@ -162,6 +165,9 @@ const MAX_SYMBOLIZE_THREADS: usize = 4;
 /// abbreviations) in again: after every unit, that was about a sixth of ripgrep's walk. The
 /// resident pages this leaves are those few units' entries, line programs and strings.
 const FORGET_AFTER_BYTES: usize = 2 << 20;
+
+/// Unit bytes below which one object's units are walked on one thread.
+const PARALLEL_WALK_BYTES: usize = 256 << 10;
 
 /// Alignment of the mappings: the smallest page size, so start and file offset stay congruent
 /// whatever the system's.
@@ -263,7 +269,15 @@ impl ProcessSymbolizer {
             indexes: HashMap::new(),
             kept_bytes: 0,
             mappings: Mappings::default(),
+            debug_cache: None,
         }
+    }
+
+    /// Keeps the compressed debug sections it inflates in `dir` (by build id) and maps them
+    /// from there when a later pass or process needs them again (see `disk_cache`).
+    pub(crate) fn with_debug_cache(mut self, dir: Option<Arc<Path>>) -> Self {
+        self.debug_cache = dir;
+        self
     }
 
     /// Runs `f` as one pass: debug info loaded during it is released when it returns.
@@ -439,11 +453,13 @@ impl ProcessSymbolizer {
             jobs.push((od, ks, probes));
         }
         let indexes = &self.indexes;
+        let cache = self.debug_cache.as_ref();
         // In parallel when the arena is off (the preload library, which symbolizes at exit with
         // the program's threads done): arena memory has one owner at a time.
         let parallel = !crate::alloc::arena::enabled();
+        let threads = if parallel { symbolize_threads() } else { 1 };
         let answers = resolve_objects(jobs, parallel, |od, probes| {
-            resolve_object(od, probes, |key| indexes.get(key))
+            resolve_object(od, probes, threads, cache, |key| indexes.get(key))
         });
         for (od_key, ks, answer) in answers {
             let ObjectAnswer {
@@ -505,11 +521,15 @@ type JobDone = ((u64, String, String), Vec<usize>, ObjectAnswer);
 fn resolve_object<'k>(
     od: &mut ObjectDebug,
     probes: &[u64],
+    threads: usize,
+    cache: Option<&Arc<Path>>,
     kept: impl Fn(&IndexKey) -> Option<&'k Option<UnitIndex>>,
 ) -> ObjectAnswer {
-    let debug = od
-        .debug
-        .get_or_insert_with(|| DebugInfo::load(&od.obj).ok());
+    let debug = od.debug.get_or_insert_with(|| {
+        let mut d = DebugInfo::load(&od.obj).ok()?;
+        d.cache_dir = cache.cloned();
+        Some(d)
+    });
     let mut frames = Vec::new();
     let mut built = None;
     let mut has_index = false;
@@ -523,7 +543,7 @@ fn resolve_object<'k>(
             None => kept.and_then(Option::as_ref),
         };
         has_index = index.is_some();
-        frames = d.resolve_all(probes, index);
+        frames = d.resolve_all_on(probes, index, threads);
     }
     frames.resize_with(probes.len(), Vec::new);
     for (f, &probe) in frames.iter_mut().zip(probes) {
@@ -574,10 +594,7 @@ fn resolve_objects(
         let (base, file) = index_key(&od.obj);
         (base, file, od.obj.name.clone())
     };
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(MAX_SYMBOLIZE_THREADS)
-        .min(jobs.len());
+    let workers = symbolize_threads().min(jobs.len());
     if workers <= 1 || !parallel {
         return jobs
             .into_iter()
@@ -595,7 +612,7 @@ fn resolve_objects(
         .map(|j| std::sync::Mutex::new(Some(j)))
         .collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let work = || {
+    on_threads(workers - 1, "sym-", || {
         let mut done = Vec::new();
         loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -608,14 +625,31 @@ fn resolve_objects(
                 done.push((key(od), ks, answer));
             }
         }
-    };
+    })
+}
+
+/// Threads a pass may resolve on: one per CPU, at most `MAX_SYMBOLIZE_THREADS`.
+fn symbolize_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_SYMBOLIZE_THREADS)
+}
+
+/// Runs `work` on this thread and on up to `helpers` scoped threads of ferroprof's own (named
+/// `ferroprof-<name>N`), and returns what they all returned, in no particular order. A helper
+/// that cannot start leaves its share to the others.
+fn on_threads<T: Send>(helpers: usize, name: &str, work: impl Fn() -> Vec<T> + Sync) -> Vec<T> {
+    if helpers == 0 {
+        return work();
+    }
     std::thread::scope(|scope| {
-        let helpers: Vec<_> = (1..workers)
+        let work = &work;
+        let started: Vec<_> = (1..=helpers)
             .filter_map(|n| {
                 crate::tls::with_guard(|| {
                     std::thread::Builder::new()
-                        .name(format!("ferroprof-sym-{n}"))
-                        .spawn_scoped(scope, || {
+                        .name(format!("ferroprof-{name}{n}"))
+                        .spawn_scoped(scope, move || {
                             crate::tls::enter_profiler_thread();
                             work()
                         })
@@ -623,9 +657,8 @@ fn resolve_objects(
                 })
             })
             .collect();
-        // This thread works too (alone, if no helper could start).
         let mut all = work();
-        for h in helpers {
+        for h in started {
             match h.join() {
                 Ok(done) => all.extend(done),
                 Err(panic) => std::panic::resume_unwind(panic),
@@ -708,6 +741,10 @@ struct DebugInfo {
     /// The units `lazy` sections were last inflated for (`Some(None)`: all of them).
     inflated_for: Option<Option<Vec<usize>>>,
     endian: gimli::RunTimeEndian,
+    /// Hex build id of the file holding the DWARF, and where its inflated sections are cached
+    /// (see `disk_cache`; no cache without either).
+    build_id: Option<String>,
+    cache_dir: Option<Arc<Path>>,
     /// Function symbols (address, name), sorted by address; read when a frame first needs
     /// one.
     /// (address, size, name); see `symbols`.
@@ -860,6 +897,11 @@ impl DebugInfo {
             }
         }
         let src = dwarf_file.as_ref().unwrap_or(&elf);
+        let build_id = src
+            .build_id()
+            .ok()
+            .flatten()
+            .map(|id| id.iter().map(|b| format!("{b:02x}")).collect());
         let endian = if src.is_little_endian() {
             gimli::RunTimeEndian::Little
         } else {
@@ -910,6 +952,8 @@ impl DebugInfo {
             lazy,
             inflated_for: None,
             endian,
+            build_id,
+            cache_dir: None,
             symbols: None,
             _owned: owned,
             maps,
@@ -955,13 +999,19 @@ impl DebugInfo {
         }
         for k in 0..self.lazy.len() {
             let id = self.lazy[k].0;
-            self.inflate_lazy(id, |c, size| {
-                let wanted: Vec<(usize, usize)> = match index {
-                    None => vec![(0, size)],
-                    Some(index) => index.parts(id, units, size),
-                };
-                inflate_parts(c.data, size, &wanted)
-            });
+            let Some(size) = self.lazy_size(id) else {
+                continue;
+            };
+            let wanted: Vec<(usize, usize)> = match index {
+                None => vec![(0, size)],
+                Some(index) => index.parts(id, units, size),
+            };
+            let end = wanted.iter().map(|w| w.1).max().unwrap_or(0).min(size);
+            self.inflate_lazy(
+                id,
+                |cached| end <= cached.len(),
+                |data, tee| inflate_parts(data, size, &wanted, tee),
+            );
         }
         self.inflated_for = Some(key);
     }
@@ -972,36 +1022,96 @@ impl DebugInfo {
     /// its header says.
     fn inflate_units(&mut self, units: &[usize]) {
         let little = matches!(self.endian, gimli::RunTimeEndian::Little);
-        if self.section(gimli::SectionId::DebugAbbrev).is_empty() {
-            self.inflate_lazy(gimli::SectionId::DebugAbbrev, |c, size| {
-                inflate_parts(c.data, size, &[(0, size)])
-            });
+        let abbrev = gimli::SectionId::DebugAbbrev;
+        if let (true, Some(size)) = (self.section(abbrev).is_empty(), self.lazy_size(abbrev)) {
+            self.inflate_lazy(
+                abbrev,
+                |cached| cached.len() == size,
+                |data, tee| inflate_parts(data, size, &[(0, size)], tee),
+            );
         }
-        self.inflate_lazy(gimli::SectionId::DebugInfo, |c, size| {
-            inflate_units_of(c.data, size, units, little)
-        });
+        self.inflate_units_lazy(gimli::SectionId::DebugInfo, units, little);
         if self.is_sparse(gimli::SectionId::DebugLine) {
             let programs = self.line_programs(units);
-            self.inflate_lazy(gimli::SectionId::DebugLine, |c, size| {
-                inflate_units_of(c.data, size, &programs, little)
-            });
+            self.inflate_units_lazy(gimli::SectionId::DebugLine, &programs, little);
         }
     }
 
-    /// Replaces compressed section `id`'s bytes with what `inflate` makes of them (nothing
-    /// when it is not compressed).
+    /// Inflates of lazy section `id` the units (or line programs) starting at `starts`.
+    fn inflate_units_lazy(&mut self, id: gimli::SectionId, starts: &[usize], little: bool) {
+        let Some(size) = self.lazy_size(id) else {
+            return;
+        };
+        // A cached prefix serves if it holds every one of them whole.
+        let holds = |cached: &[u8]| {
+            starts.iter().all(|&s| {
+                cached
+                    .get(s..)
+                    .and_then(|head| unit_extent(head, little))
+                    .is_some_and(|len| s.saturating_add(len) <= cached.len())
+            })
+        };
+        self.inflate_lazy(id, holds, |data, tee| {
+            inflate_units_of(data, size, starts, little, tee)
+        });
+    }
+
+    /// Inflated size of lazy section `id`.
+    fn lazy_size(&self, id: gimli::SectionId) -> Option<usize> {
+        let (_, c) = self.lazy.iter().find(|(s, _)| *s == id)?;
+        Some(usize::try_from(c.uncompressed_size).unwrap_or(usize::MAX))
+    }
+
+    /// Replaces compressed section `id`'s bytes with what `inflate` makes of its compressed
+    /// bytes (nothing when it is not compressed), or with the prefix of it the disk cache
+    /// holds when that `covers` what the pass needs. `inflate` hands every piece it inflates,
+    /// in order, to its second argument: they are written to the cache.
     fn inflate_lazy(
         &mut self,
         id: gimli::SectionId,
-        inflate: impl FnOnce(object::CompressedData<'static>, usize) -> Option<Box<[u8]>>,
+        covers: impl FnOnce(&[u8]) -> bool,
+        inflate: impl FnOnce(&[u8], &mut dyn FnMut(&[u8])) -> Option<Box<[u8]>>,
     ) {
         let Some(&(_, c)) = self.lazy.iter().find(|(s, _)| *s == id) else {
             return;
         };
-        let size = usize::try_from(c.uncompressed_size).unwrap_or(usize::MAX);
-        let Some(buf) = inflate(c, size) else {
+        let (dir, build_id) = (self.cache_dir.clone(), self.build_id.clone());
+        let key = match (&dir, &build_id) {
+            // A section too small to be worth a file is not looked for.
+            _ if c.uncompressed_size < disk_cache::MIN_PREFIX as u64 => None,
+            (Some(dir), Some(build_id)) => Some(disk_cache::Key {
+                dir,
+                build_id,
+                section: id.name(),
+                compressed_len: c.data.len() as u64,
+                size: c.uncompressed_size,
+            }),
+            _ => None,
+        };
+        if let Some(map) = key.and_then(disk_cache::open) {
+            if covers(&map[disk_cache::HEADER..]) {
+                // SAFETY: the mapping is kept in `maps`, dropped after every borrower; its
+                // bytes do not move when the Mmap value moves.
+                let data = unsafe { extend(&map[disk_cache::HEADER..]) };
+                self.maps.push(map);
+                if let Some(e) = self.sections.iter_mut().find(|(s, _)| *s == id) {
+                    e.1 = data;
+                }
+                return;
+            }
+        }
+        let mut writer = key.and_then(disk_cache::Writer::create);
+        let buf = inflate(c.data, &mut |piece| {
+            if let Some(w) = &mut writer {
+                w.write(piece);
+            }
+        });
+        let Some(buf) = buf else {
             return;
         };
+        if let Some(w) = writer {
+            w.finish();
+        }
         // SAFETY: the box is kept in `_owned` (dropped after every borrower) and its bytes do
         // not move when it is moved there.
         let data = unsafe { extend(&buf[..]) };
@@ -1232,13 +1342,24 @@ impl DebugInfo {
         })
     }
 
-    /// Frames of each of `probes` (sorted, distinct, relative to the object's base): its
-    /// unit's DWARF when there is some, walked once per unit for all its probes; else its
-    /// symbol. Empty for a probe nothing knows.
+    /// `resolve_all_on` on one thread.
+    #[cfg(test)]
     fn resolve_all(
         &mut self,
         probes: &[u64],
         index: Option<&UnitIndex>,
+    ) -> Vec<Vec<ResolvedFrame>> {
+        self.resolve_all_on(probes, index, 1)
+    }
+
+    /// The frames of each of `probes` (sorted, distinct, relative to the object's base): its
+    /// unit's DWARF when there is some, walked once per unit for all its probes (the units on
+    /// up to `threads` threads); else its symbol. Empty for a probe nothing knows.
+    fn resolve_all_on(
+        &mut self,
+        probes: &[u64],
+        index: Option<&UnitIndex>,
+        threads: usize,
     ) -> Vec<Vec<ResolvedFrame>> {
         let mut out: Vec<Vec<ResolvedFrame>> = (0..probes.len()).map(|_| Vec::new()).collect();
         if let (Some(index), false) = (index, self.sections.is_empty()) {
@@ -1252,34 +1373,12 @@ impl DebugInfo {
             let mut needed: Vec<usize> = by_unit.iter().map(|u| u.0).collect();
             needed.dedup();
             self.inflate(Some(index), &needed);
-            let dwarf = self.dwarf();
-            let unit_start = |o: usize| index.unit_at(o).map(|u| u.offset);
-            let mut others = dwarf_walk::OtherUnits::new(&dwarf, &unit_start);
-            let mut ps = Vec::new();
-            // Unit entries walked since the mapped pages were last handed back.
-            let mut read = 0usize;
-            for group in by_unit.chunk_by(|a, b| a.0 == b.0) {
-                let unit = dwarf
-                    .debug_info
-                    .header_from_offset(gimli::DebugInfoOffset(group[0].0))
-                    .and_then(|h| dwarf.unit(h));
-                let Ok(unit) = unit else {
-                    continue;
-                };
-                ps.clear();
-                ps.extend(group.iter().map(|&(_, k)| probes[k]));
-                let raw = dwarf_walk::resolve(&dwarf, &unit, &ps, &mut others);
-                for (&(_, k), frames) in group.iter().zip(raw) {
-                    out[k] = frames
-                        .into_iter()
-                        .map(|f| self.frame(probes[k], f))
-                        .collect();
-                }
-                read += unit.header.length_including_self();
-                if read >= FORGET_AFTER_BYTES {
-                    self.forget_pages();
-                    read = 0;
-                }
+            let groups: Vec<&[(usize, usize)]> = by_unit.chunk_by(|a, b| a.0 == b.0).collect();
+            for (k, frames) in self.walk_units(index, probes, &groups, threads) {
+                out[k] = frames
+                    .into_iter()
+                    .map(|f| self.frame(probes[k], f))
+                    .collect();
             }
             self.forget_pages();
         }
@@ -1295,6 +1394,68 @@ impl DebugInfo {
             }
         }
         out
+    }
+
+    /// Walks each unit of `groups` (the positions in `probes` of the probes of one unit, by
+    /// unit offset) once for its probes: the raw frames of each position. With more than one
+    /// thread, the units are taken largest first by the next free thread (ripgrep's few dozen
+    /// units at exit took 13 ms on one); the mapped pages are handed back after every
+    /// `FORGET_AFTER_BYTES` of units walked by any of them.
+    fn walk_units(
+        &self,
+        index: &UnitIndex,
+        probes: &[u64],
+        groups: &[&[(usize, usize)]],
+        threads: usize,
+    ) -> Vec<(usize, Vec<dwarf_walk::RawFrame>)> {
+        use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+        let mut order: Vec<usize> = (0..groups.len()).collect();
+        let mut helpers = threads.min(groups.len()).saturating_sub(1);
+        if helpers > 0 {
+            let dwarf = self.dwarf();
+            let size = |g: usize| {
+                dwarf
+                    .debug_info
+                    .header_from_offset(gimli::DebugInfoOffset(groups[g][0].0))
+                    .map_or(0, |h| h.length_including_self())
+            };
+            let sizes: Vec<usize> = order.iter().map(|&g| size(g)).collect();
+            // Too little to share: a thread costs more than it saves.
+            if sizes.iter().sum::<usize>() < PARALLEL_WALK_BYTES {
+                helpers = 0;
+            } else {
+                order.sort_by_key(|&g| std::cmp::Reverse(sizes[g]));
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let read = AtomicUsize::new(0);
+        on_threads(helpers, "symu", || {
+            let dwarf = self.dwarf();
+            let unit_start = |o: usize| index.unit_at(o).map(|u| u.offset);
+            let mut others = dwarf_walk::OtherUnits::new(&dwarf, &unit_start);
+            let mut ps = Vec::new();
+            let mut done = Vec::new();
+            while let Some(&g) = order.get(next.fetch_add(1, Relaxed)) {
+                let group = groups[g];
+                let unit = dwarf
+                    .debug_info
+                    .header_from_offset(gimli::DebugInfoOffset(group[0].0))
+                    .and_then(|h| dwarf.unit(h));
+                let Ok(unit) = unit else {
+                    continue;
+                };
+                ps.clear();
+                ps.extend(group.iter().map(|&(_, k)| probes[k]));
+                let raw = dwarf_walk::resolve(&dwarf, &unit, &ps, &mut others);
+                done.extend(group.iter().map(|&(_, k)| k).zip(raw));
+                let len = unit.header.length_including_self();
+                if read.fetch_add(len, Relaxed) + len >= FORGET_AFTER_BYTES {
+                    read.store(0, Relaxed);
+                    self.forget_pages();
+                }
+            }
+            done
+        })
     }
 
     /// A frame the walk found at `probe`.
@@ -1532,9 +1693,13 @@ fn demangle(raw: &str) -> String {
 }
 
 /// Inflates zlib `data` through a small window, handing each piece to `take(at, piece)` (`at`:
-/// where the piece starts in the inflated stream) while it returns true and the stream lasts.
-/// `None` on a corrupt stream.
-fn inflate_stream(data: &[u8], mut take: impl FnMut(usize, &[u8]) -> bool) -> Option<()> {
+/// where the piece starts in the inflated stream) while it returns true and the stream lasts,
+/// and first to `tee` (the disk cache's writer). `None` on a corrupt stream.
+fn inflate_stream(
+    data: &[u8],
+    tee: &mut dyn FnMut(&[u8]),
+    mut take: impl FnMut(usize, &[u8]) -> bool,
+) -> Option<()> {
     let mut window = vec![0u8; 64 * 1024];
     let mut z = flate2::Decompress::new(true);
     let mut at = 0usize;
@@ -1549,6 +1714,7 @@ fn inflate_stream(data: &[u8], mut take: impl FnMut(usize, &[u8]) -> bool) -> Op
             )
             .ok()?;
         let n = (z.total_out() - before) as usize;
+        tee(&window[..n]);
         let more = take(at, &window[..n]);
         at += n;
         if !more || status == flate2::Status::StreamEnd || n == 0 && z.total_in() as usize == read {
@@ -1560,13 +1726,18 @@ fn inflate_stream(data: &[u8], mut take: impl FnMut(usize, &[u8]) -> bool) -> Op
 /// Inflates zlib `data` (`size` bytes inflated) into a zeroed buffer, writing only the byte
 /// ranges `wanted` (sorted): the stream is inflated through a small window, so the memory
 /// touched is the window and the wanted parts.
-fn inflate_parts(data: &[u8], size: usize, wanted: &[(usize, usize)]) -> Option<Box<[u8]>> {
+fn inflate_parts(
+    data: &[u8],
+    size: usize,
+    wanted: &[(usize, usize)],
+    tee: &mut dyn FnMut(&[u8]),
+) -> Option<Box<[u8]>> {
     let mut buf = vec![0u8; size].into_boxed_slice();
     let end = wanted.iter().map(|w| w.1).max().unwrap_or(0).min(size);
     if end == 0 {
         return Some(buf);
     }
-    inflate_stream(data, |at, piece| {
+    inflate_stream(data, tee, |at, piece| {
         for &(from, to) in wanted {
             let (lo, hi) = (from.max(at), to.min(at + piece.len()).min(size));
             if lo < hi {
@@ -1582,7 +1753,13 @@ fn inflate_parts(data: &[u8], size: usize, wanted: &[(usize, usize)]) -> Option<
 /// units (or line programs) starting at `starts` (sorted, distinct), each as long as the
 /// initial length it starts with, read once its first bytes are out. The stream is inflated
 /// through a small window and only as far as the end of the last one.
-fn inflate_units_of(data: &[u8], size: usize, starts: &[usize], little: bool) -> Option<Box<[u8]>> {
+fn inflate_units_of(
+    data: &[u8],
+    size: usize,
+    starts: &[usize],
+    little: bool,
+    tee: &mut dyn FnMut(&[u8]),
+) -> Option<Box<[u8]>> {
     let mut buf = vec![0u8; size].into_boxed_slice();
     if starts.is_empty() {
         return Some(buf);
@@ -1590,7 +1767,7 @@ fn inflate_units_of(data: &[u8], size: usize, starts: &[usize], little: bool) ->
     // The next unit to copy, and its end once its header is out.
     let mut k = 0usize;
     let mut end: Option<usize> = None;
-    inflate_stream(data, |at, piece| {
+    inflate_stream(data, tee, |at, piece| {
         let top = (at + piece.len()).min(size);
         while let Some(&from) = starts.get(k).filter(|&&f| f < top) {
             // Until its length is known, a unit runs to the section's end.
@@ -1709,6 +1886,49 @@ mod tests {
     /// Objects resolved on parallel threads give what one thread gives, each object on one of
     /// ferroprof's threads, and the jobs back with their positions.
     #[test]
+    fn units_walked_on_several_threads_match_one_thread() {
+        let me = a_known_function();
+        let obj = loaded_objects()
+            .into_iter()
+            .find(|o| o.contains(me))
+            .expect("this binary is loaded");
+        let mut d = DebugInfo::load(&obj).expect("debug info");
+        let index = d.unit_index().expect("an index");
+        let mut probes: Vec<u64> = symbol_names(&d)
+            .iter()
+            .map(|s| s.0 + 1)
+            .step_by(5)
+            .collect();
+        probes.sort_unstable();
+        probes.dedup();
+        let mut units: Vec<usize> = probes
+            .iter()
+            .filter_map(|&p| Some(index.unit_of(p)?.offset))
+            .collect();
+        units.sort_unstable();
+        units.dedup();
+        let dwarf = d.dwarf();
+        let bytes: usize = units
+            .iter()
+            .filter_map(|&o| {
+                let h = dwarf
+                    .debug_info
+                    .header_from_offset(gimli::DebugInfoOffset(o));
+                Some(h.ok()?.length_including_self())
+            })
+            .sum();
+        assert!(
+            units.len() > 20 && bytes >= PARALLEL_WALK_BYTES,
+            "{} units, {bytes} bytes: enough to share",
+            units.len()
+        );
+        let one = d.resolve_all_on(&probes, Some(&index), 1);
+        let many = d.resolve_all_on(&probes, Some(&index), 3);
+        assert_eq!(one, many);
+        assert!(one.iter().filter(|f| f.len() > 1).count() > 0);
+    }
+
+    #[test]
     fn objects_resolved_in_parallel_match_one_thread() {
         let probes_of = |o: &LoadedObject| -> Vec<u64> {
             let Ok(d) = DebugInfo::load(o) else {
@@ -1751,7 +1971,7 @@ mod tests {
                 if me.name().is_some_and(|n| n.starts_with("ferroprof-sym")) {
                     assert!(crate::state::is_own_tid(crate::state::current_tid()));
                 }
-                resolve_object(od, probes, |_| None)
+                resolve_object(od, probes, 1, None, |_| None)
             });
             got.sort_by_key(|(_, ks, _)| ks[0]);
             let frames: Vec<Vec<Vec<ResolvedFrame>>> =
@@ -2028,6 +2248,76 @@ mod tests {
         assert!(n[1] > n[0] / 4 && n[2] > 0 && n[3] > 0, "{n:?}");
     }
 
+    /// Compressed sections read through the disk cache resolve as inflated ones: a first pass
+    /// writes the prefixes it inflated, a second maps them instead of inflating, a pass needing
+    /// units past them inflates again and writes the longer prefix; a garbled cache file is
+    /// read without a panic.
+    #[test]
+    fn a_disk_cached_prefix_resolves_as_inflating_does() {
+        let me = std::env::current_exe().expect("this test's path");
+        let (obj, copy) = compressed_copy(&me, "zcache");
+        let dir = std::env::temp_dir().join(format!("ferroprof-zcache-dir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache: Arc<Path> = Arc::from(dir.as_path());
+        let mut plain = DebugInfo::load(&obj).expect("debug info");
+        let index = plain.unit_index().expect("an index");
+        assert!(index.from_aranges);
+        let size = plain
+            .lazy_size(gimli::SectionId::DebugInfo)
+            .expect("compressed");
+        let mut probes: Vec<u64> = symbol_names(&plain).iter().map(|s| s.0).collect();
+        probes.sort_unstable();
+        probes.dedup();
+        let (early, late): (Vec<u64>, Vec<u64>) = probes
+            .iter()
+            .filter(|&&p| index.unit_of(p).is_some())
+            .step_by(7)
+            .partition(|&&p| index.unit_of(p).unwrap().offset < size / 2);
+        assert!(early.len() > 50 && late.len() > 50, "{early:?} {late:?}");
+        let all: Vec<u64> = early.iter().chain(&late).copied().collect();
+        let want_early = plain.resolve_all(&early, Some(&index));
+        let want_all = DebugInfo::load(&obj)
+            .unwrap()
+            .resolve_all(&all, Some(&index));
+        let cached = || {
+            let mut d = DebugInfo::load(&obj).unwrap();
+            d.cache_dir = Some(cache.clone());
+            d
+        };
+        let info = dir.join(format!(
+            "{}.debug_info",
+            plain.build_id.as_deref().expect("a build id")
+        ));
+        let files = plain.maps.len();
+
+        let mut cold = cached();
+        assert_eq!(cold.resolve_all(&early, Some(&index)), want_early);
+        assert_eq!(cold.maps.len(), files, "nothing to map yet");
+        let first = std::fs::metadata(&info).expect("the prefix written").len();
+        assert!(first < size as u64, "{first} of {size}: a prefix");
+
+        let mut warm = cached();
+        assert_eq!(warm.resolve_all(&early, Some(&index)), want_early);
+        assert!(warm.maps.len() > files, "the prefix is mapped");
+        assert_eq!(std::fs::metadata(&info).unwrap().len(), first);
+
+        let mut further = cached();
+        assert_eq!(further.resolve_all(&all, Some(&index)), want_all);
+        let longer = std::fs::metadata(&info).unwrap().len();
+        assert!(longer > first, "{longer} after {first}");
+
+        // Garbled after its header: read as malformed DWARF is.
+        let mut bytes = std::fs::read(&info).unwrap();
+        for (k, b) in bytes.iter_mut().enumerate().skip(disk_cache::HEADER) {
+            *b = (k as u8).wrapping_mul(31) ^ 0x5a;
+        }
+        std::fs::write(&info, &bytes).unwrap();
+        let got = cached().resolve_all(&all, Some(&index));
+        assert_eq!(got.len(), all.len());
+        let _ = std::fs::remove_file(&copy);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// `path` copied with its debug sections compressed, as an object to symbolize.
     fn compressed_copy(path: &Path, name: &str) -> (LoadedObject, PathBuf) {
         let copy = std::env::temp_dir().join(format!("ferroprof-{name}-{}", std::process::id()));
@@ -2297,7 +2587,7 @@ mod inflate_tests {
             (100_000, 200_000),
             (2_999_000, 3_000_000),
         ] {
-            let got = super::inflate_parts(&z, raw.len(), &[(a, b)]).unwrap();
+            let got = super::inflate_parts(&z, raw.len(), &[(a, b)], &mut |_| ()).unwrap();
             assert!(got[a..b] == raw[a..b], "{a:x}..{b:x}");
             assert!(got[..a].iter().chain(&got[b..]).all(|&x| x == 0));
         }
