@@ -748,7 +748,7 @@ struct DebugInfo {
     /// Function symbols (address, name), sorted by address; read when a frame first needs
     /// one.
     /// (address, size, name); see `symbols`.
-    symbols: Option<Vec<(u64, u64, &'static str)>>,
+    symbols: std::sync::OnceLock<Vec<(u64, u64, &'static str)>>,
     _owned: Vec<Box<[u8]>>,
     maps: Vec<Mmap>,
 }
@@ -954,7 +954,7 @@ impl DebugInfo {
             endian,
             build_id,
             cache_dir: None,
-            symbols: None,
+            symbols: std::sync::OnceLock::new(),
             _owned: owned,
             maps,
         })
@@ -1375,10 +1375,7 @@ impl DebugInfo {
             self.inflate(Some(index), &needed);
             let groups: Vec<&[(usize, usize)]> = by_unit.chunk_by(|a, b| a.0 == b.0).collect();
             for (k, frames) in self.walk_units(index, probes, &groups, threads) {
-                out[k] = frames
-                    .into_iter()
-                    .map(|f| self.frame(probes[k], f))
-                    .collect();
+                out[k] = frames;
             }
             self.forget_pages();
         }
@@ -1407,7 +1404,7 @@ impl DebugInfo {
         probes: &[u64],
         groups: &[&[(usize, usize)]],
         threads: usize,
-    ) -> Vec<(usize, Vec<dwarf_walk::RawFrame>)> {
+    ) -> Vec<(usize, Vec<ResolvedFrame>)> {
         use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
         let mut order: Vec<usize> = (0..groups.len()).collect();
         let mut helpers = threads.min(groups.len()).saturating_sub(1);
@@ -1425,6 +1422,9 @@ impl DebugInfo {
                 helpers = 0;
             } else {
                 order.sort_by_key(|&g| std::cmp::Reverse(sizes[g]));
+                // The symbol table, which naming the frames needs, is read by one of the
+                // threads while the others walk.
+                order.insert(0, usize::MAX);
             }
         }
         let next = AtomicUsize::new(0);
@@ -1436,7 +1436,10 @@ impl DebugInfo {
             let mut ps = Vec::new();
             let mut done = Vec::new();
             while let Some(&g) = order.get(next.fetch_add(1, Relaxed)) {
-                let group = groups[g];
+                let Some(&group) = groups.get(g) else {
+                    self.symbols();
+                    continue;
+                };
                 let unit = dwarf
                     .debug_info
                     .header_from_offset(gimli::DebugInfoOffset(group[0].0))
@@ -1447,7 +1450,10 @@ impl DebugInfo {
                 ps.clear();
                 ps.extend(group.iter().map(|&(_, k)| probes[k]));
                 let raw = dwarf_walk::resolve(&dwarf, &unit, &ps, &mut others);
-                done.extend(group.iter().map(|&(_, k)| k).zip(raw));
+                for (&(_, k), frames) in group.iter().zip(raw) {
+                    let named = frames.into_iter().map(|f| self.frame(probes[k], f));
+                    done.push((k, named.collect()));
+                }
                 let len = unit.header.length_including_self();
                 if read.fetch_add(len, Relaxed) + len >= FORGET_AFTER_BYTES {
                     read.store(0, Relaxed);
@@ -1459,7 +1465,7 @@ impl DebugInfo {
     }
 
     /// A frame the walk found at `probe`.
-    fn frame(&mut self, probe: u64, f: dwarf_walk::RawFrame) -> ResolvedFrame {
+    fn frame(&self, probe: u64, f: dwarf_walk::RawFrame) -> ResolvedFrame {
         let (name, system_name) = match (f.name, f.entry) {
             (Some(n), _) if f.linkage => {
                 let raw = n.to_string_lossy();
@@ -1490,7 +1496,7 @@ impl DebugInfo {
     /// holding it starts at `entry`, which DWARF names `short` without a linkage name: the
     /// symbol starting there is the function's (of several there, one naming what DWARF
     /// names); without one, the symbol below `probe` if it names what DWARF names.
-    fn physical_name(&mut self, probe: u64, entry: u64, short: Option<String>) -> (String, String) {
+    fn physical_name(&self, probe: u64, entry: u64, short: Option<String>) -> (String, String) {
         // The symbol's readable name, if it names what DWARF names.
         let agreeing = |raw: &str| {
             let full = demangle(raw);
@@ -1526,9 +1532,9 @@ impl DebugInfo {
 
     /// The function symbols: (address, size, name), sorted by address, the preferred name first
     /// at each (see `symbol`).
-    fn symbols(&mut self) -> &[(u64, u64, &'static str)] {
+    fn symbols(&self) -> &[(u64, u64, &'static str)] {
         let elf = &self.elf;
-        self.symbols.get_or_insert_with(|| {
+        self.symbols.get_or_init(|| {
             // `symtab`, else the dynamic table (all a stripped object or the vDSO has).
             let Some(table) = elf.symbol_table().or_else(|| elf.dynamic_symbol_table()) else {
                 return Vec::new();
@@ -1569,7 +1575,7 @@ impl DebugInfo {
     /// in a stripped object (only exported symbols left) the nearest symbol below is mostly
     /// some other function, and `object+0xoffset` is then the honest name. Symbols of size 0
     /// (hand-written assembly) still name what follows them.
-    fn symbol(&mut self, probe: u64) -> Option<&'static str> {
+    fn symbol(&self, probe: u64) -> Option<&'static str> {
         let symbols = self.symbols();
         let i = symbols.partition_point(|s| s.0 <= probe);
         let at = symbols.get(i.checked_sub(1)?)?.0;
