@@ -9,10 +9,12 @@
 # (`cargo install ripgrep`) with a Unicode-class regex over 20 hard-linked copies of the same
 # text split into a tree of 64 KiB files; without `rg` on PATH, a recursive GNU `grep -E` with
 # a back-reference over one copy.
-# CPU shares: ferroprof at --hz 1000 and perf at -F 1000 -g, top-10 functions of perf's
-# profile with its kernel samples booked to their first user frame (as ferroprof books them),
-# each program's stripped objects brought to common function identities through their
-# .eh_frame (scripts/record_compare_shares.py).
+# CPU shares: ferroprof at --hz 1000 and perf at -F 1000 -g, --runs runs each, interleaved,
+# shares averaged over them (a program's shares move between runs: ripgrep's top function by
+# about 5 points under perf alone); top-10 functions of perf's profile with its kernel samples
+# booked to their first user frame (as ferroprof books them), each program's stripped objects
+# brought to common function identities through their .eh_frame
+# (scripts/record_compare_shares.py).
 # Overhead: median wall time of --runs runs: bare, ferroprof record (default rates), perf
 # record (default rate); with --memory-tools, heaptrack and valgrind --tool=massif too (slow).
 # Needs: a release build (cargo build --release), linux-perf, xz-utils, python3, binutils;
@@ -39,7 +41,7 @@ while [ $# -gt 0 ]; do
         --heap) HEAP=1 ;;
         --size) SIZE_MB=$2; shift ;;
         --runs) RUNS=$2; shift ;;
-        *) sed -n '2,26p' "$0"; exit 2 ;;
+        *) sed -n '2,28p' "$0"; exit 2 ;;
     esac
     shift
 done
@@ -125,18 +127,28 @@ median_time() {
 compare_cpu() {
     local name=$1; shift
     echo
-    echo "== $name: CPU shares, perf record -e cpu-clock -F 1000 vs ferroprof record --hz 1000"
-    rm -rf fp && "$FERROPROF" record --hz 1000 --profiles cpu -o fp -- "$@" >/dev/null 2>&1 || true
-    # With call chains: a sample perf took in the kernel goes to the user code that entered it
-    # (the first user frame of its chain), where ferroprof's CPU-time timer books it.
-    perf record -q -g -e cpu-clock -F 1000 -o perf.data -- "$@" >/dev/null 2>&1 || true
-    perf script -i perf.data -F ip,dso > perf.txt 2>/dev/null
-    $SHARES perf-callers perf.txt > perf.shares
-    $SHARES perf-kernel perf.txt > perf-kernel.shares
-    # The command's profile: the largest file (a shell wrapper would write a small one).
-    $SHARES ferroprof "$(ls -S fp/*.pprof | head -1)" > fp.shares
+    echo "== $name: CPU shares, perf record -e cpu-clock -F 1000 vs ferroprof record --hz 1000," \
+        "mean of $RUNS runs each, interleaved"
+    local i
+    for ((i = 1; i <= RUNS; i++)); do
+        rm -rf fp && "$FERROPROF" record --hz 1000 --profiles cpu -o fp -- "$@" >/dev/null 2>&1 || true
+        # The command's profile: the largest file (a shell wrapper would write a small one).
+        $SHARES ferroprof "$(ls -S fp/*.pprof | head -1)" > "fp.$i.shares"
+        # With call chains: a sample perf took in the kernel goes to the user code that entered
+        # it (the first user frame of its chain), where ferroprof's CPU-time timer books it.
+        perf record -q -g -e cpu-clock -F 1000 -o perf.data -- "$@" >/dev/null 2>&1 || true
+        perf script -i perf.data -F ip,dso > perf.txt 2>/dev/null
+        $SHARES perf-callers perf.txt > "perf.$i.shares"
+        $SHARES perf-kernel perf.txt > "perf-kernel.$i.shares"
+    done
+    $SHARES mean fp.[0-9]*.shares > fp.shares
+    $SHARES mean perf.[0-9]*.shares > perf.shares
+    $SHARES mean perf-kernel.[0-9]*.shares > perf-kernel.shares
     $SHARES compare perf.shares fp.shares 10
     echo "  (perf's samples in the kernel, booked above to their user callers: $(awk -F'\t' '$2 == "[kernel]" {print $1}' perf-kernel.shares)%)"
+    if [ "$RUNS" -gt 1 ]; then
+        echo "  (perf against itself, runs 1 and 2: $($SHARES compare perf.1.shares perf.2.shares 10 | tail -1 | sed 's/.*: //'))"
+    fi
 }
 
 overhead() {
