@@ -27,6 +27,8 @@ const MAGIC: &[u8; 8] = b"FPDWARF1";
 pub(crate) const HEADER: usize = 24;
 /// Smallest prefix worth a file: below it inflating costs well under a millisecond.
 pub(crate) const MIN_PREFIX: usize = 256 << 10;
+/// In the names of files being written.
+const TMP_MARK: &str = ".tmp";
 /// The directory's budget; the oldest files go past it. libc's three sparse sections take
 /// about 10 MB whole.
 const MAX_DIR_BYTES: u64 = 256 << 20;
@@ -96,13 +98,16 @@ impl Writer {
             return None;
         }
         let path = key.path();
+        // Unique to this writer: two threads (or processes) caching one section each write
+        // their own file, and the last rename wins with a whole one.
+        static WRITERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut tmp = path.clone().into_os_string();
-        tmp.push(format!(".tmp{}", std::process::id()));
+        tmp.push(format!("{TMP_MARK}{}.{n}", std::process::id()));
         let tmp = PathBuf::from(tmp);
         let mut file = fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
             .open(&tmp)
             .ok()?;
@@ -157,15 +162,23 @@ fn safe_dir(dir: &Path) -> bool {
 }
 
 /// Removes the oldest files of `dir` (by modification time, `keep` excepted) until its files
-/// take at most `MAX_DIR_BYTES`.
+/// take at most `MAX_DIR_BYTES`, and the temporary files of writers that died over an hour ago.
 fn trim(dir: &Path, keep: &Path) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
     let mut files: Vec<(i64, u64, PathBuf)> = entries
         .filter_map(|e| {
             let e = e.ok()?;
             let m = e.metadata().ok()?;
+            let stale =
+                e.file_name().to_string_lossy().contains(TMP_MARK) && now - m.mtime() > 3600;
+            if stale && fs::remove_file(e.path()).is_ok() {
+                return None;
+            }
             m.is_file().then(|| (m.mtime(), m.len(), e.path()))
         })
         .collect();
@@ -287,11 +300,20 @@ mod tests {
         let t = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
         big.set_modified(t).unwrap();
         drop(big);
+        let stale = tmp.path().join("00ab.debug_line.tmp1.0");
+        let fresh = tmp.path().join("00ab.debug_line.tmp2.0");
+        for (p, age) in [(&stale, 7200), (&fresh, 10)] {
+            let f = File::create(p).unwrap();
+            f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(age))
+                .unwrap();
+        }
         let k = key(tmp.path(), ".debug_info");
         let mut w = Writer::create(k).unwrap();
         w.write(&vec![7u8; MIN_PREFIX]);
         w.finish();
         assert!(!old.exists(), "the oldest file goes past the budget");
+        assert!(!stale.exists(), "a dead writer's file goes");
+        assert!(fresh.exists(), "a live writer's file stays");
         assert!(open(k).is_some());
     }
 }
