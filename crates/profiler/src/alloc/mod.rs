@@ -551,8 +551,13 @@ fn sample(p: *mut u8, size: usize, weight: i64, space: i64, entry_sp: u64) {
         entry_sp,
         regs,
     };
+    // The headroom first: borrowing a spare stack takes frames of its own (over a KiB in a
+    // debug build), which a thread this short of stack does not have.
+    if room.is_some_and(|r| r < unwind::ALLOC_STACK_NEED) {
+        unwind::count_skipped_low_stack();
+        return;
+    }
     match (room, unwind::Spare::borrow()) {
-        (Some(r), _) if r < unwind::ALLOC_STACK_NEED => unwind::count_skipped_low_stack(),
         (_, Some(mut spare)) => {
             spare.run(|s| job.run(Some(s)));
         }
