@@ -98,7 +98,7 @@ impl Mappings {
                 None if obj.name.contains("vdso") => "[vdso]".to_owned(),
                 None => format!("[{}]", obj.name),
             };
-            let build_id: String = obj.build_id.iter().map(|b| format!("{b:02x}")).collect();
+            let build_id = hex(&obj.build_id);
             for seg in obj.segments.iter().filter(|s| s.flags & libc::PF_X != 0) {
                 // Page-aligned, as /proc/self/maps shows it (start and offset stay congruent).
                 let lead = seg.start % PAGE;
@@ -628,6 +628,11 @@ fn resolve_objects(
     })
 }
 
+/// A build id as pprof mappings and the disk cache's file names write it.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Threads a pass may resolve on: one per CPU, at most `MAX_SYMBOLIZE_THREADS`.
 fn symbolize_threads() -> usize {
     std::thread::available_parallelism()
@@ -897,11 +902,7 @@ impl DebugInfo {
             }
         }
         let src = dwarf_file.as_ref().unwrap_or(&elf);
-        let build_id = src
-            .build_id()
-            .ok()
-            .flatten()
-            .map(|id| id.iter().map(|b| format!("{b:02x}")).collect());
+        let build_id = src.build_id().ok().flatten().map(hex);
         let endian = if src.is_little_endian() {
             gimli::RunTimeEndian::Little
         } else {
@@ -1094,9 +1095,7 @@ impl DebugInfo {
                 // bytes do not move when the Mmap value moves.
                 let data = unsafe { extend(&map[disk_cache::HEADER..]) };
                 self.maps.push(map);
-                if let Some(e) = self.sections.iter_mut().find(|(s, _)| *s == id) {
-                    e.1 = data;
-                }
+                self.set_section(id, data);
                 return;
             }
         }
@@ -1116,6 +1115,11 @@ impl DebugInfo {
         // not move when it is moved there.
         let data = unsafe { extend(&buf[..]) };
         self._owned.push(buf);
+        self.set_section(id, data);
+    }
+
+    /// Makes `data` section `id`'s bytes.
+    fn set_section(&mut self, id: gimli::SectionId, data: &'static [u8]) {
         if let Some(e) = self.sections.iter_mut().find(|(s, _)| *s == id) {
             e.1 = data;
         }
@@ -1889,8 +1893,8 @@ mod tests {
         );
     }
 
-    /// Objects resolved on parallel threads give what one thread gives, each object on one of
-    /// ferroprof's threads, and the jobs back with their positions.
+    /// One object's units walked on several threads (more than `PARALLEL_WALK_BYTES` of
+    /// them) give what one thread gives.
     #[test]
     fn units_walked_on_several_threads_match_one_thread() {
         let me = a_known_function();
@@ -1934,6 +1938,8 @@ mod tests {
         assert!(one.iter().filter(|f| f.len() > 1).count() > 0);
     }
 
+    /// Objects resolved on parallel threads give what one thread gives, each object on one of
+    /// ferroprof's threads, and the jobs back with their positions.
     #[test]
     fn objects_resolved_in_parallel_match_one_thread() {
         let probes_of = |o: &LoadedObject| -> Vec<u64> {
