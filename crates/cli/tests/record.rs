@@ -786,9 +786,9 @@ fn a_library_loaded_too_late_for_static_tls_does_not_start() {
 }
 
 /// A program whose own debug info is zlib-compressed (as a distribution's debug files are) and
-/// large enough to be cached: the first `record` inflates its units and leaves the prefix in
-/// the debug cache; the second maps it (the file is not written again) and names the same
-/// frames with their files and lines.
+/// large enough to be cached: the first `record` inflates its units and leaves the prefix, and
+/// the unit's digest, in the debug cache; the second maps them (neither file is written again)
+/// and names the same frames with their files and lines.
 #[test]
 fn compressed_debug_info_is_inflated_once_then_read_from_the_debug_cache() {
     let dir = work_dir("debug-cache");
@@ -849,14 +849,16 @@ fn compressed_debug_info_is_inflated_once_then_read_from_the_debug_cache() {
                 && p.string_table[f.filename as usize].ends_with("many.c")
         })
     };
-    let cached = || -> Vec<(String, u64)> {
+    // (name, inode, size): a file replaced or appended to reads differently.
+    let cached = || -> Vec<(String, u64, u64)> {
         use std::os::unix::fs::MetadataExt;
-        let mut v: Vec<(String, u64)> = std::fs::read_dir(&cache)
+        let mut v: Vec<(String, u64, u64)> = std::fs::read_dir(&cache)
             .map(|d| {
                 d.flatten()
                     .map(|e| {
                         let name = e.file_name().to_string_lossy().into_owned();
-                        (name, e.metadata().unwrap().ino())
+                        let m = e.metadata().unwrap();
+                        (name, m.ino(), m.len())
                     })
                     .collect()
             })
@@ -875,9 +877,9 @@ fn compressed_debug_info_is_inflated_once_then_read_from_the_debug_cache() {
         .lines()
         .find_map(|l| l.trim().strip_prefix("Build ID: ").map(str::to_owned))
         .expect("the program has a build id");
-    let own = |v: Vec<(String, u64)>| -> Vec<(String, u64)> {
+    let own = |v: Vec<(String, u64, u64)>| -> Vec<(String, u64, u64)> {
         v.into_iter()
-            .filter(|(n, _)| n.starts_with(&build_id))
+            .filter(|(n, _, _)| n.starts_with(&build_id))
             .collect()
     };
     assert!(cached().is_empty());
@@ -888,8 +890,17 @@ fn compressed_debug_info_is_inflated_once_then_read_from_the_debug_cache() {
     );
     let files = own(cached());
     assert!(
-        files.iter().any(|(name, _)| name.ends_with(".debug_info")),
+        files
+            .iter()
+            .any(|(name, _, _)| name.ends_with(".debug_info")),
         "the inflated prefix is cached: {files:?}"
+    );
+    // The program is one unit: its digest, made by the first run, serves the second.
+    assert!(
+        files
+            .iter()
+            .any(|(name, _, len)| name.ends_with(".units") && *len > 0),
+        "the unit's digest is cached: {files:?}"
     );
     let second = run("p2");
     assert!(

@@ -164,8 +164,9 @@ impl ProfilerBuilder {
     }
 
     /// Keeps the compressed debug sections symbolization inflates (a distribution's separate
-    /// debug files, libc's among them) in `dir`, by build id, for the next pass or process to
-    /// map instead of inflating again; `None` (the default) keeps nothing. The directory is
+    /// debug files, libc's among them), and a digest of each debug-info unit it walks, in
+    /// `dir`, by build id, for the next pass or process to map instead of inflating and
+    /// walking again; `None` (the default) keeps nothing. The directory is
     /// created private to the user, and not used if others may write to it; its files are kept
     /// under 256 MiB, the oldest removed first. `ferroprof record` uses
     /// `~/.cache/ferroprof/debug`. A relative path is an error at `start()`.

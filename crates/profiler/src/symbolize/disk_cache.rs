@@ -7,8 +7,11 @@
 //! `DIR/<build id>.<section>`; a later pass whose units lie within that prefix maps the file
 //! instead of inflating. A pass that needs more inflates again and writes the longer prefix.
 //!
+//! The same directory keeps each object's unit digests (`digest`), in `DIR/<build id>.units`.
+//!
 //! Files are written under a temporary name and renamed, so a reader sees a whole file or none
-//! (a mapping of a replaced file keeps the old one). The directory must be the user's own and
+//! (a mapping of a replaced file keeps the old one); digests are also appended to their file,
+//! which readers that mapped it earlier see as it was. The directory must be the user's own and
 //! not writable by others: what is read from it is trusted as the debug file's bytes (a garbled
 //! unit reads as missing, as any malformed DWARF does). Its size is kept under
 //! `MAX_DIR_BYTES` by removing the oldest files after each write.
@@ -20,9 +23,12 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-/// Marks a cache file of this layout: magic, then the compressed section's length and its
-/// inflated size (both little-endian u64), then the inflated prefix.
-const MAGIC: &[u8; 8] = b"FPDWARF1";
+/// Marks a cache file of an inflated prefix: magic, then the compressed section's length and
+/// its inflated size (both little-endian u64), then the prefix.
+pub(crate) const PREFIX: &[u8; 8] = b"FPDWARF1";
+/// Marks a file of unit digests (see `digest`): magic, then the sizes of the `.debug_info` and
+/// `.debug_line` they were made from (little-endian u64), then the digests.
+pub(crate) const DIGESTS: &[u8; 8] = b"FPUNITS1";
 /// Bytes before the prefix.
 pub(crate) const HEADER: usize = 24;
 /// Smallest prefix worth a file: below it inflating costs well under a millisecond.
@@ -36,13 +42,15 @@ const MAX_DIR_BYTES: u64 = 256 << 20;
 /// Where one section of one debug file is cached.
 #[derive(Clone, Copy)]
 pub(crate) struct Key<'a> {
+    /// What the file holds: `PREFIX` or `DIGESTS`.
+    pub magic: &'static [u8; 8],
     pub dir: &'a Path,
     /// Hex build id of the file holding the section.
     pub build_id: &'a str,
-    /// The section's name (`.debug_info`).
+    /// The section's name (`.debug_info`), or `.units` for digests.
     pub section: &'a str,
-    /// The compressed section's length and its inflated size: a file for other bytes is not
-    /// used.
+    /// The compressed section's length and its inflated size (for digests: the sizes of the
+    /// sections they were made from): a file for other bytes is not used.
     pub compressed_len: u64,
     pub size: u64,
 }
@@ -54,7 +62,7 @@ impl Key<'_> {
 
     fn header(&self) -> [u8; HEADER] {
         let mut h = [0u8; HEADER];
-        h[..8].copy_from_slice(MAGIC);
+        h[..8].copy_from_slice(self.magic);
         h[8..16].copy_from_slice(&self.compressed_len.to_le_bytes());
         h[16..].copy_from_slice(&self.size.to_le_bytes());
         h
@@ -64,6 +72,12 @@ impl Key<'_> {
 /// The cached prefix of `key`'s section, mapped (its bytes start at `HEADER`), or `None` when
 /// there is none, or the file is for other bytes or in a directory that is not safe to read.
 pub(crate) fn open(key: Key<'_>) -> Option<Mmap> {
+    let map = open_whole(key)?;
+    ((map.len() - HEADER) as u64 <= key.size).then_some(map)
+}
+
+/// `key`'s file, mapped, when its header is `key`'s (its bytes start at `HEADER`).
+pub(crate) fn open_whole(key: Key<'_>) -> Option<Mmap> {
     if !safe_dir(key.dir) {
         return None;
     }
@@ -71,8 +85,35 @@ pub(crate) fn open(key: Key<'_>) -> Option<Mmap> {
     // SAFETY: cache files are only ever replaced by rename, never written in place, so the
     // mapped bytes do not change under the reader; the mapping is private and read-only.
     let map = unsafe { Mmap::map(&file) }.ok()?;
-    let prefix = map.len().checked_sub(HEADER)?;
-    (map[..HEADER] == key.header() && prefix as u64 <= key.size).then_some(map)
+    (map.get(..HEADER)? == key.header()).then_some(map)
+}
+
+/// Appends `bytes` to `key`'s file, which must exist; false when it could not be opened or
+/// written whole. Readers that mapped the file earlier see it as it was: bytes are only added.
+pub(crate) fn append(key: Key<'_>, bytes: &[u8]) -> bool {
+    if !safe_dir(key.dir) {
+        return false;
+    }
+    let path = key.path();
+    // One write: appends of two writers to a local file do not interleave.
+    let done = fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(bytes))
+        .is_ok();
+    if done {
+        trim(key.dir, &path);
+    }
+    done
+}
+
+/// Writes `bytes` as `key`'s file (after its header), in place of any earlier one.
+pub(crate) fn store(key: Key<'_>, bytes: &[u8]) {
+    if let Some(mut w) = Writer::create(key) {
+        w.min_len = 0;
+        w.write(bytes);
+        w.finish();
+    }
 }
 
 /// A prefix being written: created before a section is inflated, fed every inflated piece in
@@ -82,6 +123,8 @@ pub(crate) struct Writer {
     tmp: PathBuf,
     path: PathBuf,
     written: usize,
+    /// Fewer bytes are not worth a file.
+    min_len: usize,
 }
 
 impl Writer {
@@ -116,6 +159,7 @@ impl Writer {
             tmp,
             path,
             written: 0,
+            min_len: MIN_PREFIX,
         };
         file.write_all(&key.header()).ok()?;
         w.file = Some(file);
@@ -139,7 +183,7 @@ impl Writer {
             return;
         };
         drop(file);
-        if self.written >= MIN_PREFIX && fs::rename(&self.tmp, &self.path).is_ok() {
+        if self.written >= self.min_len && fs::rename(&self.tmp, &self.path).is_ok() {
             if let Some(dir) = self.path.parent() {
                 trim(dir, &self.path);
             }
@@ -225,6 +269,7 @@ mod tests {
 
     fn key<'a>(dir: &'a Path, section: &'a str) -> Key<'a> {
         Key {
+            magic: PREFIX,
             dir,
             build_id: "00ab",
             section,

@@ -21,6 +21,8 @@ use std::rc::Rc;
 
 use gimli::AttributeValue;
 
+use crate::symbolize::digest::Digest;
+
 pub(crate) type Reader = gimli::EndianSlice<'static, gimli::RunTimeEndian>;
 
 /// Deepest chain of `DW_AT_abstract_origin`/`DW_AT_specification` followed for a name.
@@ -175,23 +177,85 @@ pub(crate) fn resolve(
     let uref = gimli::UnitRef::new(dwarf, unit);
     let mut found = vec![Found::default(); probes.len()];
     walk_lines(unit, probes, &mut found);
-    walk_entries(uref, probes, &mut found);
+    walk_entries(uref, probes, &mut found, None);
     found.iter().map(|f| frames_of(uref, f, others)).collect()
+}
+
+/// `resolve`, with the unit's `digest` in place of walking its line program and its entries:
+/// only the entries of the subprograms holding a probe are read.
+pub(crate) fn resolve_with(
+    dwarf: &gimli::Dwarf<Reader>,
+    unit: &gimli::Unit<Reader>,
+    probes: &[u64],
+    others: &mut OtherUnits<'_>,
+    digest: &Digest<'_>,
+) -> Vec<Vec<RawFrame>> {
+    let uref = gimli::UnitRef::new(dwarf, unit);
+    let mut found = vec![Found::default(); probes.len()];
+    let mut owners: Vec<(u64, u32)> = Vec::new();
+    let mut held = Vec::new();
+    for (f, &p) in found.iter_mut().zip(probes) {
+        f.row = digest.row(p);
+        digest.subprograms_at(p, &mut held);
+        for &(_, begin, entry, ordinal) in &held {
+            let Ok(entry) = usize::try_from(entry) else {
+                continue;
+            };
+            let at = gimli::UnitOffset(entry);
+            if f.function.is_none() {
+                f.function = Some((ordinal, at));
+                f.entry = begin;
+                owners.push((entry as u64, ordinal));
+            } else {
+                f.aliases.push(at);
+            }
+        }
+    }
+    owners.sort_unstable();
+    owners.dedup();
+    for (entry, ordinal) in owners {
+        let at = gimli::UnitOffset(entry as usize);
+        walk_entries(uref, probes, &mut found, Some((at, ordinal)));
+    }
+    found.iter().map(|f| frames_of(uref, f, others)).collect()
+}
+
+/// The digest of `unit` (see `digest`): its whole line program and every subprogram's ranges.
+/// `None` when the unit is too large for one.
+pub(crate) fn digest(dwarf: &gimli::Dwarf<Reader>, unit: &gimli::Unit<Reader>) -> Option<Vec<u8>> {
+    let uref = gimli::UnitRef::new(dwarf, unit);
+    let mut segments = Vec::new();
+    line_segments(unit, |from, to, file, line| {
+        segments.push((from, to, file, line));
+        false
+    });
+    let mut ranges = Vec::new();
+    let mut entries = uref.entries_raw(None).ok()?;
+    let mut ordinal = 0u32;
+    while !entries.is_empty() {
+        let offset = entries.next_offset();
+        let abbrev = entries.read_abbreviation().ok()?;
+        let Some(abbrev) = abbrev else {
+            continue;
+        };
+        if abbrev.tag() == gimli::DW_TAG_subprogram {
+            let r = subprogram_ranges(uref, &mut entries, abbrev.attributes())?;
+            r.each(uref, |b, e| ranges.push((b, e, offset.0 as u64, ordinal)));
+            ordinal += 1;
+        } else {
+            entries.skip_attributes(abbrev.attributes()).ok()?;
+        }
+    }
+    crate::symbolize::digest::encode(&segments, &ranges)
 }
 
 /// The line program, row by row: an address takes the last row at or below it in the sequence
 /// that spans it (of rows at one address, the last).
 fn walk_lines(unit: &gimli::Unit<Reader>, probes: &[u64], found: &mut [Found]) {
-    let Some(program) = unit.line_program.clone() else {
-        return;
-    };
-    let mut rows = program.rows();
-    // The row in force: (address, file, line).
-    let mut current: Option<(u64, u64, u32)> = None;
     // A probe keeps the first row assigned to it, so the walk ends once every probe has one
     // (a unit with a few probes is read about half-way on average).
     let mut left = probes.len();
-    let mut assign = |from: u64, to: u64, file: u64, line: u32| {
+    line_segments(unit, |from, to, file, line| {
         for i in probes_in(probes, from, to) {
             if found[i].row.is_none() {
                 found[i].row = Some((file, line));
@@ -199,7 +263,18 @@ fn walk_lines(unit: &gimli::Unit<Reader>, probes: &[u64], found: &mut [Found]) {
             }
         }
         left == 0
+    });
+}
+
+/// Hands `assign` each address range [from, to) of the line program with its row's (file,
+/// line), in program order, until it returns true.
+fn line_segments(unit: &gimli::Unit<Reader>, mut assign: impl FnMut(u64, u64, u64, u32) -> bool) {
+    let Some(program) = unit.line_program.clone() else {
+        return;
     };
+    let mut rows = program.rows();
+    // The row in force: (address, file, line).
+    let mut current: Option<(u64, u64, u32)> = None;
     while let Ok(Some((_, row))) = rows.next_row() {
         let address = row.address();
         if row.end_sequence() {
@@ -220,6 +295,30 @@ fn walk_lines(unit: &gimli::Unit<Reader>, probes: &[u64], found: &mut [Found]) {
     }
 }
 
+/// Reads a subprogram's ranges from its attributes (`specs`), skipping the others together,
+/// most of them by their size. `None` on malformed DWARF.
+fn subprogram_ranges(
+    unit: gimli::UnitRef<'_, Reader>,
+    entries: &mut gimli::EntriesRaw<'_, Reader>,
+    specs: &[gimli::AttributeSpecification],
+) -> Option<Ranges> {
+    let mut ranges = Ranges::default();
+    let mut from = 0;
+    for (i, spec) in specs.iter().enumerate() {
+        if !matches!(
+            spec.name(),
+            gimli::DW_AT_low_pc | gimli::DW_AT_high_pc | gimli::DW_AT_ranges
+        ) {
+            continue;
+        }
+        entries.skip_attributes(&specs[from..i]).ok()?;
+        ranges.take(unit, &entries.read_attribute(*spec).ok()?);
+        from = i + 1;
+    }
+    entries.skip_attributes(&specs[from..]).ok()?;
+    Some(ranges)
+}
+
 /// What an open entry of the walk is to the entries under it.
 enum Open {
     /// A subprogram; whether any probe is in it.
@@ -232,21 +331,33 @@ enum Open {
 
 /// The unit's entries, depth first: every subprogram (at any depth) claims the probes in its
 /// ranges that no earlier one claimed; inlined calls under it extend those probes' chains.
-fn walk_entries(unit: gimli::UnitRef<'_, Reader>, probes: &[u64], found: &mut [Found]) {
-    let Ok(mut entries) = unit.entries_raw(None) else {
+/// With `subtree` (a subprogram's offset and ordinal), only that subprogram's entries, the
+/// probes' subprograms being known already (from a digest).
+fn walk_entries(
+    unit: gimli::UnitRef<'_, Reader>,
+    probes: &[u64],
+    found: &mut [Found],
+    subtree: Option<(gimli::UnitOffset<usize>, u32)>,
+) {
+    let Ok(mut entries) = unit.entries_raw(subtree.map(|s| s.0)) else {
         return;
     };
     let mut open: Vec<(isize, Open)> = Vec::new();
-    let mut ordinal = 0u32;
+    let mut ordinal = subtree.map_or(0, |s| s.1);
     // For the walk's early end: probes no subprogram holds yet, open subprograms holding some.
     let mut unplaced = probes.len();
     let mut open_hits = 0usize;
     // Whether a later subprogram may still matter to a placed probe: an alias (C and assembly
     // name one routine several times); rustc gives each function one subprogram.
     let mut aliases_possible = true;
+    let mut first = true;
     while !entries.is_empty() {
         let offset = entries.next_offset();
         let depth = entries.next_depth();
+        if subtree.is_some() && !first && depth <= 0 {
+            return; // past the subprogram's last child
+        }
+        first = false;
         let Ok(abbrev) = entries.read_abbreviation() else {
             return;
         };
@@ -258,37 +369,28 @@ fn walk_entries(unit: gimli::UnitRef<'_, Reader>, probes: &[u64], found: &mut [F
                 open_hits -= 1;
             }
         }
-        if unplaced == 0 && open_hits == 0 && !aliases_possible {
+        if subtree.is_none() && unplaced == 0 && open_hits == 0 && !aliases_possible {
             // Every probe has its subprogram, and the entries under those (their inlined
             // calls) are behind: nothing further changes an answer.
             return;
         }
         match abbrev.tag() {
-            gimli::DW_TAG_subprogram => {
-                // Only its ranges are read here (its names come later, for the hit ones):
-                // the attributes between are skipped together, most of them by their size.
-                let mut ranges = Ranges::default();
-                let specs = abbrev.attributes();
-                let mut from = 0;
-                for (i, spec) in specs.iter().enumerate() {
-                    if !matches!(
-                        spec.name(),
-                        gimli::DW_AT_low_pc | gimli::DW_AT_high_pc | gimli::DW_AT_ranges
-                    ) {
-                        continue;
-                    }
-                    if entries.skip_attributes(&specs[from..i]).is_err() {
-                        return;
-                    }
-                    match entries.read_attribute(*spec) {
-                        Ok(attr) => ranges.take(unit, &attr),
-                        Err(_) => return,
-                    }
-                    from = i + 1;
-                }
-                if entries.skip_attributes(&specs[from..]).is_err() {
+            gimli::DW_TAG_subprogram if subtree.is_some() => {
+                if entries.skip_attributes(abbrev.attributes()).is_err() {
                     return;
                 }
+                let hit = found
+                    .iter()
+                    .any(|f| f.function.is_some_and(|(o, _)| o == ordinal));
+                open_hits += usize::from(hit);
+                open.push((depth, Open::Function { ordinal, hit }));
+                ordinal += 1;
+            }
+            gimli::DW_TAG_subprogram => {
+                let Some(ranges) = subprogram_ranges(unit, &mut entries, abbrev.attributes())
+                else {
+                    return;
+                };
                 let mut hit = false;
                 ranges.each(unit, |b, e| {
                     for i in probes_in(probes, b, e) {

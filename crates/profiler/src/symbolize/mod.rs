@@ -25,6 +25,7 @@
 //! (CACHE_PASSES), emptied when an object was unloaded (another may take its addresses), and each
 //! object's unit index.
 
+pub(crate) mod digest;
 pub(crate) mod disk_cache;
 pub(crate) mod dwarf_walk;
 
@@ -1081,6 +1082,7 @@ impl DebugInfo {
             // A section too small to be worth a file is not looked for.
             _ if c.uncompressed_size < disk_cache::MIN_PREFIX as u64 => None,
             (Some(dir), Some(build_id)) => Some(disk_cache::Key {
+                magic: disk_cache::PREFIX,
                 dir,
                 build_id,
                 section: id.name(),
@@ -1433,7 +1435,14 @@ impl DebugInfo {
         }
         let next = AtomicUsize::new(0);
         let read = AtomicUsize::new(0);
-        on_threads(helpers, "symu", || {
+        // Units digested on an earlier pass or by an earlier process, and those digested now.
+        let key = self.digests_key();
+        let stored = key.and_then(disk_cache::open_whole);
+        let stored_units = stored
+            .as_ref()
+            .map(|m| digest::Units::parse(&m[disk_cache::HEADER..]));
+        let digested = std::sync::Mutex::new(Vec::new());
+        let found = on_threads(helpers, "symu", || {
             let dwarf = self.dwarf();
             let unit_start = |o: usize| index.unit_at(o).map(|u| u.offset);
             let mut others = dwarf_walk::OtherUnits::new(&dwarf, &unit_start);
@@ -1453,7 +1462,22 @@ impl DebugInfo {
                 };
                 ps.clear();
                 ps.extend(group.iter().map(|&(_, k)| probes[k]));
-                let raw = dwarf_walk::resolve(&dwarf, &unit, &ps, &mut others);
+                let offset = group[0].0;
+                let raw = match stored_units.as_ref().and_then(|u| u.get(offset)) {
+                    Some(d) => dwarf_walk::resolve_with(&dwarf, &unit, &ps, &mut others, &d),
+                    None => match key.and_then(|_| dwarf_walk::digest(&dwarf, &unit)) {
+                        Some(bytes) => {
+                            let raw = digest::Digest::parse(&bytes).map(|d| {
+                                dwarf_walk::resolve_with(&dwarf, &unit, &ps, &mut others, &d)
+                            });
+                            let mut new = digested.lock().unwrap_or_else(|e| e.into_inner());
+                            new.push((offset, bytes));
+                            drop(new);
+                            raw.unwrap_or_default()
+                        }
+                        None => dwarf_walk::resolve(&dwarf, &unit, &ps, &mut others),
+                    },
+                };
                 for (&(_, k), frames) in group.iter().zip(raw) {
                     let named = frames.into_iter().map(|f| self.frame(probes[k], f));
                     done.push((k, named.collect()));
@@ -1465,6 +1489,32 @@ impl DebugInfo {
                 }
             }
             done
+        });
+        let new = digested.into_inner().unwrap_or_else(|e| e.into_inner());
+        if let (Some(key), false) = (key, new.is_empty()) {
+            // Added to a file that reads whole; else a new file with what did read.
+            match &stored_units {
+                Some(u) if u.clean => {
+                    disk_cache::append(key, &digest::Units::records(&new));
+                }
+                Some(u) => disk_cache::store(key, &u.rewritten(&new)),
+                None => disk_cache::store(key, &digest::Units::records(&new)),
+            }
+        }
+        found
+    }
+
+    /// Where this object's unit digests are cached (see `digest`): by the build id of the file
+    /// holding its DWARF and the sizes of the sections they are made from.
+    fn digests_key(&self) -> Option<disk_cache::Key<'_>> {
+        let size = |id| self.lazy_size(id).unwrap_or_else(|| self.section(id).len()) as u64;
+        Some(disk_cache::Key {
+            magic: disk_cache::DIGESTS,
+            dir: self.cache_dir.as_deref()?,
+            build_id: self.build_id.as_deref()?,
+            section: ".units",
+            compressed_len: size(gimli::SectionId::DebugInfo),
+            size: size(gimli::SectionId::DebugLine),
         })
     }
 
@@ -1936,6 +1986,89 @@ mod tests {
         let many = d.resolve_all_on(&probes, Some(&index), 3);
         assert_eq!(one, many);
         assert!(one.iter().filter(|f| f.len() > 1).count() > 0);
+    }
+
+    /// Units resolved through their digests (made now, then read back from the disk cache)
+    /// give what walking them gives, inlined frames and all; the digests of a later pass with
+    /// other units are added to the same file.
+    #[test]
+    fn digested_units_resolve_as_walking_them_does() {
+        let me = a_known_function();
+        let obj = loaded_objects()
+            .into_iter()
+            .find(|o| o.contains(me))
+            .expect("this binary is loaded");
+        let dir = std::env::temp_dir().join(format!("ferroprof-digest-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut plain = DebugInfo::load(&obj).expect("debug info");
+        let index = plain.unit_index().expect("an index");
+        // Starts, middles and ends of functions: the middles hold most inlined calls.
+        let mut probes: Vec<u64> = plain
+            .symbols()
+            .iter()
+            .step_by(9)
+            .flat_map(|&(at, size, _)| {
+                let size = size.max(1);
+                [at, at + size / 3, at + size / 2, at + size - 1]
+            })
+            .filter(|&p| index.unit_of(p).is_some())
+            .collect();
+        probes.sort_unstable();
+        probes.dedup();
+        let (first, second): (Vec<u64>, Vec<u64>) = probes
+            .iter()
+            .partition(|&&p| index.unit_of(p).unwrap().offset % 2 == 0);
+        let want = plain.resolve_all(&probes, Some(&index));
+        assert!(
+            want.iter().filter(|f| f.len() > 2).count() > 20,
+            "inlined frames"
+        );
+        let cached = || {
+            let mut d = DebugInfo::load(&obj).unwrap();
+            d.cache_dir = Some(Arc::from(dir.as_path()));
+            d
+        };
+        let file = dir.join(format!(
+            "{}.units",
+            plain.build_id.as_deref().expect("a build id")
+        ));
+        let pick = |all: &[Vec<ResolvedFrame>], some: &[u64]| -> Vec<Vec<ResolvedFrame>> {
+            some.iter()
+                .map(|p| all[probes.binary_search(p).unwrap()].clone())
+                .collect()
+        };
+        // Cold: the first half's units digested, resolved through their digests, stored.
+        assert_eq!(
+            cached().resolve_all(&first, Some(&index)),
+            pick(&want, &first)
+        );
+        let len1 = std::fs::metadata(&file).expect("digests stored").len();
+        // The second half's units added to the file; then everything read back from it.
+        assert_eq!(
+            cached().resolve_all(&second, Some(&index)),
+            pick(&want, &second)
+        );
+        let len2 = std::fs::metadata(&file).unwrap().len();
+        assert!(
+            len2 > len1,
+            "{len1} then {len2}: the second pass's digests added"
+        );
+        let mut warm = cached();
+        assert_eq!(warm.resolve_all(&probes, Some(&index)), want);
+        assert_eq!(
+            std::fs::metadata(&file).unwrap().len(),
+            len2,
+            "nothing new to store"
+        );
+        // A garbled file is not trusted for anything it cannot hold.
+        let mut bytes = std::fs::read(&file).unwrap();
+        let n = bytes.len();
+        for b in &mut bytes[disk_cache::HEADER + 4..n / 2] {
+            *b = b.wrapping_mul(31).wrapping_add(7);
+        }
+        std::fs::write(&file, &bytes).unwrap();
+        let _ = cached().resolve_all(&probes, Some(&index));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Objects resolved on parallel threads give what one thread gives, each object on one of
