@@ -719,20 +719,53 @@ pub(crate) fn is_allocator_path(name: &str) -> bool {
         || last.starts_with("__rg_")
 }
 
-/// Whether the mangled (legacy or v0) or plain symbol name `raw` may demangle to a name of the
-/// allocator path ([`is_allocator_path`]) or be a C allocation entry: a cheap test, so that
-/// only those few are demangled. ferroprof's paths are matched down to `ferroprof::alloc`:
-/// matching the crate alone demangled every symbol of the preload library, 2 ms of each start.
-fn may_be_allocator_path(raw: &str) -> bool {
-    is_c_allocation_entry(raw)
-        // `ferroprof::alloc::...`: `9ferroprof5alloc` in both manglings (`_ZN9ferroprof5alloc`,
-        // `...Cs<hash>_9ferroprof5alloc`), `ferroprof..alloc..` inside a legacy `<...>` path.
-        || raw.contains("9ferroprof5alloc")
-        || raw.contains("ferroprof..alloc..")
-        || raw.contains("10current_sp")
-        || raw.contains("__r")
-        || raw.contains("5alloc5alloc")
-        || raw.contains("alloc..alloc")
+/// The cheap test on symbol names ([`Prefilter::may_be_allocator_path`]), its searchers built
+/// once per scan.
+struct Prefilter {
+    alloc: memchr::memmem::Finder<'static>,
+    rust_shim: memchr::memmem::Finder<'static>,
+    current_sp: memchr::memmem::Finder<'static>,
+}
+
+impl Prefilter {
+    fn new() -> Prefilter {
+        Prefilter {
+            alloc: memchr::memmem::Finder::new("alloc"),
+            rust_shim: memchr::memmem::Finder::new("__r"),
+            current_sp: memchr::memmem::Finder::new("current_sp"),
+        }
+    }
+
+    /// Whether the mangled (legacy or v0) or plain symbol name `raw` may demangle to a name of
+    /// the allocator path ([`is_allocator_path`]) or be a C allocation entry, so that only
+    /// those few are demangled. Most names hold none of `alloc`, `__r` and `current_sp`, found
+    /// with SIMD searchers; the finer test runs on the others. ferroprof's paths are matched
+    /// down to `ferroprof::alloc`: matching the crate alone demangled every symbol of the
+    /// preload library, 2 ms of each start.
+    fn may_be_allocator_path(&self, raw: &[u8]) -> bool {
+        let has = |pat: &str| memchr::memmem::find(raw, pat.as_bytes()).is_some();
+        if self.alloc.find(raw).is_some() {
+            // `ferroprof::alloc::...`: `9ferroprof5alloc` in both manglings
+            // (`_ZN9ferroprof5alloc`, `...Cs<hash>_9ferroprof5alloc`), `ferroprof..alloc..`
+            // inside a legacy `<...>` path; `alloc::alloc::...`; the shims (`__rust_alloc`).
+            has("9ferroprof5alloc")
+                || has("ferroprof..alloc..")
+                || has("5alloc5alloc")
+                || has("alloc..alloc")
+                || has("__r")
+                || std::str::from_utf8(raw).is_ok_and(is_c_allocation_entry)
+        } else {
+            // `__rdl_*`, `__rg_*`; `ferroprof::unwind::current_sp`; `memalign`.
+            self.rust_shim
+                .find(raw)
+                .is_some_and(|_| has("__rdl_") || has("__rg_"))
+                || self
+                    .current_sp
+                    .find(raw)
+                    .is_some_and(|_| has("10current_sp"))
+                || (raw.len() <= 14 && std::str::from_utf8(raw).is_ok_and(is_c_allocation_entry))
+        }
+    }
 }
 
 /// The C allocation API's entry points (see [`allocator_ranges`]).
@@ -780,6 +813,7 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
     use object::{Object, ObjectSymbol};
     let ours = on_alloc_slow as fn(*mut u8, usize, u64, u64) as usize as u64;
     let mut out = Vec::new();
+    let filter = Prefilter::new();
     let objects = crate::modules::loaded_objects();
     for (i, obj) in objects.iter().enumerate() {
         // The main program is listed first.
@@ -804,10 +838,15 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
             if sym.kind() != object::SymbolKind::Text || sym.size() == 0 {
                 continue;
             }
-            let Ok(raw) = sym.name() else { continue };
-            if !may_be_allocator_path(raw) {
+            let Ok(bytes) = sym.name_bytes() else {
+                continue;
+            };
+            if !filter.may_be_allocator_path(bytes) {
                 continue;
             }
+            let Ok(raw) = std::str::from_utf8(bytes) else {
+                continue;
+            };
             let name = match rustc_demangle::try_demangle(raw) {
                 Ok(d) => format!("{d:#}"),
                 Err(_) => raw.to_owned(),
@@ -957,6 +996,7 @@ mod tests {
         use object::{Object, ObjectSymbol};
         let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
         let elf = object::File::parse(&*exe).unwrap();
+        let filter = Prefilter::new();
         let (mut all, mut passed, mut taken) = (0, 0, 0);
         for sym in elf.symbols() {
             let Ok(raw) = sym.name() else { continue };
@@ -965,10 +1005,13 @@ mod tests {
             };
             all += 1;
             let name = format!("{d:#}");
-            passed += usize::from(may_be_allocator_path(raw));
+            passed += usize::from(filter.may_be_allocator_path(raw.as_bytes()));
             if is_allocator_path(&name) {
                 taken += 1;
-                assert!(may_be_allocator_path(raw), "{raw} ({name})");
+                assert!(
+                    filter.may_be_allocator_path(raw.as_bytes()),
+                    "{raw} ({name})"
+                );
             }
         }
         assert!(taken > 0, "no allocator-path symbol in {all}");
@@ -981,7 +1024,7 @@ mod tests {
         ] {
             let name = format!("{:#}", rustc_demangle::demangle(v0));
             assert!(is_allocator_path(&name), "{name}");
-            assert!(may_be_allocator_path(v0), "{v0}");
+            assert!(filter.may_be_allocator_path(v0.as_bytes()), "{v0}");
         }
     }
 
