@@ -148,7 +148,7 @@ extern "C" fn at_exit() {
             // sampled): started now so the last profile has a thread to write it.
             ferroprof::after_fork();
         }
-        if let Err(e) = guard.stop() {
+        if let Err(e) = guard.stop_at_exit() {
             eprintln!("ferroprof: the last profile: {e}");
         }
     };
@@ -169,7 +169,7 @@ pub(crate) fn stop_for_exec() -> bool {
         };
         progress::stop();
         let signal = guard.stats().signal;
-        if let Err(e) = guard.stop() {
+        if let Err(e) = guard.stop_at_exit() {
             eprintln!("ferroprof: the profile before exec: {e}");
         }
         exec::drain_signal(signal);

@@ -296,6 +296,10 @@ impl Shared {
 /// ferroprof's threads (sampler, exporters, delivery, HTTP server...), by thread id: the
 /// sampler never samples them. A fixed table (threads register from their own start, and leave
 /// when they exit); its generation tells the sampler to look again.
+/// Set by [`crate::ProfilerGuard::stop_at_exit`]: the process ends after the last export,
+/// which then leaves its memory to the exit.
+pub(crate) static PROCESS_ENDING: AtomicBool = AtomicBool::new(false);
+
 static OWN_TIDS: [AtomicI32; 64] = [const { AtomicI32::new(0) }; 64];
 static OWN_GEN: AtomicU64 = AtomicU64::new(0);
 

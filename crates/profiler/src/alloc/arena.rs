@@ -271,10 +271,19 @@ pub(crate) fn free(ptr: *mut u8, layout: Layout) {
 /// afresh and frees the arena for the next owner. Nothing `owner` allocated in arena mode may be
 /// used afterwards.
 pub(crate) fn release(owner: u64) {
+    release_as(owner, crate::state::PROCESS_ENDING.load(Ordering::Relaxed));
+}
+
+/// [`release`]; `ending`: the process ends now, so its blocks are kept as they are (what the
+/// owner did not drop included): the next owner, should the process go on after all, carries
+/// on from them as within a pass, fresh blocks still reading as zeros.
+fn release_as(owner: u64, ending: bool) {
     if OWNER.load(Ordering::Acquire) != owner {
         return;
     }
-    forget_blocks();
+    if !ending {
+        forget_blocks();
+    }
     OWNER.store(0, Ordering::Release);
 }
 
@@ -345,6 +354,60 @@ mod tests {
         });
         release(owner);
         assert!(last_pass_bytes() >= 1 << 20);
+    }
+
+    /// Waits for the arena to be free, then takes it for a new owner.
+    fn take() -> u64 {
+        let owner = new_owner();
+        for _ in 0..5000 {
+            if OWNER
+                .compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                return owner;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        panic!("the arena stayed taken");
+    }
+
+    #[test]
+    fn a_release_as_the_process_ends_leaves_later_zeroed_blocks_zero() {
+        let owner = take();
+        let layouts = [24usize, 4096].map(|s| Layout::from_size_align(s, 8).unwrap());
+        with(owner, || {
+            for l in layouts {
+                // One block left allocated (a symbolizer's tables left to the exit), one
+                // freed, both written.
+                for keep in [true, false] {
+                    let a = alloc(l, false).expect("an arena block");
+                    // SAFETY: `a` is `l.size()` bytes of arena memory we own.
+                    unsafe { std::ptr::write_bytes(a, 0xa5, l.size()) };
+                    if !keep {
+                        free(a, l);
+                    }
+                }
+            }
+        });
+        release_as(owner, true);
+        // The process went on (an exec that failed): the next pass's zeroed blocks, reused
+        // or fresh, read as zeros.
+        let owner = take();
+        with(owner, || {
+            for l in layouts {
+                let blocks: Vec<*mut u8> =
+                    (0..3).map(|_| alloc(l, true).expect("a block")).collect();
+                for &b in &blocks {
+                    // SAFETY: as above.
+                    let bytes = unsafe { std::slice::from_raw_parts(b, l.size()) };
+                    assert!(bytes.iter().all(|&x| x == 0), "{} bytes", l.size());
+                }
+                for b in blocks {
+                    free(b, l);
+                }
+            }
+        });
+        release(owner);
     }
 
     #[test]

@@ -299,7 +299,11 @@ impl ProcessSymbolizer {
     }
 
     fn end_pass(&mut self) {
-        // Arena memory (see `lookup`): dropped, then its pages handed back.
+        // Arena memory (see `lookup`): dropped, then its pages handed back; left to the exit
+        // of a process that ends now (unmapping the files, freeing the tables).
+        if crate::state::PROCESS_ENDING.load(std::sync::atomic::Ordering::Relaxed) {
+            std::mem::forget(self.objects.take());
+        }
         self.objects = None;
         crate::alloc::arena::release(self.arena_owner);
         let pass = self.pass;
@@ -1156,6 +1160,9 @@ impl DebugInfo {
     /// later read maps them again), so that what a pass reads of a large file never adds up in
     /// the process's resident memory.
     fn forget_pages(&self) {
+        if crate::state::PROCESS_ENDING.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         for m in &self.maps {
             // SAFETY: the range is exactly this private, read-only file mapping; dropping its
             // pages changes no content (they are read back from the file when touched again).
