@@ -2,7 +2,8 @@
 # `ferroprof record` against `perf record -e cpu-clock` on programs nobody here wrote, and the
 # wall-time overhead of each tool against a bare run.
 #
-#   scripts/record_compare.sh [--memory-tools] [--size MB] [--runs N]
+#   scripts/record_compare.sh [--memory-tools] [--size MB] [--runs N] [--rounds N] [--no-shares]
+#                             [--only xz|search]
 #   scripts/record_compare.sh --heap [--runs N]
 #
 # Workloads: `xz -9 -T1` compressing SIZE MB of text gathered from /usr/share, and ripgrep
@@ -17,6 +18,9 @@
 # (scripts/record_compare_shares.py).
 # Overhead: median wall time of --runs runs: bare, ferroprof record (default rates), perf
 # record (default rate); with --memory-tools, heaptrack and valgrind --tool=massif too (slow).
+# With --rounds N instead: N rounds of bare, ferroprof record and perf record one after the
+# other, and the median of each round's difference against its bare run (a drifting host moves
+# all three of a round alike). --no-shares skips the CPU shares; --only runs one workload.
 # Needs: a release build (cargo build --release), linux-perf, xz-utils, python3, binutils;
 # heaptrack and valgrind for --memory-tools. Timings are only meaningful on a quiet machine.
 # --heap: the heap's peak and what is live at exit instead, ferroprof record (its estimated peak,
@@ -35,13 +39,19 @@ SIZE_MB=32
 RUNS=3
 MEMORY_TOOLS=0
 HEAP=0
+ROUNDS=0
+SHARES_TOO=1
+ONLY=
 while [ $# -gt 0 ]; do
     case "$1" in
         --memory-tools) MEMORY_TOOLS=1 ;;
         --heap) HEAP=1 ;;
         --size) SIZE_MB=$2; shift ;;
         --runs) RUNS=$2; shift ;;
-        *) sed -n '2,28p' "$0"; exit 2 ;;
+        --rounds) ROUNDS=$2; shift ;;
+        --no-shares) SHARES_TOO=0 ;;
+        --only) ONLY=$2; shift ;;
+        *) sed -n '2,32p' "$0"; exit 2 ;;
     esac
     shift
 done
@@ -175,7 +185,53 @@ overhead() {
     fi
 }
 
-compare_cpu "xz -9" "${XZ[@]}"
-compare_cpu "${SEARCH[0]} (recursive search)" "${SEARCH[@]}"
-overhead "xz -9" "${XZ[@]}"
-overhead "${SEARCH[0]} (recursive search)" "${SEARCH[@]}"
+# Wall seconds of one run of "$@" (stdout and stderr discarded).
+one_time() {
+    local s e
+    s=$(now); "$@" >/dev/null 2>&1 || true; e=$(now)
+    echo "$e - $s" | bc -l
+}
+
+# ROUNDS rounds of bare, ferroprof record and perf record, one after the other; the medians of
+# the rounds' differences against their bare runs.
+rounds_overhead() {
+    local name=$1; shift
+    echo
+    echo "== $name: wall time, $ROUNDS interleaved rounds (bare, ferroprof record, perf record)"
+    local i b f p
+    : > rounds.txt
+    for ((i = 1; i <= ROUNDS; i++)); do
+        b=$(one_time "$@")
+        rm -rf fpo
+        f=$(one_time "$FERROPROF" record -o fpo -- "$@")
+        p=$(one_time perf record -q -e cpu-clock -o perf-o.data -- "$@")
+        echo "$b $f $p" >> rounds.txt
+        [ -t 2 ] && printf '
+  round %d of %d' "$i" "$ROUNDS" >&2
+    done
+    [ -t 2 ] && printf '
+[K' >&2
+    python3 - rounds.txt <<'PY'
+import statistics as st, sys
+rows = [tuple(map(float, l.split())) for l in open(sys.argv[1]) if l.strip()]
+bare = st.median(r[0] for r in rows)
+print(f"  {'bare, median':46} {bare:8.3f} s")
+for k, tool in ((1, "ferroprof record (defaults)"), (2, "perf record -e cpu-clock")):
+    d = st.median(r[k] - r[0] for r in rows)
+    print(f"  {tool + ', median difference':46} {d * 1000:+8.1f} ms  {100 * d / bare:+6.1f}%")
+PY
+}
+
+run_xz() { [ -z "$ONLY" ] || [ "$ONLY" = xz ]; }
+run_search() { [ -z "$ONLY" ] || [ "$ONLY" = search ]; }
+if [ "$SHARES_TOO" = 1 ]; then
+    if run_xz; then compare_cpu "xz -9" "${XZ[@]}"; fi
+    if run_search; then compare_cpu "${SEARCH[0]} (recursive search)" "${SEARCH[@]}"; fi
+fi
+if [ "$ROUNDS" -gt 0 ]; then
+    if run_xz; then rounds_overhead "xz -9" "${XZ[@]}"; fi
+    if run_search; then rounds_overhead "${SEARCH[0]} (recursive search)" "${SEARCH[@]}"; fi
+else
+    if run_xz; then overhead "xz -9" "${XZ[@]}"; fi
+    if run_search; then overhead "${SEARCH[0]} (recursive search)" "${SEARCH[@]}"; fi
+fi
