@@ -108,6 +108,21 @@ fn first_wins(segments: &[Segment]) -> Vec<Segment> {
     out.into_iter().map(|(s, _)| s).collect()
 }
 
+/// How many of the fixed-size `records` (each starting with its start address, sorted by it)
+/// start at or below `p`.
+fn starting_at_or_below(records: &[u8], size: usize, p: u64) -> usize {
+    let (mut lo, mut hi) = (0, records.len() / size);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if u64_at(records, mid * size).is_some_and(|start| start <= p) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 /// A digest read from bytes.
 #[derive(Clone, Copy)]
 pub(crate) struct Digest<'a> {
@@ -139,18 +154,8 @@ impl<'a> Digest<'a> {
 
     /// The line-table row (file, line) in force at `p`.
     pub(crate) fn row(&self, p: u64) -> Option<(u64, u32)> {
-        let n = self.segs.len() / SEG;
-        // The first segment starting after p, by binary search.
-        let (mut lo, mut hi) = (0, n);
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            if self.seg(mid)?.0 <= p {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        let (_, to, file, line) = self.seg(lo.checked_sub(1)?)?;
+        let below = starting_at_or_below(self.segs, SEG, p);
+        let (_, to, file, line) = self.seg(below.checked_sub(1)?)?;
         (p < to).then_some((file, line))
     }
 
@@ -166,20 +171,11 @@ impl<'a> Digest<'a> {
         ))
     }
 
-    /// The subprogram ranges holding `p`, in the walk's order: (range start, entry offset,
-    /// ordinal) each, appended to `out` (cleared first).
+    /// The subprogram ranges holding `p`, in the walk's order: (order in the walk, range
+    /// start, entry offset, ordinal) each, in `out` (cleared first).
     pub(crate) fn subprograms_at(&self, p: u64, out: &mut Vec<(u32, u64, u64, u32)>) {
         out.clear();
-        let n = self.ranges.len() / RANGE;
-        let (mut lo, mut hi) = (0, n);
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            match self.range(mid) {
-                Some(r) if r.0 <= p => lo = mid + 1,
-                Some(_) => hi = mid,
-                None => return,
-            }
-        }
+        let lo = starting_at_or_below(self.ranges, RANGE, p);
         // Back from the last range starting at or below p, while one so far may reach it.
         for i in (0..lo).rev() {
             let Some((begin, end, reach, entry, ordinal, order)) = self.range(i) else {
