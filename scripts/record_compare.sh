@@ -18,8 +18,8 @@
 # (scripts/record_compare_shares.py).
 # Overhead: median wall time of --runs runs: bare, ferroprof record (default rates), perf
 # record (default rate); with --memory-tools, heaptrack and valgrind --tool=massif too (slow).
-# With --rounds N instead: N rounds of bare, ferroprof record and perf record one after the
-# other, and the median of each round's difference against its bare run (a drifting host moves
+# With --rounds N instead: N rounds of bare, ferroprof record and perf record (and the memory
+# tools) one after the other, and the median of each round's difference against its bare run (a drifting host moves
 # all three of a round alike). --no-shares skips the CPU shares; --only runs one workload.
 # Needs: a release build (cargo build --release), linux-perf, xz-utils, python3, binutils;
 # heaptrack and valgrind for --memory-tools. Timings are only meaningful on a quiet machine.
@@ -192,31 +192,38 @@ one_time() {
     echo "$e - $s" | bc -l
 }
 
-# ROUNDS rounds of bare, ferroprof record and perf record, one after the other; the medians of
-# the rounds' differences against their bare runs.
+# ROUNDS rounds of bare, ferroprof record and perf record (with --memory-tools, heaptrack and
+# massif too), one after the other; the medians of the rounds' differences against their bare
+# runs.
 rounds_overhead() {
     local name=$1; shift
+    local tools="ferroprof record (defaults)|perf record -e cpu-clock"
+    if [ "$MEMORY_TOOLS" = 1 ]; then
+        tools="$tools|heaptrack|valgrind --tool=massif"
+    fi
     echo
-    echo "== $name: wall time, $ROUNDS interleaved rounds (bare, ferroprof record, perf record)"
-    local i b f p
+    echo "== $name: wall time, $ROUNDS interleaved rounds (bare, ${tools//|/, })"
+    local i row
     : > rounds.txt
     for ((i = 1; i <= ROUNDS; i++)); do
-        b=$(one_time "$@")
+        row="$(one_time "$@")"
         rm -rf fpo
-        f=$(one_time "$FERROPROF" record -o fpo -- "$@")
-        p=$(one_time perf record -q -e cpu-clock -o perf-o.data -- "$@")
-        echo "$b $f $p" >> rounds.txt
-        [ -t 2 ] && printf '
-  round %d of %d' "$i" "$ROUNDS" >&2
+        row="$row $(one_time "$FERROPROF" record -o fpo -- "$@")"
+        row="$row $(one_time perf record -q -e cpu-clock -o perf-o.data -- "$@")"
+        if [ "$MEMORY_TOOLS" = 1 ]; then
+            row="$row $(one_time heaptrack -o heaptrack.out "$@")"
+            row="$row $(one_time valgrind --tool=massif --massif-out-file=massif.out "$@")"
+        fi
+        echo "$row" >> rounds.txt
+        if [ -t 2 ]; then printf '\r  round %d of %d' "$i" "$ROUNDS" >&2; fi
     done
-    [ -t 2 ] && printf '
-[K' >&2
-    python3 - rounds.txt <<'PY'
+    if [ -t 2 ]; then printf '\r\033[K' >&2; fi
+    python3 - rounds.txt "$tools" <<'PY'
 import statistics as st, sys
 rows = [tuple(map(float, l.split())) for l in open(sys.argv[1]) if l.strip()]
 bare = st.median(r[0] for r in rows)
 print(f"  {'bare, median':46} {bare:8.3f} s")
-for k, tool in ((1, "ferroprof record (defaults)"), (2, "perf record -e cpu-clock")):
+for k, tool in enumerate(sys.argv[2].split("|"), start=1):
     d = st.median(r[k] - r[0] for r in rows)
     print(f"  {tool + ', median difference':46} {d * 1000:+8.1f} ms  {100 * d / bare:+6.1f}%")
 PY
