@@ -255,6 +255,12 @@ impl<'a> Units<'a> {
         Units { index, clean }
     }
 
+    /// How many units have a digest.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.index.len()
+    }
+
     /// The digest of the unit at `offset`.
     pub(crate) fn get(&self, offset: usize) -> Option<Digest<'a>> {
         let i = self

@@ -170,6 +170,11 @@ const FORGET_AFTER_BYTES: usize = 2 << 20;
 /// Unit bytes below which one object's units are walked on one thread.
 const PARALLEL_WALK_BYTES: usize = 256 << 10;
 
+/// Bytes of new unit digests one pass of one object holds until it stores them: past them, its
+/// further new units are walked as without a cache (a first run of a large program could
+/// otherwise hold hundreds of megabytes of them).
+const DIGEST_PASS_BYTES: usize = 64 << 20;
+
 /// Alignment of the mappings: the smallest page size, so start and file offset stay congruent
 /// whatever the system's.
 const PAGE: u64 = 4096;
@@ -755,6 +760,8 @@ struct DebugInfo {
     /// (see `disk_cache`; no cache without either).
     build_id: Option<String>,
     cache_dir: Option<Arc<Path>>,
+    /// Bytes of new unit digests a pass may hold (`DIGEST_PASS_BYTES`).
+    digest_budget: usize,
     /// Function symbols (address, name), sorted by address; read when a frame first needs
     /// one.
     /// (address, size, name); see `symbols`.
@@ -960,6 +967,7 @@ impl DebugInfo {
             endian,
             build_id,
             cache_dir: None,
+            digest_budget: DIGEST_PASS_BYTES,
             symbols: std::sync::OnceLock::new(),
             _owned: owned,
             maps,
@@ -1449,6 +1457,7 @@ impl DebugInfo {
             .as_ref()
             .map(|m| digest::Units::parse(&m[disk_cache::HEADER..]));
         let digested = std::sync::Mutex::new(Vec::new());
+        let digested_bytes = AtomicUsize::new(0);
         let found = on_threads(helpers, "symu", || {
             let dwarf = self.dwarf();
             let unit_start = |o: usize| index.unit_at(o).map(|u| u.offset);
@@ -1472,8 +1481,12 @@ impl DebugInfo {
                 let offset = group[0].0;
                 let raw = match stored_units.as_ref().and_then(|u| u.get(offset)) {
                     Some(d) => dwarf_walk::resolve_with(&dwarf, &unit, &ps, &mut others, &d),
-                    None => match key.and_then(|_| dwarf_walk::digest(&dwarf, &unit)) {
+                    None => match key
+                        .filter(|_| digested_bytes.load(Relaxed) < self.digest_budget)
+                        .and_then(|_| dwarf_walk::digest(&dwarf, &unit))
+                    {
                         Some(bytes) => {
+                            digested_bytes.fetch_add(bytes.len(), Relaxed);
                             let raw = digest::Digest::parse(&bytes).map(|d| {
                                 dwarf_walk::resolve_with(&dwarf, &unit, &ps, &mut others, &d)
                             });
@@ -2075,6 +2088,49 @@ mod tests {
         }
         std::fs::write(&file, &bytes).unwrap();
         let _ = cached().resolve_all(&probes, Some(&index));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A pass holds at most its budget of new digests: past it, the rest of its units are
+    /// walked as without a cache (and still resolve alike).
+    #[test]
+    fn a_pass_digests_units_up_to_its_budget() {
+        let me = a_known_function();
+        let obj = loaded_objects()
+            .into_iter()
+            .find(|o| o.contains(me))
+            .expect("this binary is loaded");
+        let dir = std::env::temp_dir().join(format!("ferroprof-budget-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut plain = DebugInfo::load(&obj).expect("debug info");
+        let index = plain.unit_index().expect("an index");
+        let mut probes: Vec<u64> = plain.symbols().iter().step_by(40).map(|s| s.0).collect();
+        probes.sort_unstable();
+        probes.dedup();
+        let units = |ps: &[u64]| {
+            let mut u: Vec<usize> = ps
+                .iter()
+                .filter_map(|&p| Some(index.unit_of(p)?.offset))
+                .collect();
+            u.sort_unstable();
+            u.dedup();
+            u.len()
+        };
+        assert!(units(&probes) > 3, "several units");
+        let want = plain.resolve_all(&probes, Some(&index));
+        let mut d = DebugInfo::load(&obj).unwrap();
+        d.cache_dir = Some(Arc::from(dir.as_path()));
+        d.digest_budget = 1;
+        assert_eq!(d.resolve_all(&probes, Some(&index)), want);
+        let file = dir.join(format!("{}.units", d.build_id.as_deref().unwrap()));
+        let bytes = std::fs::read(&file).expect("the first unit's digest stored");
+        let stored = digest::Units::parse(&bytes[disk_cache::HEADER..]);
+        assert!(stored.clean);
+        assert_eq!(
+            stored.len(),
+            1,
+            "one unit digested, then the budget was spent"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
