@@ -82,29 +82,28 @@ pub(crate) fn open_whole(key: Key<'_>) -> Option<Mmap> {
         return None;
     }
     let file = File::open(key.path()).ok()?;
-    // SAFETY: cache files are only ever replaced by rename, never written in place, so the
-    // mapped bytes do not change under the reader; the mapping is private and read-only.
+    // SAFETY: cache files are only ever replaced by rename or appended to, never rewritten or
+    // truncated in place, so the mapped bytes do not change under the reader; the mapping is
+    // private and read-only.
     let map = unsafe { Mmap::map(&file) }.ok()?;
     (map.get(..HEADER)? == key.header()).then_some(map)
 }
 
-/// Appends `bytes` to `key`'s file, which must exist; false when it could not be opened or
-/// written whole. Readers that mapped the file earlier see it as it was: bytes are only added.
-pub(crate) fn append(key: Key<'_>, bytes: &[u8]) -> bool {
+/// Appends `bytes` to `key`'s file, which must exist (else nothing is written). Readers that
+/// mapped the file earlier see it as it was: bytes are only added.
+pub(crate) fn append(key: Key<'_>, bytes: &[u8]) {
     if !safe_dir(key.dir) {
-        return false;
+        return;
     }
     let path = key.path();
     // One write: appends of two writers to a local file do not interleave.
-    let done = fs::OpenOptions::new()
+    let appended = fs::OpenOptions::new()
         .append(true)
         .open(&path)
-        .and_then(|mut f| f.write_all(bytes))
-        .is_ok();
-    if done {
+        .and_then(|mut f| f.write_all(bytes));
+    if appended.is_ok() {
         trim(key.dir, &path);
     }
-    done
 }
 
 /// Writes `bytes` as `key`'s file (after its header), in place of any earlier one.

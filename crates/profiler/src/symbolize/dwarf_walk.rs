@@ -192,7 +192,8 @@ pub(crate) fn resolve_with(
 ) -> Vec<Vec<RawFrame>> {
     let uref = gimli::UnitRef::new(dwarf, unit);
     let mut found = vec![Found::default(); probes.len()];
-    let mut owners: Vec<(u64, u32)> = Vec::new();
+    // The subprograms holding some probe: (entry offset, ordinal).
+    let mut owners: Vec<(usize, u32)> = Vec::new();
     let mut held = Vec::new();
     for (f, &p) in found.iter_mut().zip(probes) {
         f.row = digest.row(p);
@@ -201,21 +202,24 @@ pub(crate) fn resolve_with(
             let Ok(entry) = usize::try_from(entry) else {
                 continue;
             };
-            let at = gimli::UnitOffset(entry);
             if f.function.is_none() {
-                f.function = Some((ordinal, at));
+                f.function = Some((ordinal, gimli::UnitOffset(entry)));
                 f.entry = begin;
-                owners.push((entry as u64, ordinal));
+                owners.push((entry, ordinal));
             } else {
-                f.aliases.push(at);
+                f.aliases.push(gimli::UnitOffset(entry));
             }
         }
     }
     owners.sort_unstable();
     owners.dedup();
     for (entry, ordinal) in owners {
-        let at = gimli::UnitOffset(entry as usize);
-        walk_entries(uref, probes, &mut found, Some((at, ordinal)));
+        walk_entries(
+            uref,
+            probes,
+            &mut found,
+            Some((gimli::UnitOffset(entry), ordinal)),
+        );
     }
     found.iter().map(|f| frames_of(uref, f, others)).collect()
 }

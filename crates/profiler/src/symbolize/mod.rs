@@ -1479,25 +1479,21 @@ impl DebugInfo {
                 ps.clear();
                 ps.extend(group.iter().map(|&(_, k)| probes[k]));
                 let offset = group[0].0;
-                let raw = match stored_units.as_ref().and_then(|u| u.get(offset)) {
+                // The stored digest, else one made now (within the pass's budget), else none.
+                let stored = stored_units.as_ref().and_then(|u| u.get(offset));
+                let made = key
+                    .filter(|_| stored.is_none())
+                    .filter(|_| digested_bytes.load(Relaxed) < self.digest_budget)
+                    .and_then(|_| dwarf_walk::digest(&dwarf, &unit));
+                let raw = match stored.or_else(|| made.as_deref().and_then(digest::Digest::parse)) {
                     Some(d) => dwarf_walk::resolve_with(&dwarf, &unit, &ps, &mut others, &d),
-                    None => match key
-                        .filter(|_| digested_bytes.load(Relaxed) < self.digest_budget)
-                        .and_then(|_| dwarf_walk::digest(&dwarf, &unit))
-                    {
-                        Some(bytes) => {
-                            digested_bytes.fetch_add(bytes.len(), Relaxed);
-                            let raw = digest::Digest::parse(&bytes).map(|d| {
-                                dwarf_walk::resolve_with(&dwarf, &unit, &ps, &mut others, &d)
-                            });
-                            let mut new = digested.lock().unwrap_or_else(|e| e.into_inner());
-                            new.push((offset, bytes));
-                            drop(new);
-                            raw.unwrap_or_default()
-                        }
-                        None => dwarf_walk::resolve(&dwarf, &unit, &ps, &mut others),
-                    },
+                    None => dwarf_walk::resolve(&dwarf, &unit, &ps, &mut others),
                 };
+                if let Some(bytes) = made {
+                    digested_bytes.fetch_add(bytes.len(), Relaxed);
+                    let mut new = digested.lock().unwrap_or_else(|e| e.into_inner());
+                    new.push((offset, bytes));
+                }
                 for (&(_, k), frames) in group.iter().zip(raw) {
                     let named = frames.into_iter().map(|f| self.frame(probes[k], f));
                     done.push((k, named.collect()));
@@ -1514,9 +1510,7 @@ impl DebugInfo {
         if let (Some(key), false) = (key, new.is_empty()) {
             // Added to a file that reads whole; else a new file with what did read.
             match &stored_units {
-                Some(u) if u.clean => {
-                    disk_cache::append(key, &digest::Units::records(&new));
-                }
+                Some(u) if u.clean => disk_cache::append(key, &digest::Units::records(&new)),
                 Some(u) => disk_cache::store(key, &u.rewritten(&new)),
                 None => disk_cache::store(key, &digest::Units::records(&new)),
             }
