@@ -120,17 +120,23 @@ pub fn __spawn_own_thread(
 }
 
 /// Test support, not API: a thread named `name` that, like one of ferroprof's threads the
-/// scheduler did not run right after its creation, waits `delay` before it registers as a
-/// profiler thread, then uses CPU for `busy`.
+/// scheduler did not run right after its creation, first uses `start_cpu` of CPU (as starting
+/// a thread can on a slow host: page faults on a fresh stack count), waits `delay` before it
+/// registers as a profiler thread, then uses CPU for `busy`.
 #[doc(hidden)]
 pub fn __late_own_thread(
     name: &str,
+    start_cpu: std::time::Duration,
     delay: std::time::Duration,
     busy: std::time::Duration,
 ) -> std::thread::JoinHandle<()> {
     std::thread::Builder::new()
         .name(name.to_owned())
         .spawn(move || {
+            let start = crate::sampler::own_cpu_ns();
+            while crate::sampler::own_cpu_ns().saturating_sub(start) < start_cpu.as_nanos() as u64 {
+                std::hint::black_box(0u64);
+            }
             std::thread::sleep(delay);
             enter_profiler_thread();
             let end = std::time::Instant::now() + busy;

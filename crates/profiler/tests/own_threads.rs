@@ -166,8 +166,11 @@ fn a_thread_of_ours_found_before_it_registered_leaves_nothing() {
     let c = Collect::default();
     let guard = start_cpu_wall("late-own-thread", 100, &c);
     std::thread::sleep(Duration::from_millis(50));
+    // It starts slowly (2 ms of CPU before its first line of its own, ten times the CPU
+    // probation), then waits before it registers.
     let late = ferroprof::__late_own_thread(
         "ferroprof-late",
+        Duration::from_millis(2),
         Duration::from_millis(400),
         Duration::from_millis(200),
     );

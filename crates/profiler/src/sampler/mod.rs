@@ -84,6 +84,9 @@ const LOOK_ATTEMPTS: usize = 3;
 /// listed before that must leave nothing in the profile.
 const PROBATION_CPU_NS: u64 = 200_000;
 const PROBATION_MAX_NS: u64 = 1_000_000_000;
+/// Every thread ferroprof starts is named with this (Rust names a thread in the thread, before
+/// the code it runs).
+const OWN_NAME_PREFIX: &str = "ferroprof-";
 /// A listing of `/proc/self/task` may take this share of the time between two listings (1/N).
 const LIST_BUDGET: u64 = 1000;
 
@@ -1507,8 +1510,12 @@ impl Sampler {
                 self.finish_thread(idx, false);
                 return;
             }
-            // Registration comes before a thread of ours has used a few microseconds of CPU.
-            t.probation = cpu < PROBATION_CPU_NS && now.saturating_sub(t.born) < PROBATION_MAX_NS;
+            // Registration comes before a thread of ours has used a few microseconds of CPU,
+            // except where starting a thread is slow; one already named as ours waits out
+            // PROBATION_MAX_NS whatever it used.
+            let named_ours = t.name.starts_with(OWN_NAME_PREFIX);
+            t.probation = (cpu < PROBATION_CPU_NS || named_ours)
+                && now.saturating_sub(t.born) < PROBATION_MAX_NS;
         }
         let used = cpu.saturating_sub(t.last_cpu);
         t.last_cpu = t.last_cpu.max(cpu);
