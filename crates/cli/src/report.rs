@@ -360,7 +360,10 @@ pub fn is_alloc_type(name: &str) -> bool {
 /// profiler's own allocator frames and the global-allocator shims are never written into an
 /// allocation or heap stack, so they need no case here. C++ `operator new` and `new[]`
 /// (Itanium-mangled `_Znw*`/`_Zna*`, or demangled) are machinery too: under `ferroprof record`
-/// they are the frame between a C++ allocation site and `malloc`.
+/// they are the frame between a C++ allocation site and `malloc`. So are the allocation
+/// wrappers of common runtimes and libraries (CPython, Ruby, GLib, GNU `xmalloc`, SQLite): in
+/// a program profiled with `record`, every large allocation passes through one of them, and
+/// naming it as the site would tell the reader nothing.
 pub fn is_alloc_machinery(name: &str) -> bool {
     const PREFIXES: &[&str] = &[
         "alloc::",
@@ -374,9 +377,66 @@ pub fn is_alloc_machinery(name: &str) -> bool {
         "_Znwj",
         "_Znaj",
         "operator new",
+        // CPython's object and raw allocators, and its small-object allocator.
+        "PyObject_Malloc",
+        "PyObject_Calloc",
+        "PyObject_Realloc",
+        "_PyObject_Malloc",
+        "_PyObject_Calloc",
+        "_PyObject_Realloc",
+        "PyMem_",
+        "_PyMem_",
+        "pymalloc_",
+        // Ruby's GC-accounted allocation.
+        "ruby_xmalloc",
+        "ruby_xcalloc",
+        "ruby_xrealloc",
+        "objspace_xmalloc",
+        "objspace_xcalloc",
+        "objspace_xrealloc",
+        "rb_xmalloc_mul_add",
+        "rb_xcalloc_mul_add",
+        "rb_xrealloc_mul_add",
+        // GLib.
+        "g_malloc",
+        "g_try_malloc",
+        "g_realloc",
+        "g_try_realloc",
+        "g_slice_alloc",
+        // SQLite's allocation layer.
+        "sqlite3Malloc",
+        "sqlite3MemMalloc",
+        "sqlite3MemRealloc",
+        "sqlite3Realloc",
+        "sqlite3DbMalloc",
+        "sqlite3DbRealloc",
+        "mallocWithAlarm",
+        "dbMallocRawFinish",
+    ];
+    // Exact names: as prefixes they would take in real sites (`xmallocarray_user`, say).
+    const EXACT: &[&str] = &[
+        // CPython: an object of a type, sized or GC-tracked; the caller is the site.
+        "_PyObject_New",
+        "_PyObject_NewVar",
+        "_PyObject_GC_New",
+        "_PyObject_GC_NewVar",
+        "_PyObject_GC_Resize",
+        "gc_alloc",
+        // GNU's checked allocation (coreutils, xz, binutils, gcc).
+        "xmalloc",
+        "xcalloc",
+        "xrealloc",
+        "xzalloc",
+        "xnmalloc",
+        "xnrealloc",
+        "ximalloc",
+        "xicalloc",
+        "xirealloc",
+        "lzma_alloc",
     ];
     let path = name.strip_prefix('<').unwrap_or(name);
     PREFIXES.iter().any(|p| path.starts_with(p))
+        || EXACT.contains(&name)
         || name.contains(" as alloc::")
         || name.contains(" as core::")
 }
@@ -714,6 +774,49 @@ mod tests {
         .sample(&["cold", "work", "main"], &[1_000_000_000, 0], &[])
         .sample(&["rec", "rec", "main"], &[500_000_000, 64 << 20], &[])
         .build()
+    }
+
+    #[test]
+    fn runtime_allocators_are_machinery_and_their_callers_sites() {
+        for name in [
+            "_PyObject_Malloc",
+            "PyMem_RawMalloc",
+            "pymalloc_alloc",
+            "_PyObject_GC_NewVar",
+            "ruby_xmalloc2",
+            "objspace_xmalloc0",
+            "g_malloc0_n",
+            "xmalloc",
+            "lzma_alloc",
+            "sqlite3DbMallocRawNN",
+        ] {
+            assert!(is_alloc_machinery(name), "{name}");
+        }
+        for name in [
+            "PyBytes_FromStringAndSize",
+            "_PyBytes_Resize",
+            "rb_str_new",
+            "xmemdup_site",
+            "g_strdup",
+            "sqlite3VdbeExec",
+        ] {
+            assert!(!is_alloc_machinery(name), "{name}");
+        }
+        let p = ferroprof_pprof::ProfileBuilder::new(&[("alloc-space", "bytes")])
+            .sample(
+                &[
+                    "_PyObject_Malloc",
+                    "_PyObject_NewVar",
+                    "_PyCode_New",
+                    "main",
+                ],
+                &[100],
+                &[],
+            )
+            .build();
+        let t = FunctionTable::build_sites(&p, 0);
+        let flat = |f: &str| t.rows.iter().find(|r| &*r.0 == f).map_or(0, |r| r.1);
+        assert_eq!((flat("_PyCode_New"), flat("_PyObject_Malloc")), (100, 0));
     }
 
     #[test]
