@@ -202,12 +202,12 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     );
 
     let written = new_profiles(&dir, &before);
-    let heap_peak = summary_field(&summary_dir, pid, "heap_peak_estimate_bytes");
-    let _ = std::fs::remove_dir_all(&summary_dir);
+    let heap_peak = |p: i32| summary_field(&summary_dir, p, "heap_peak_estimate_bytes");
     // The program's status stands whatever the report meets (an unreadable profile...).
     if let Err(e) = report(&written, pid, file.as_deref(), profiles, args.n, heap_peak) {
         eprintln!("ferroprof record: {e:#}");
     }
+    let _ = std::fs::remove_dir_all(&summary_dir);
     Ok(code)
 }
 
@@ -327,6 +327,96 @@ fn sample_counts(progress_dir: &Path) -> (usize, u64, u64) {
         }
     }
     (procs, cpu, alloc)
+}
+
+const NO_PROFILE: &str = "the command wrote no profile: it may have ended with _exit() (as dash \
+     does) or SIGKILL, or not loaded the preload library (see the messages above)";
+
+/// Most profile files [`cpu_by_process`] reads: the largest ones, where busy processes are.
+const CPU_SCAN_FILES: usize = 200;
+
+/// The process whose profiles hold the most CPU time.
+struct Busiest {
+    pid: i32,
+    comm: String,
+    /// Its last profile.
+    last: PathBuf,
+}
+
+/// Prints the CPU time of the busiest processes and returns the busiest one when that is not
+/// the command `pid` (it used more CPU than the command). Reads at most [`CPU_SCAN_FILES`]
+/// files, the largest; unreadable ones are skipped (the list above names them all). `moved`:
+/// a file of `written` and where it is now (`-o FILE`).
+fn cpu_by_process<'a>(
+    written: &'a BTreeMap<(String, i32), Vec<PathBuf>>,
+    pid: i32,
+    moved: Option<(&'a Path, &'a Path)>,
+) -> Option<Busiest> {
+    let mut files: Vec<(u64, &str, i32, &Path)> = written
+        .iter()
+        .flat_map(|((comm, p), fs)| fs.iter().map(move |f| (comm.as_str(), *p, f.as_path())))
+        .map(|(comm, p, f)| match moved {
+            Some((from, to)) if from == f => (comm, p, to),
+            _ => (comm, p, f),
+        })
+        .map(|(comm, p, f)| {
+            let size = std::fs::metadata(f).map(|m| m.len()).unwrap_or(0);
+            (size, comm, p, f)
+        })
+        .collect();
+    let scanned_all = files.len() <= CPU_SCAN_FILES;
+    files.sort_by_key(|&(size, ..)| std::cmp::Reverse(size));
+    files.truncate(CPU_SCAN_FILES);
+    // pid -> (CPU ns, command name of its last image, its last profile, when written)
+    let mut by_pid: BTreeMap<i32, (i64, &str, &Path, Option<std::time::SystemTime>)> =
+        BTreeMap::new();
+    for (_, comm, p, f) in files {
+        let Ok(prof) = report::load(f) else { continue };
+        let Some(i) = prof.value_index("cpu-time") else {
+            continue;
+        };
+        let cpu: i64 = prof
+            .sample
+            .iter()
+            .filter_map(|s| s.value.get(i))
+            .fold(0i64, |a, &v| a.saturating_add(v));
+        let at = std::fs::metadata(f).and_then(|m| m.modified()).ok();
+        let e = by_pid.entry(p).or_insert((0, comm, f, at));
+        e.0 = e.0.saturating_add(cpu);
+        if at > e.3 {
+            (e.1, e.2, e.3) = (comm, f, at);
+        }
+    }
+    let mut rows: Vec<_> = by_pid.into_iter().filter(|(_, r)| r.0 > 0).collect();
+    if rows.is_empty() {
+        return None;
+    }
+    rows.sort_by_key(|(p, r)| (std::cmp::Reverse(r.0), *p));
+    let total: i64 = rows.iter().map(|(_, r)| r.0).sum();
+    let scope = if scanned_all {
+        String::new()
+    } else {
+        format!(" (the {CPU_SCAN_FILES} largest files)")
+    };
+    println!("\nCPU time by process{scope}:");
+    const SHOWN: usize = 5;
+    for (p, (cpu, comm, _, _)) in rows.iter().take(SHOWN) {
+        let role = if *p == pid { " (the command)" } else { "" };
+        println!(
+            "  {:>10}  {:>5.1}%  {comm} pid {p}{role}",
+            report::format_value(*cpu, "nanoseconds"),
+            *cpu as f64 * 100.0 / total as f64
+        );
+    }
+    if rows.len() > SHOWN {
+        println!("  ... and {} more", rows.len() - SHOWN);
+    }
+    let (top_pid, (_, comm, last, _)) = rows.swap_remove(0);
+    (top_pid != pid).then(|| Busiest {
+        pid: top_pid,
+        comm: comm.to_owned(),
+        last: last.to_path_buf(),
+    })
 }
 
 /// `key=N` from the summary process `pid` left in `summary_dir` (None when it left none: it
@@ -613,7 +703,7 @@ fn report(
     file: Option<&Path>,
     profiles: ferroprof::Profiles,
     n: usize,
-    heap_peak: Option<u64>,
+    heap_peak: impl Fn(i32) -> Option<u64>,
 ) -> anyhow::Result<()> {
     // An exec keeps the pid under a new command name: processes are pids.
     let procs = written
@@ -678,13 +768,33 @@ fn report(
                 .unwrap_or_default()
         );
     }
-    let Some(last) = main_last else {
-        println!(
-            "the command wrote no profile: it may have ended with _exit() or SIGKILL, or not \
-             loaded the preload library (see the messages above)"
-        );
-        return Ok(());
+    // A command that hands its work to children (make, git, a shell script): the tables go to
+    // the process that used the most CPU, so they show where the time went.
+    let busiest = if profiles.cpu && procs > 1 {
+        let moved = original.as_deref().zip(main_last.as_deref());
+        cpu_by_process(written, pid, moved)
+    } else {
+        None
     };
+    let (last, shown_pid) = match (busiest, main_last) {
+        (Some(b), main) => {
+            let command = match &main {
+                Some(m) => format!("the command's own profile: {}", m.display()),
+                None => NO_PROFILE.to_owned(),
+            };
+            println!(
+                "\nthe tables below are for {} pid {}, which used the most CPU; {command}",
+                b.comm, b.pid,
+            );
+            (b.last, b.pid)
+        }
+        (None, Some(main)) => (main, pid),
+        (None, None) => {
+            println!("{NO_PROFILE}");
+            return Ok(());
+        }
+    };
+    let heap_peak = heap_peak(shown_pid);
     let p = report::load(&last)?;
     let label = last.display().to_string();
     let wanted = [

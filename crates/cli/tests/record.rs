@@ -657,6 +657,46 @@ fn a_program_without_malloc_gets_cpu_and_a_no_allocations_note() {
     let files = profiles(&dir);
     assert_eq!(files.len(), 1);
     assert!(through(&load(&files[0].1), "cpu-time", "fixture_burn") > 0);
+    // One process: no table of processes.
+    assert!(!stdout.contains("CPU time by process"), "{stdout}");
+}
+
+/// A command that hands its work to a child (a shell script, make, git): the top tables are
+/// the child's, the one that used the CPU, and the command's own profile is still named (as
+/// FILE with `-o FILE`).
+#[test]
+fn the_tables_are_for_the_process_that_used_the_most_cpu() {
+    let dir = work_dir("busiest");
+    let fx = fixture(false).to_str().unwrap();
+    let file = dir.join("main.pprof");
+    // The burner is a child; bash execs the last command, which leaves a profile as the
+    // command's. (dash would end with _exit and leave none.)
+    let script = format!("'{fx}' noalloc; '{fx}' leaf");
+    let out = record(
+        &["--profiles", "cpu", "-o", file.to_str().unwrap()],
+        Path::new("/bin/bash"),
+        &["-c", &script],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(file.is_file(), "{stdout}");
+    let burner = profiles(&dir)
+        .into_iter()
+        .find(|(_, f)| through(&load(f), "cpu-time", "fixture_burn") > 0)
+        .unwrap_or_else(|| panic!("no profile holds fixture_burn: {stdout}"));
+    assert!(stdout.contains("CPU time by process:"), "{stdout}");
+    let said = format!(
+        "the tables below are for record_fixture pid {}, which used the most CPU; the \
+         command's own profile: {}",
+        burner.0,
+        file.display()
+    );
+    assert!(stdout.contains(&said), "{said}\n{stdout}");
+    // The cpu-time table that follows is the burner's.
+    let table = &stdout[stdout.find(&said).unwrap()..];
+    let burner_shown = format!("{}: cpu-time", burner.1.display());
+    assert!(table.contains(&burner_shown), "{burner_shown}\n{stdout}");
+    assert!(table.contains("fixture_burn"), "{stdout}");
 }
 
 /// glibc's `pthread_getattr_np` allocates while it holds the calling thread's lock; with every
