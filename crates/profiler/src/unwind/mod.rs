@@ -1749,6 +1749,74 @@ impl Drop for ReaderGuard {
     }
 }
 
+/// Whether the calling thread is running a signal handler: its stack holds a return address
+/// into the signal-return trampoline (`__restore_rt`, which glibc's `sigaction` gives the
+/// kernel as every handler's restorer). `None` when that cannot be told: no handler installed
+/// through glibc to learn the trampoline from, no unwinder snapshot yet, a walk that stopped
+/// at once, or not x86_64. Async-signal-safe and allocation-free: for `_exit`, which a handler
+/// may call while it interrupted a lock holder, so that nothing there takes a lock. The walk
+/// runs on a spare stack: a handler's own stack may be a small alternate one.
+#[doc(hidden)]
+#[inline(never)]
+pub fn __in_signal_handler() -> Option<bool> {
+    let restorer = signal_restorer()?;
+    let regs = current_regs();
+    let bounds = crate::tls::known_stack_bounds();
+    let mut spare = Spare::borrow()?;
+    spare
+        .run(|s| {
+            let mut frames = [0u64; 128];
+            let n = unwind_with(s, regs, bounds, 0, &mut frames, 0);
+            // A return address is the trampoline's first byte; one taken as address - 1 too.
+            (n > 2).then(|| {
+                frames[..n]
+                    .iter()
+                    .any(|&a| a.wrapping_sub(restorer).wrapping_add(1) <= 2)
+            })
+        })
+        .flatten()
+}
+
+/// The restorer glibc gives the kernel with a handler (`SA_RESTORER`), read back from the
+/// kernel for the first signal that has one.
+#[cfg(target_arch = "x86_64")]
+fn signal_restorer() -> Option<u64> {
+    /// The kernel's `struct sigaction` on x86_64.
+    #[repr(C)]
+    struct KernelSigaction {
+        handler: u64,
+        flags: u64,
+        restorer: u64,
+        mask: u64,
+    }
+    const SA_RESTORER: u64 = 0x0400_0000;
+    (1..=64).find_map(|sig: libc::c_long| {
+        let mut k = KernelSigaction {
+            handler: 0,
+            flags: 0,
+            restorer: 0,
+            mask: 0,
+        };
+        // SAFETY: rt_sigaction with no new action only writes the current one into `k`, a
+        // struct of the kernel's layout; the size argument is the kernel's sigset size.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                std::ptr::null::<KernelSigaction>(),
+                &mut k as *mut KernelSigaction,
+                8usize,
+            )
+        };
+        (r == 0 && k.flags & SA_RESTORER != 0 && k.restorer != 0).then_some(k.restorer)
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn signal_restorer() -> Option<u64> {
+    None
+}
+
 /// The current stack pointer.
 #[inline(always)]
 pub(crate) fn current_sp() -> u64 {
