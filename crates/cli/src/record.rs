@@ -329,8 +329,9 @@ fn sample_counts(progress_dir: &Path) -> (usize, u64, u64) {
     (procs, cpu, alloc)
 }
 
-const NO_PROFILE: &str = "the command wrote no profile: it may have ended with _exit() (as dash \
-     does) or SIGKILL, or not loaded the preload library (see the messages above)";
+const NO_PROFILE: &str = "the command wrote no profile: it may have been killed (SIGKILL, a \
+     crash), called _exit() from a signal handler, or not loaded the preload library (see the \
+     messages above)";
 
 /// Most profile files [`cpu_by_process`] reads: the largest ones, where busy processes are.
 const CPU_SCAN_FILES: usize = 200;

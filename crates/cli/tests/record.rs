@@ -607,6 +607,85 @@ fn exit_from_another_thread_writes_the_last_profile_to_the_named_file() {
     assert!((4 << 20..16 << 20).contains(&live), "{live}");
 }
 
+/// `_exit` runs no exit handlers (dash ends so, and so do the workers Python's
+/// `multiprocessing` forks): the interposed `_exit` writes the last profile first.
+#[test]
+fn a_program_ending_with_underscore_exit_writes_its_profile() {
+    let dir = work_dir("quick-exit");
+    let out = record(
+        &["--alloc-interval", "64K", "-o", dir.to_str().unwrap()],
+        fixture(false),
+        &["quick-exit"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let files = profiles(&dir);
+    assert_eq!(files.len(), 1, "{stdout}");
+    let p = load(&files[0].1);
+    assert!(through(&p, "cpu-time", "fixture_burn") > 0, "{stdout}");
+    let live = through(&p, "heap-live-size", "fixture_keep_live");
+    assert!((4 << 20..16 << 20).contains(&live), "{live}");
+}
+
+/// A forked worker that ends with `_exit` writes its own profile, with its CPU time.
+#[test]
+fn a_forked_child_ending_with_underscore_exit_writes_its_profile() {
+    let dir = work_dir("fork-quick-exit");
+    let out = record(
+        &["--alloc-interval", "64K", "-o", dir.to_str().unwrap()],
+        fixture(false),
+        &["fork-quick-exit"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let files = profiles(&dir);
+    assert_eq!(files.len(), 2, "{stdout}");
+    assert!(
+        files
+            .iter()
+            .any(|(_, f)| through(&load(f), "cpu-time", "fixture_child_burn") > 0),
+        "no profile with the child's CPU time: {stdout}"
+    );
+}
+
+/// `_exit` from a signal handler that interrupted `malloc` (which then holds the allocator's
+/// lock): writing a profile there would wait for that lock for ever. The program must end as
+/// it asked, every time. (With the profile written regardless, 3 runs of 8 hung.)
+#[test]
+fn underscore_exit_from_a_signal_handler_ends_the_program_at_once() {
+    let dir = work_dir("handler-exit");
+    for run in 0..6 {
+        let mut child = Command::new(BIN)
+            .env("FERROPROF_PRELOAD", preload())
+            .args(["record", "-o", dir.to_str().unwrap(), "--"])
+            .arg(fixture(false))
+            .arg("handler-exit")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run ferroprof record");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break Some(st);
+            }
+            if std::time::Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let Some(status) = status else {
+            let _ = Command::new("pkill")
+                .args(["-KILL", "-f", "record_fixture handler-exit"])
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("run {run}: the program did not end within 30 s of its _exit");
+        };
+        assert!(status.success(), "run {run}: {status}");
+    }
+}
+
 #[test]
 fn sigterm_is_forwarded_and_the_program_flushes_before_it_ends() {
     signal_is_forwarded_and_flushed(libc::SIGTERM, "sigterm");

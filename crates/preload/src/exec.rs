@@ -115,12 +115,17 @@ fn preloaded_as() -> Option<Vec<u8>> {
         .map(<[u8]>::to_vec)
 }
 
+/// A `vfork` child: it shares its parent's memory, profiler included. Async-signal-safe.
+pub(crate) fn in_vfork_child() -> bool {
+    // SAFETY: getpid has no preconditions.
+    unsafe { libc::getpid() != OWNER_PID.load(Ordering::SeqCst) }
+}
+
 /// Writes this process's profile before an exec, when it has one of its own; true when the
 /// profiler was stopped (to be started again if the exec fails).
 fn before_exec() -> bool {
-    // SAFETY: getpid has no preconditions.
-    if unsafe { libc::getpid() } != OWNER_PID.load(Ordering::SeqCst) {
-        return false; // a vfork child: the profiler is the parent's
+    if in_vfork_child() {
+        return false; // the profiler is the parent's
     }
     if ferroprof::__restart_pending() {
         return false; // a forked child with nothing recorded

@@ -12,7 +12,8 @@
 //!   `<command>.<pid>.<n>.pprof`: every process (forked or exec'd children too) writes its own.
 //! * The last profile is written at exit (`exit()` from any thread, or a return from `main`:
 //!   an `atexit` handler) and on `SIGTERM`, `SIGINT`, `SIGHUP` and `SIGQUIT` (the profiler's
-//!   flush on termination), after which the signal takes its course, and before an `exec`
+//!   flush on termination), after which the signal takes its course, at `_exit` (outside
+//!   signal handlers: [`_exit`], interposed), and before an `exec`
 //!   (`exec`: the exec family, interposed; the new image gets the library and the settings
 //!   even when the program passes an environment without them).
 
@@ -155,6 +156,45 @@ extern "C" fn at_exit() {
     if std::panic::catch_unwind(stop).is_err() {
         eprintln!("ferroprof: internal error while writing the last profile");
     }
+}
+
+/// `_exit` and `_Exit`: they end the process without exit handlers, so the last profile is
+/// written here (dash ends so, and every worker Python's `multiprocessing` forks), then the
+/// process ends as the program asked. Nothing is written in a `vfork` child (the profiler is
+/// its parent's), in a forked child with nothing recorded, or in a signal handler: one that
+/// interrupted `malloc` holds the allocator's lock, which writing a profile would wait for
+/// for ever. There the process just ends, as without ferroprof.
+fn before_quick_exit() {
+    if !RUNNING.load(std::sync::atomic::Ordering::SeqCst)
+        || exec::in_vfork_child()
+        || ferroprof::__restart_pending()
+        || ferroprof::__in_signal_handler() != Some(false)
+    {
+        return;
+    }
+    at_exit();
+}
+
+fn quick_exit(status: libc::c_int) -> ! {
+    before_quick_exit();
+    loop {
+        // SAFETY: exit_group ends every thread of the process; it does not return.
+        unsafe { libc::syscall(libc::SYS_exit_group, status) };
+    }
+}
+
+/// # Safety
+/// The C `_exit` contract.
+#[no_mangle]
+pub unsafe extern "C" fn _exit(status: libc::c_int) -> ! {
+    quick_exit(status)
+}
+
+/// # Safety
+/// The C `_Exit` contract.
+#[no_mangle]
+pub unsafe extern "C" fn _Exit(status: libc::c_int) -> ! {
+    quick_exit(status)
 }
 
 /// Before an exec, in a process with a profile of its own: stops the profiler, which writes
