@@ -648,6 +648,33 @@ fn a_forked_child_ending_with_underscore_exit_writes_its_profile() {
     );
 }
 
+/// A forked worker ended by SIGTERM (a process pool's `terminate`, a server's shutdown): its
+/// profiler threads started again, so it flushes on the signal as its parent would, and the
+/// signal then takes its course.
+#[test]
+fn a_forked_child_ended_by_sigterm_writes_its_profile() {
+    let dir = work_dir("fork-sigterm");
+    let out = record(
+        &["--alloc-interval", "64K", "-o", dir.to_str().unwrap()],
+        fixture(false),
+        &["fork-sigterm"],
+    );
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the child did not end by SIGTERM: {stdout}\n{}",
+        text(&out.stderr)
+    );
+    let files = profiles(&dir);
+    assert_eq!(files.len(), 2, "{stdout}");
+    assert!(
+        files
+            .iter()
+            .any(|(_, f)| through(&load(f), "cpu-time", "fixture_child_burn") > 0),
+        "no profile with the child's CPU time: {stdout}"
+    );
+}
+
 /// `_exit` from a signal handler that interrupted `malloc` (which then holds the allocator's
 /// lock): writing a profile there would wait for that lock for ever. The program must end as
 /// it asked, every time. (With the profile written regardless, 3 runs of 8 hung.)

@@ -309,8 +309,10 @@ fn start_threads_if_stopped(sh: &Arc<Shared>) {
         let t = sh.threads.lock();
         t.sampler.is_some() || t.export.is_some()
     };
-    if !running && !sh.stopping.load(Ordering::SeqCst) {
-        let _ = crate::profiler::spawn_threads(sh);
+    if !running && !sh.stopping.load(Ordering::SeqCst) && crate::profiler::spawn_threads(sh).is_ok()
+    {
+        // A child that lives on ends as its parent would: a SIGTERM writes its last profile.
+        crate::termination::rearm_in_child(sh);
     }
 }
 

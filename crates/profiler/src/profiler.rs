@@ -592,13 +592,16 @@ impl ProfilerBuilder {
                 }
             }
             if self.flush_on_termination {
-                let (sh, dl) = (shared.clone(), deliveries.clone());
-                let flush = move || {
+                // Holds the shared state weakly: kept in it, a strong one would be a cycle.
+                let (sh, dl) = (Arc::downgrade(&shared), deliveries.clone());
+                let flush: state::TerminationFlush = Arc::new(move || {
+                    let Some(sh) = sh.upgrade() else { return };
                     if let Err(e) = flush_with(&sh, &dl) {
                         log::warn!("ferroprof: the last profile before exiting: {e}");
                     }
-                };
-                match crate::termination::arm(&shared, flush) {
+                });
+                let _ = shared.termination_flush.set(flush.clone());
+                match crate::termination::arm(&shared, move || flush()) {
                     Ok(t) => shared.threads.lock().termination = Some(t),
                     Err(e) => log::warn!(
                         "ferroprof: cannot flush on SIGTERM/SIGINT ({e}); profiling goes on"

@@ -153,7 +153,12 @@ pub(crate) struct Shared {
     /// Flush tickets asked for / served by the export thread.
     pub flush_requested: AtomicU64,
     pub flush_done: AtomicU64,
+    /// What the flush on termination runs, when on: kept so that a forked child whose threads
+    /// start again arms its own (see `crate::termination::rearm_in_child`).
+    pub termination_flush: std::sync::OnceLock<TerminationFlush>,
 }
+
+pub(crate) type TerminationFlush = Arc<dyn Fn() + Send + Sync>;
 
 impl Shared {
     pub fn new(recorder: Arc<StackRecorder>, settings: Settings, exporters: Outbox) -> Shared {
@@ -177,6 +182,7 @@ impl Shared {
             own_tids: [AtomicI32::new(0), AtomicI32::new(0)],
             flush_requested: AtomicU64::new(0),
             flush_done: AtomicU64::new(0),
+            termination_flush: std::sync::OnceLock::new(),
         }
     }
 

@@ -8,6 +8,10 @@
 //! signal again: the process then ends, or the application's handler runs, as without
 //! ferroprof. A handler the application installs after `start()` replaces ours; such an
 //! application calls `flush()` or `stop()` from its own shutdown path.
+//!
+//! A forked child inherits the handlers but not the thread: until its own profiler threads
+//! start, its signals pass through as if ferroprof were not there; when they start, it arms
+//! a pipe and a thread of its own ([`rearm_in_child`]).
 
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,8 +20,10 @@ use crate::state::Shared;
 
 const SIGNALS: [libc::c_int; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT];
 
-/// The pipe's write end (-1: not armed) and the pid that armed it.
+/// The pipe's write end (-1: not armed) and the pid that armed it; and its read end, which a
+/// forked child that arms its own closes (its thread was the parent's).
 static PIPE_W: AtomicI32 = AtomicI32::new(-1);
+static PIPE_R: AtomicI32 = AtomicI32::new(-1);
 static ARMED_PID: AtomicI32 = AtomicI32::new(0);
 /// The dispositions before ours, per entry of SIGNALS: (handler, flags).
 static PREV_HANDLER: [AtomicUsize; SIGNALS.len()] = [const { AtomicUsize::new(0) }; SIGNALS.len()];
@@ -114,8 +120,19 @@ pub(crate) fn arm(
         }
     };
     // SAFETY: getpid has no preconditions.
-    ARMED_PID.store(unsafe { libc::getpid() }, Ordering::Release);
-    PIPE_W.store(w, Ordering::Release);
+    let pid = unsafe { libc::getpid() };
+    let inherited = ARMED_PID.swap(pid, Ordering::AcqRel) != pid;
+    let (old_w, old_r) = (
+        PIPE_W.swap(w, Ordering::AcqRel),
+        PIPE_R.swap(r, Ordering::AcqRel),
+    );
+    if inherited {
+        // A forked child arming its own: the parent's pipe is not this process's to use.
+        for fd in [old_w, old_r].into_iter().filter(|&fd| fd >= 0) {
+            // SAFETY: this process's copies of the parent's descriptors, closed once.
+            unsafe { libc::close(fd) };
+        }
+    }
     for (i, &sig) in SIGNALS.iter().enumerate() {
         // SAFETY: plain sigaction calls on zeroed structs we own.
         unsafe {
@@ -125,6 +142,10 @@ pub(crate) fn arm(
             }
             if old.sa_sigaction == libc::SIG_IGN {
                 // Ignored on purpose (e.g. a background job's SIGINT): left so.
+                continue;
+            }
+            if old.sa_sigaction == on_termination as *const () as usize {
+                // Already ours (inherited in a forked child): what it replaced stays saved.
                 continue;
             }
             PREV_HANDLER[i].store(old.sa_sigaction, Ordering::Release);
@@ -137,6 +158,23 @@ pub(crate) fn arm(
         }
     }
     Ok(thread)
+}
+
+/// In a forked child whose profiler threads start again: arms its own flush on termination
+/// when the parent had one (the handlers, inherited, pass the parent's signals through).
+pub(crate) fn rearm_in_child(shared: &Arc<Shared>) {
+    let Some(flush) = shared.termination_flush.get().cloned() else {
+        return;
+    };
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    if PIPE_W.load(Ordering::Acquire) < 0 || ARMED_PID.load(Ordering::Acquire) == pid {
+        return;
+    }
+    match arm(shared, move || flush()) {
+        Ok(t) => shared.threads.lock().termination = Some(t),
+        Err(e) => log::warn!("ferroprof: cannot flush on SIGTERM/SIGINT in this child ({e})"),
+    }
 }
 
 /// Puts back the previous handlers (where ours is still installed) and ends the thread.
@@ -152,6 +190,7 @@ pub(crate) fn disarm(thread: std::thread::JoinHandle<()>) {
             restore(sig);
         }
     }
+    PIPE_R.store(-1, Ordering::Release);
     let w = PIPE_W.swap(-1, Ordering::AcqRel);
     if w >= 0 {
         // SAFETY: our own descriptor: closing it ends the thread's read with 0.
