@@ -344,7 +344,7 @@ struct Busiest {
     last: PathBuf,
 }
 
-/// Prints the CPU time of the busiest processes and returns the busiest one when that is not
+/// Writes into `out` the CPU time of the busiest processes and returns the busiest one when that is not
 /// the command `pid` (it used more CPU than the command). Reads at most [`CPU_SCAN_FILES`]
 /// files, the largest; unreadable ones are skipped (the list above names them all). `moved`:
 /// a file of `written` and where it is now (`-o FILE`).
@@ -352,7 +352,9 @@ fn cpu_by_process<'a>(
     written: &'a BTreeMap<(String, i32), Vec<PathBuf>>,
     pid: i32,
     moved: Option<(&'a Path, &'a Path)>,
+    out: &mut String,
 ) -> Option<Busiest> {
+    use std::fmt::Write as _;
     let mut files: Vec<(u64, &str, i32, &Path)> = written
         .iter()
         .flat_map(|((comm, p), fs)| fs.iter().map(move |f| (comm.as_str(), *p, f.as_path())))
@@ -399,18 +401,43 @@ fn cpu_by_process<'a>(
     } else {
         format!(" (the {CPU_SCAN_FILES} largest files)")
     };
-    println!("\nCPU time by process{scope}:");
+    let _ = writeln!(out, "\nCPU time by process{scope}:");
     const SHOWN: usize = 5;
     for (p, (cpu, comm, _, _)) in rows.iter().take(SHOWN) {
         let role = if *p == pid { " (the command)" } else { "" };
-        println!(
+        let _ = writeln!(
+            out,
             "  {:>10}  {:>5.1}%  {comm} pid {p}{role}",
             report::format_value(*cpu, "nanoseconds"),
             *cpu as f64 * 100.0 / total as f64
         );
     }
     if rows.len() > SHOWN {
-        println!("  ... and {} more", rows.len() - SHOWN);
+        let _ = writeln!(out, "  ... and {} more", rows.len() - SHOWN);
+    }
+    // Many processes of a few commands (a build's compilers): the sum per command says more.
+    let mut by_comm: BTreeMap<&str, (i64, usize)> = BTreeMap::new();
+    for (_, (cpu, comm, _, _)) in &rows {
+        let e = by_comm.entry(comm).or_default();
+        e.0 = e.0.saturating_add(*cpu);
+        e.1 += 1;
+    }
+    if by_comm.len() < rows.len() {
+        let mut comms: Vec<_> = by_comm.into_iter().collect();
+        comms.sort_by_key(|&(c, (cpu, _))| (std::cmp::Reverse(cpu), c));
+        let _ = writeln!(out, "by command:");
+        for (comm, (cpu, n)) in comms.iter().take(SHOWN) {
+            let _ = writeln!(
+                out,
+                "  {:>10}  {:>5.1}%  {comm} ({n} process{})",
+                report::format_value(*cpu, "nanoseconds"),
+                *cpu as f64 * 100.0 / total as f64,
+                if *n == 1 { "" } else { "es" }
+            );
+        }
+        if comms.len() > SHOWN {
+            let _ = writeln!(out, "  ... and {} more", comms.len() - SHOWN);
+        }
     }
     let (top_pid, (_, comm, last, _)) = rows.swap_remove(0);
     (top_pid != pid).then(|| Busiest {
@@ -773,7 +800,10 @@ fn report(
     // the process that used the most CPU, so they show where the time went.
     let busiest = if profiles.cpu && procs > 1 {
         let moved = original.as_deref().zip(main_last.as_deref());
-        cpu_by_process(written, pid, moved)
+        let mut out = String::new();
+        let busiest = cpu_by_process(written, pid, moved, &mut out);
+        print!("{out}");
+        busiest
     } else {
         None
     };
@@ -845,6 +875,43 @@ fn report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A build's many short processes: the busiest process, and the sum per command.
+    #[test]
+    fn cpu_is_listed_by_process_and_by_command() {
+        let dir = std::env::temp_dir().join(format!("ferroprof-cpu-by-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut written: BTreeMap<(String, i32), Vec<PathBuf>> = BTreeMap::new();
+        for (comm, pid, ms) in [
+            ("make", 10, 5),
+            ("cc1", 11, 30),
+            ("cc1", 12, 20),
+            ("as", 13, 40),
+        ] {
+            let p = ferroprof_pprof::ProfileBuilder::new(&[("cpu-time", "nanoseconds")])
+                .sample(&["work", "main"], &[ms * 1_000_000], &[])
+                .build();
+            let f = dir.join(format!("{comm}.{pid}.1.pprof"));
+            std::fs::write(&f, p.encode_gzip()).unwrap();
+            written.insert((comm.to_owned(), pid), vec![f]);
+        }
+        let mut out = String::new();
+        let busiest = cpu_by_process(&written, 10, None, &mut out).expect("a busiest process");
+        assert_eq!((busiest.pid, busiest.comm.as_str()), (13, "as"), "{out}");
+        let by_command = out.split("by command:").nth(1).expect(&out);
+        let first = by_command.lines().nth(1).expect(&out);
+        assert!(
+            first.contains("50.00ms") && first.contains("cc1 (2 processes)"),
+            "{out}"
+        );
+        // The command itself busiest: no other process's tables.
+        let mut out = String::new();
+        assert!(
+            cpu_by_process(&written, 13, None, &mut out).is_none(),
+            "{out}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn profile_names_parse_from_the_right() {
