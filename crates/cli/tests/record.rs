@@ -627,14 +627,14 @@ fn a_program_ending_with_underscore_exit_writes_its_profile() {
     assert!((4 << 20..16 << 20).contains(&live), "{live}");
 }
 
-/// A forked worker that ends with `_exit` writes its own profile, with its CPU time.
-#[test]
-fn a_forked_child_ending_with_underscore_exit_writes_its_profile() {
-    let dir = work_dir("fork-quick-exit");
+/// Runs the fixture in `mode` (a parent and one forked child); the child's profile must hold
+/// its CPU time in fixture_child_burn.
+fn forked_child_writes_its_profile(mode: &str) {
+    let dir = work_dir(mode);
     let out = record(
         &["--alloc-interval", "64K", "-o", dir.to_str().unwrap()],
         fixture(false),
-        &["fork-quick-exit"],
+        &[mode],
     );
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
@@ -648,31 +648,18 @@ fn a_forked_child_ending_with_underscore_exit_writes_its_profile() {
     );
 }
 
+/// A forked worker that ends with `_exit` writes its own profile, with its CPU time.
+#[test]
+fn a_forked_child_ending_with_underscore_exit_writes_its_profile() {
+    forked_child_writes_its_profile("fork-quick-exit");
+}
+
 /// A forked worker ended by SIGTERM (a process pool's `terminate`, a server's shutdown): its
 /// profiler threads started again, so it flushes on the signal as its parent would, and the
-/// signal then takes its course.
+/// signal then takes its course (the fixture's parent returns 1 otherwise).
 #[test]
 fn a_forked_child_ended_by_sigterm_writes_its_profile() {
-    let dir = work_dir("fork-sigterm");
-    let out = record(
-        &["--alloc-interval", "64K", "-o", dir.to_str().unwrap()],
-        fixture(false),
-        &["fork-sigterm"],
-    );
-    let stdout = text(&out.stdout);
-    assert!(
-        out.status.success(),
-        "the child did not end by SIGTERM: {stdout}\n{}",
-        text(&out.stderr)
-    );
-    let files = profiles(&dir);
-    assert_eq!(files.len(), 2, "{stdout}");
-    assert!(
-        files
-            .iter()
-            .any(|(_, f)| through(&load(f), "cpu-time", "fixture_child_burn") > 0),
-        "no profile with the child's CPU time: {stdout}"
-    );
+    forked_child_writes_its_profile("fork-sigterm");
 }
 
 /// `_exit` from a signal handler that interrupted `malloc` (which then holds the allocator's
