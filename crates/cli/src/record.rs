@@ -336,6 +336,25 @@ const NO_PROFILE: &str = "the command wrote no profile: it may have been killed 
 /// Most profile files [`cpu_by_process`] reads: the largest ones, where busy processes are.
 const CPU_SCAN_FILES: usize = 200;
 
+/// Each process's last profile, with its command name: that of its last image when it
+/// exec'd, written last.
+fn last_profiles(
+    written: &BTreeMap<(String, i32), Vec<PathBuf>>,
+) -> BTreeMap<i32, (&str, &PathBuf)> {
+    let mut lasts: BTreeMap<i32, (&str, &PathBuf, Option<std::time::SystemTime>)> = BTreeMap::new();
+    for ((comm, p), files) in written {
+        let Some(f) = files.last() else { continue };
+        let at = std::fs::metadata(f).and_then(|m| m.modified()).ok();
+        if lasts.get(p).is_none_or(|&(_, _, seen)| at > seen) {
+            lasts.insert(*p, (comm.as_str(), f, at));
+        }
+    }
+    lasts
+        .into_iter()
+        .map(|(p, (c, f, _))| (p, (c, f)))
+        .collect()
+}
+
 /// The process whose profiles hold the most CPU time.
 struct Busiest {
     pid: i32,
@@ -344,36 +363,32 @@ struct Busiest {
     last: PathBuf,
 }
 
-/// Writes into `out` the CPU time of the busiest processes and returns the busiest one when that is not
-/// the command `pid` (it used more CPU than the command). Reads at most [`CPU_SCAN_FILES`]
+/// Writes into `out` the CPU time of the busiest processes and returns the busiest one when
+/// that is not the command `pid` (it used more CPU than the command). Reads at most [`CPU_SCAN_FILES`]
 /// files, the largest; unreadable ones are skipped (the list above names them all). `moved`:
 /// a file of `written` and where it is now (`-o FILE`).
 fn cpu_by_process<'a>(
     written: &'a BTreeMap<(String, i32), Vec<PathBuf>>,
+    lasts: &BTreeMap<i32, (&str, &PathBuf)>,
     pid: i32,
     moved: Option<(&'a Path, &'a Path)>,
     out: &mut String,
 ) -> Option<Busiest> {
     use std::fmt::Write as _;
-    let mut files: Vec<(u64, &str, i32, &Path)> = written
+    let mut files: Vec<(u64, i32, &Path)> = written
         .iter()
-        .flat_map(|((comm, p), fs)| fs.iter().map(move |f| (comm.as_str(), *p, f.as_path())))
-        .map(|(comm, p, f)| match moved {
-            Some((from, to)) if from == f => (comm, p, to),
-            _ => (comm, p, f),
+        .flat_map(|((_, p), fs)| fs.iter().map(move |f| (*p, f.as_path())))
+        .map(|(p, f)| match moved {
+            Some((from, to)) if from == f => (p, to),
+            _ => (p, f),
         })
-        .map(|(comm, p, f)| {
-            let size = std::fs::metadata(f).map(|m| m.len()).unwrap_or(0);
-            (size, comm, p, f)
-        })
+        .map(|(p, f)| (std::fs::metadata(f).map(|m| m.len()).unwrap_or(0), p, f))
         .collect();
     let scanned_all = files.len() <= CPU_SCAN_FILES;
     files.sort_by_key(|&(size, ..)| std::cmp::Reverse(size));
     files.truncate(CPU_SCAN_FILES);
-    // pid -> (CPU ns, command name of its last image, its last profile, when written)
-    let mut by_pid: BTreeMap<i32, (i64, &str, &Path, Option<std::time::SystemTime>)> =
-        BTreeMap::new();
-    for (_, comm, p, f) in files {
+    let mut by_pid: BTreeMap<i32, i64> = BTreeMap::new();
+    for (_, p, f) in files {
         let Ok(prof) = report::load(f) else { continue };
         let Some(i) = prof.value_index("cpu-time") else {
             continue;
@@ -383,19 +398,16 @@ fn cpu_by_process<'a>(
             .iter()
             .filter_map(|s| s.value.get(i))
             .fold(0i64, |a, &v| a.saturating_add(v));
-        let at = std::fs::metadata(f).and_then(|m| m.modified()).ok();
-        let e = by_pid.entry(p).or_insert((0, comm, f, at));
-        e.0 = e.0.saturating_add(cpu);
-        if at > e.3 {
-            (e.1, e.2, e.3) = (comm, f, at);
-        }
+        let e = by_pid.entry(p).or_default();
+        *e = e.saturating_add(cpu);
     }
-    let mut rows: Vec<_> = by_pid.into_iter().filter(|(_, r)| r.0 > 0).collect();
+    let comm = |p: i32| lasts.get(&p).map_or("?", |&(c, _)| c);
+    let mut rows: Vec<(i32, i64)> = by_pid.into_iter().filter(|&(_, cpu)| cpu > 0).collect();
     if rows.is_empty() {
         return None;
     }
-    rows.sort_by_key(|(p, r)| (std::cmp::Reverse(r.0), *p));
-    let total: i64 = rows.iter().map(|(_, r)| r.0).sum();
+    rows.sort_by_key(|&(p, cpu)| (std::cmp::Reverse(cpu), p));
+    let total: i64 = rows.iter().map(|&(_, cpu)| cpu).sum();
     let scope = if scanned_all {
         String::new()
     } else {
@@ -403,13 +415,14 @@ fn cpu_by_process<'a>(
     };
     let _ = writeln!(out, "\nCPU time by process{scope}:");
     const SHOWN: usize = 5;
-    for (p, (cpu, comm, _, _)) in rows.iter().take(SHOWN) {
-        let role = if *p == pid { " (the command)" } else { "" };
+    for &(p, cpu) in rows.iter().take(SHOWN) {
+        let role = if p == pid { " (the command)" } else { "" };
         let _ = writeln!(
             out,
-            "  {:>10}  {:>5.1}%  {comm} pid {p}{role}",
-            report::format_value(*cpu, "nanoseconds"),
-            *cpu as f64 * 100.0 / total as f64
+            "  {:>10}  {:>5.1}%  {} pid {p}{role}",
+            report::format_value(cpu, "nanoseconds"),
+            cpu as f64 * 100.0 / total as f64,
+            comm(p)
         );
     }
     if rows.len() > SHOWN {
@@ -417,9 +430,9 @@ fn cpu_by_process<'a>(
     }
     // Many processes of a few commands (a build's compilers): the sum per command says more.
     let mut by_comm: BTreeMap<&str, (i64, usize)> = BTreeMap::new();
-    for (_, (cpu, comm, _, _)) in &rows {
-        let e = by_comm.entry(comm).or_default();
-        e.0 = e.0.saturating_add(*cpu);
+    for &(p, cpu) in &rows {
+        let e = by_comm.entry(comm(p)).or_default();
+        e.0 = e.0.saturating_add(cpu);
         e.1 += 1;
     }
     if by_comm.len() < rows.len() {
@@ -439,11 +452,12 @@ fn cpu_by_process<'a>(
             let _ = writeln!(out, "  ... and {} more", comms.len() - SHOWN);
         }
     }
-    let (top_pid, (_, comm, last, _)) = rows.swap_remove(0);
-    (top_pid != pid).then(|| Busiest {
-        pid: top_pid,
-        comm: comm.to_owned(),
-        last: last.to_path_buf(),
+    let top = rows[0].0;
+    let &(name, last) = lasts.get(&top)?;
+    (top != pid).then(|| Busiest {
+        pid: top,
+        comm: name.to_owned(),
+        last: last.clone(),
     })
 }
 
@@ -733,20 +747,12 @@ fn report(
     n: usize,
     heap_peak: impl Fn(i32) -> Option<u64>,
 ) -> anyhow::Result<()> {
-    // An exec keeps the pid under a new command name: processes are pids.
-    let procs = written
-        .keys()
-        .map(|(_, p)| *p)
-        .collect::<std::collections::BTreeSet<_>>()
-        .len();
+    // An exec keeps the pid under a new command name: processes are pids. Read before the
+    // command's last profile moves to FILE.
+    let lasts = last_profiles(written);
+    let procs = lasts.len();
     let count: usize = written.values().map(Vec::len).sum();
-    // The command's last profile: that of its last image when it exec'd, written last.
-    let original = written
-        .iter()
-        .filter(|((_, p), _)| *p == pid)
-        .filter_map(|(_, v)| v.last())
-        .max_by_key(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
-        .cloned();
+    let original = lasts.get(&pid).map(|&(_, f)| f.clone());
     let main_last = match (&original, file) {
         (Some(last), Some(file)) => {
             std::fs::rename(last, file).map_err(|e| {
@@ -801,7 +807,7 @@ fn report(
     let busiest = if profiles.cpu && procs > 1 {
         let moved = original.as_deref().zip(main_last.as_deref());
         let mut out = String::new();
-        let busiest = cpu_by_process(written, pid, moved, &mut out);
+        let busiest = cpu_by_process(written, &lasts, pid, moved, &mut out);
         print!("{out}");
         busiest
     } else {
@@ -895,8 +901,10 @@ mod tests {
             std::fs::write(&f, p.encode_gzip()).unwrap();
             written.insert((comm.to_owned(), pid), vec![f]);
         }
+        let lasts = last_profiles(&written);
         let mut out = String::new();
-        let busiest = cpu_by_process(&written, 10, None, &mut out).expect("a busiest process");
+        let busiest =
+            cpu_by_process(&written, &lasts, 10, None, &mut out).expect("a busiest process");
         assert_eq!((busiest.pid, busiest.comm.as_str()), (13, "as"), "{out}");
         let by_command = out.split("by command:").nth(1).expect(&out);
         let first = by_command.lines().nth(1).expect(&out);
@@ -907,7 +915,7 @@ mod tests {
         // The command itself busiest: no other process's tables.
         let mut out = String::new();
         assert!(
-            cpu_by_process(&written, 13, None, &mut out).is_none(),
+            cpu_by_process(&written, &lasts, 13, None, &mut out).is_none(),
             "{out}"
         );
         let _ = std::fs::remove_dir_all(&dir);
