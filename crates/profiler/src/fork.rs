@@ -39,7 +39,7 @@
 //! those while waiting at the gate, so draining it always finishes.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
@@ -68,7 +68,7 @@ pub(crate) fn outside_fork<R>(f: impl FnOnce() -> R) -> R {
     impl Drop for Leave {
         fn drop(&mut self) {
             if let Some(shard) = self.0 {
-                GATE.leave(shard);
+                leave_gate(shard);
             }
         }
     }
@@ -76,17 +76,32 @@ pub(crate) fn outside_fork<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+fn leave_gate(shard: usize) {
+    GATE.leave(shard);
+    crate::tls::STATE.with(|s| s.gate_depth.set(s.gate_depth.get().saturating_sub(1)));
+}
+
 /// Enters the fork gate, waiting while a fork is being prepared. Returns the shard counted in,
 /// to be left with `GATE.leave`; `None` on the forking thread itself (from another library's
 /// prepare handler: it cannot be inside the recorder when the fork happens, since it is the
 /// one forking).
 fn enter_gate() -> Option<usize> {
+    let depth = crate::tls::STATE.with(|s| s.gate_depth.get());
+    if depth > 0 {
+        // Inside already (a signal handler that interrupted this thread in the recorder): no
+        // fork can be past its prepare handler while this thread is counted in, and waiting
+        // here for one being prepared would wait for ourselves.
+        let shard = GATE.enter();
+        crate::tls::STATE.with(|s| s.gate_depth.set(depth + 1));
+        return Some(shard);
+    }
     let mut round = 0u32;
     loop {
         // Count in, then look (and `close_gate` the other way round), all SeqCst: either the
         // prepare handler sees this thread counted, or this thread sees FORKING.
         let shard = GATE.enter();
         if !FORKING.load(Ordering::SeqCst) {
+            crate::tls::STATE.with(|s| s.gate_depth.set(1));
             return Some(shard);
         }
         GATE.leave(shard);
@@ -206,10 +221,46 @@ pub(crate) fn register() {
     });
 }
 
-/// Whether `prepare` took the kept blocks' lock (see `alloc::keep`).
-static KEEP_LOCKED: AtomicBool = AtomicBool::new(false);
+/// Held from the prepare handler of one fork to its parent or child handler: one fork at a time
+/// goes through the handlers below. glibc runs prepare handlers without a lock of its own, so
+/// two threads forking at once would otherwise run them side by side, and the first fork's
+/// parent handler would reopen the gate while the second fork still counted on it closed (the
+/// second child then inherited a recorder lock held by a thread it does not have).
+static FORK_LOCK: crate::forklock::Mutex<()> = crate::forklock::Mutex::new(());
+/// The forking thread's count of `forklock` holds before `prepare` took its own (the child
+/// resets those locks, so it puts the count back too).
+static HELD_BEFORE: AtomicU32 = AtomicU32::new(0);
+
+/// Whether the calling thread can prepare a fork: a fork from a thread that is inside the fork
+/// gate or holds one of the profiler's locks (a signal handler that interrupted the profiler, a
+/// crash handler that forks) would wait for itself. Such a fork is let through untouched.
+fn can_prepare() -> bool {
+    let (depth, skips) = crate::tls::STATE.with(|s| (s.gate_depth.get(), s.fork_skips.get()));
+    depth == 0
+        && skips == 0
+        && crate::forklock::held_by_this_thread() == 0
+        && !FORKING_THREAD.with(Cell::get)
+}
+
+/// Whether the fork that just happened was one [`prepare`] let through untouched.
+fn take_skip() -> bool {
+    crate::tls::STATE.with(|s| {
+        let n = s.fork_skips.get();
+        if n > 0 {
+            s.fork_skips.set(n - 1);
+        }
+        n > 0
+    })
+}
 
 extern "C" fn prepare() {
+    if !can_prepare() {
+        crate::tls::STATE.with(|s| s.fork_skips.set(s.fork_skips.get() + 1));
+        return;
+    }
+    HELD_BEFORE.store(crate::forklock::held_by_this_thread(), Ordering::Relaxed);
+    // SAFETY (released in `parent`, reset in `child`): the guard is forgotten, not dropped.
+    std::mem::forget(FORK_LOCK.lock());
     crate::labels::before_fork();
     close_gate();
     // After the gate: a thread inside the gate may walk the loader's list and must get out.
@@ -219,12 +270,12 @@ extern "C" fn prepare() {
             IN_FORK.store(Arc::into_raw(sh) as *mut Shared, Ordering::SeqCst);
         }
     });
-    // Last: nothing above may allocate a kept block while the lock is held here.
-    KEEP_LOCKED.store(crate::alloc::keep::before_fork(), Ordering::SeqCst);
 }
 
 extern "C" fn parent() {
-    crate::alloc::keep::after_fork(false, KEEP_LOCKED.swap(false, Ordering::SeqCst));
+    if take_skip() {
+        return;
+    }
     crate::labels::after_fork(false);
     let p = IN_FORK.swap(std::ptr::null_mut(), Ordering::SeqCst);
     if !p.is_null() {
@@ -233,10 +284,22 @@ extern "C" fn parent() {
     }
     open_loader_walks(false);
     open_gate(false);
+    // Last: the next fork's prepare handler finds everything above open again.
+    // SAFETY: `prepare`, on this thread, locked it and forgot the guard.
+    unsafe { FORK_LOCK.force_unlock() };
 }
 
 extern "C" fn child() {
-    crate::alloc::keep::after_fork(true, KEEP_LOCKED.swap(false, Ordering::SeqCst));
+    if take_skip() {
+        // Forked from inside the profiler: what this thread holds stays held in the child. The
+        // child leaves the profiler behind (its allocations and frees no longer reach it)
+        // rather than wait on it.
+        RESTART.store(IDLE, Ordering::SeqCst);
+        state::abandon_in_child();
+        return;
+    }
+    // SAFETY: this is the forked child's only thread, which took the lock in `prepare`.
+    unsafe { crate::forklock::reset_in_child(&FORK_LOCK) };
     let p = IN_FORK.swap(std::ptr::null_mut(), Ordering::SeqCst);
     // A restart under way in the parent (another thread inside `resume_slow`) is not this
     // child's: its thread did not survive the fork.
@@ -244,6 +307,8 @@ extern "C" fn child() {
     open_loader_walks(true);
     crate::state::reset_current_tid();
     crate::labels::after_fork(true);
+    // The locks reset above were this thread's holds.
+    crate::tls::STATE.with(|s| s.fork_locks.set(HELD_BEFORE.load(Ordering::Relaxed)));
     if p.is_null() {
         open_gate(true);
         return;
@@ -260,8 +325,16 @@ extern "C" fn child() {
         crate::alloc::arena::after_fork_in_child();
         // SAFETY: this is the forked child's only thread.
         unsafe { sh.after_fork_in_child() };
+        if !sh.recorder.locks_free_after_fork() {
+            // Cannot happen while the gate holds (every recorder lock is taken inside it), but
+            // a child must never wait on a lock: it leaves the profiler behind instead.
+            state::abandon_in_child();
+            open_gate(true);
+            return;
+        }
         sh.recorder.reset_after_fork();
-        sh.alloc_totals.clear_after_fork();
+        // SAFETY: this is the forked child's only thread.
+        unsafe { sh.alloc_totals.clear_after_fork() };
         open_gate(true);
         if sh.settings.restart_after_fork && !sh.stopping.load(Ordering::SeqCst) {
             // Not now: a child that execs right away must neither pay for a start nor have a
@@ -447,7 +520,7 @@ impl ferroprof_recorder::SharedStateGate for SerializeSteps {
 
     fn leave(&self) {
         if let Some(shard) = self.shard.take() {
-            GATE.leave(shard);
+            leave_gate(shard);
         }
     }
 }

@@ -39,17 +39,24 @@ unsafe impl lock_api::RawMutex for RawForkLock {
         {
             self.lock_contended();
         }
+        count_held(1);
     }
 
     #[inline]
     fn try_lock(&self) -> bool {
-        self.state
+        let got = self
+            .state
             .compare_exchange(FREE, HELD, Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
+            .is_ok();
+        if got {
+            count_held(1);
+        }
+        got
     }
 
     #[inline]
     unsafe fn unlock(&self) {
+        count_held(-1);
         if self.state.swap(FREE, Ordering::Release) == CONTENDED {
             wake(&self.state, 1);
         }
@@ -59,6 +66,18 @@ unsafe impl lock_api::RawMutex for RawForkLock {
     fn is_locked(&self) -> bool {
         self.state.load(Ordering::Relaxed) != FREE
     }
+}
+
+/// Counts the calling thread's holds (a `Cell` in const TLS: no allocation, never torn down),
+/// so that a fork from a signal handler that interrupted a holder can tell (see `crate::fork`).
+#[inline]
+fn count_held(d: i32) {
+    crate::tls::STATE.with(|s| s.fork_locks.set(s.fork_locks.get().wrapping_add_signed(d)));
+}
+
+/// How many `forklock` mutexes the calling thread holds.
+pub(crate) fn held_by_this_thread() -> u32 {
+    crate::tls::STATE.with(|s| s.fork_locks.get())
 }
 
 impl RawForkLock {

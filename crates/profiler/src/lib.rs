@@ -73,6 +73,7 @@ mod fork;
 mod forklock;
 mod modules;
 mod notice;
+mod ownthread;
 mod profiler;
 mod sampler;
 mod settings;

@@ -747,37 +747,31 @@ fn probe_allocator() {
 pub(crate) fn spawn_threads(shared: &Arc<Shared>) -> Result<(), ProfilerError> {
     let (tx, rx) = std::sync::mpsc::channel();
     let sh = shared.clone();
-    let export = std::thread::Builder::new()
-        .name("ferroprof-export".into())
-        .stack_size(2 << 20)
-        .spawn(move || {
-            tls::enter_profiler_thread();
-            sh.own_tids[1].store(state::current_tid(), Ordering::SeqCst);
-            let _ = tx.send(());
-            export_loop(&sh);
-        })
-        .map_err(|source| ProfilerError::Spawn {
-            what: "export",
-            source,
-        })?;
+    let export = crate::ownthread::spawn("ferroprof-export", 2 << 20, move || {
+        tls::enter_profiler_thread();
+        sh.own_tids[1].store(state::current_tid(), Ordering::SeqCst);
+        let _ = tx.send(());
+        export_loop(&sh);
+    })
+    .map_err(|source| ProfilerError::Spawn {
+        what: "export",
+        source,
+    })?;
     shared.threads.lock().export = Some(export);
     let _ = rx.recv();
     if shared.settings.profiles.needs_sampler() {
         let (tx, rx) = std::sync::mpsc::channel();
         let sh = shared.clone();
-        let sampler = std::thread::Builder::new()
-            .name("ferroprof-sampler".into())
-            .stack_size(512 << 10)
-            .spawn(move || {
-                tls::enter_profiler_thread();
-                sh.own_tids[0].store(state::current_tid(), Ordering::SeqCst);
-                let _ = tx.send(());
-                Sampler::new(sh).run();
-            })
-            .map_err(|source| ProfilerError::Spawn {
-                what: "sampler",
-                source,
-            })?;
+        let sampler = crate::ownthread::spawn("ferroprof-sampler", 512 << 10, move || {
+            tls::enter_profiler_thread();
+            sh.own_tids[0].store(state::current_tid(), Ordering::SeqCst);
+            let _ = tx.send(());
+            Sampler::new(sh).run();
+        })
+        .map_err(|source| ProfilerError::Spawn {
+            what: "sampler",
+            source,
+        })?;
         shared.threads.lock().sampler = Some(sampler);
         let _ = rx.recv();
     }
@@ -1067,7 +1061,9 @@ impl ProfilerGuard {
     }
 
     fn stop_inner(&mut self) -> Result<(), ProfilerError> {
-        if self.stopped {
+        if self.stopped || state::abandoned() {
+            // An abandoned profiler (a child forked from inside it) has nothing to stop that
+            // this process could wait for.
             return Ok(());
         }
         self.stopped = true;

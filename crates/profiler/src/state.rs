@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use crate::forklock::{reset_in_child, Mutex};
+use crate::ownthread::OwnThread;
 use ferroprof_recorder::StackRecorder;
 
 use crate::alloc::totals::AllocTotals;
@@ -120,10 +121,10 @@ pub(crate) struct Tap {
 /// Threads of a running profiler.
 #[derive(Default)]
 pub(crate) struct Threads {
-    pub sampler: Option<std::thread::JoinHandle<()>>,
-    pub export: Option<std::thread::JoinHandle<()>>,
+    pub sampler: Option<OwnThread<()>>,
+    pub export: Option<OwnThread<()>>,
     /// The thread that flushes on SIGTERM/SIGINT (opt-in, see `crate::termination`).
-    pub termination: Option<std::thread::JoinHandle<()>>,
+    pub termination: Option<OwnThread<()>>,
 }
 
 pub(crate) struct Shared {
@@ -269,11 +270,11 @@ impl Shared {
             reset_in_child(&self.threads);
             let threads = &mut *self.threads.data_ptr();
             // Handles of the parent's threads: joining them in the child would wait forever.
-            std::mem::forget(threads.sampler.take());
-            std::mem::forget(threads.export.take());
+            threads.sampler.take().map(OwnThread::forget);
+            threads.export.take().map(OwnThread::forget);
             // The parent's flush-on-termination thread too (its handler, still installed, knows
             // it is not this process's: see `crate::termination`).
-            std::mem::forget(threads.termination.take());
+            threads.termination.take().map(OwnThread::forget);
             if self.taps.is_locked() {
                 reset_in_child(&self.taps);
                 std::mem::forget(std::ptr::read(self.taps.data_ptr()));
@@ -440,6 +441,23 @@ pub(crate) fn deactivate(shared: &Arc<Shared>) {
     }
     // SAFETY: the reference taken by `activate`; nobody can reach it through ACTIVE any more.
     drop(unsafe { Arc::from_raw(me) });
+}
+
+/// Set in a forked child that left the profiler behind (see [`abandon_in_child`]).
+static ABANDONED: AtomicBool = AtomicBool::new(false);
+
+/// In a forked child that cannot trust the profiler's state (forked from inside it): the
+/// running profiler is unpublished without waiting for anything and leaked, so the child's
+/// allocations and frees no longer reach it, and its guard's `stop` does nothing.
+/// Async-signal-safe.
+pub(crate) fn abandon_in_child() {
+    ABANDONED.store(true, Ordering::SeqCst);
+    ACTIVE.store(std::ptr::null_mut(), Ordering::SeqCst);
+}
+
+/// Whether this process is a forked child that left the profiler behind.
+pub(crate) fn abandoned() -> bool {
+    ABANDONED.load(Ordering::Relaxed)
 }
 
 /// In a forked child: users that were inside are gone.

@@ -69,7 +69,7 @@ fn restore(sig: libc::c_int) {
 pub(crate) fn arm(
     shared: &Arc<Shared>,
     flush: impl Fn() + Send + 'static,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
+) -> std::io::Result<crate::ownthread::OwnThread<()>> {
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: a valid two-int array for pipe2's out-parameters.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -77,37 +77,34 @@ pub(crate) fn arm(
     }
     let (r, w) = (fds[0], fds[1]);
     let stopping = shared.clone();
-    let thread = std::thread::Builder::new()
-        .name("ferroprof-term".into())
-        .stack_size(256 << 10)
-        .spawn(move || {
-            crate::tls::enter_profiler_thread();
-            let mut b = 0u8;
-            loop {
-                // SAFETY: a one-byte read into a valid buffer.
-                let n = unsafe { libc::read(r, &mut b as *mut u8 as *mut libc::c_void, 1) };
-                if n == 1 {
-                    let sig = libc::c_int::from(b);
-                    if stopping.stopping.load(Ordering::SeqCst) {
-                        restore(sig);
-                        // SAFETY: raising a signal has no preconditions.
-                        unsafe { libc::raise(sig) };
-                        continue;
-                    }
-                    log::info!("ferroprof: signal {sig}: writing the last profile before exiting");
-                    flush();
+    let thread = crate::ownthread::spawn("ferroprof-term", 256 << 10, move || {
+        crate::tls::enter_profiler_thread();
+        let mut b = 0u8;
+        loop {
+            // SAFETY: a one-byte read into a valid buffer.
+            let n = unsafe { libc::read(r, &mut b as *mut u8 as *mut libc::c_void, 1) };
+            if n == 1 {
+                let sig = libc::c_int::from(b);
+                if stopping.stopping.load(Ordering::SeqCst) {
                     restore(sig);
-                    // SAFETY: as above.
-                    unsafe { libc::kill(libc::getpid(), sig) };
-                } else if n == 0
-                    || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
-                {
-                    break;
+                    // SAFETY: raising a signal has no preconditions.
+                    unsafe { libc::raise(sig) };
+                    continue;
                 }
+                log::info!("ferroprof: signal {sig}: writing the last profile before exiting");
+                flush();
+                restore(sig);
+                // SAFETY: as above.
+                unsafe { libc::kill(libc::getpid(), sig) };
+            } else if n == 0
+                || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
+            {
+                break;
             }
-            // SAFETY: our own descriptor, closed once.
-            unsafe { libc::close(r) };
-        });
+        }
+        // SAFETY: our own descriptor, closed once.
+        unsafe { libc::close(r) };
+    });
     let thread = match thread {
         Ok(t) => t,
         Err(e) => {
@@ -178,7 +175,7 @@ pub(crate) fn rearm_in_child(shared: &Arc<Shared>) {
 }
 
 /// Puts back the previous handlers (where ours is still installed) and ends the thread.
-pub(crate) fn disarm(thread: std::thread::JoinHandle<()>) {
+pub(crate) fn disarm(thread: crate::ownthread::OwnThread<()>) {
     for &sig in &SIGNALS {
         // SAFETY: reads the current disposition into a zeroed struct we own.
         let current = unsafe {

@@ -38,6 +38,13 @@ pub(crate) struct ThreadState {
     pub keep: Cell<bool>,
     /// This thread's label slot plus one (see `crate::labels`); 0 = none.
     pub label_slot: Cell<u32>,
+    /// How deep this thread is inside the fork gate (see `crate::fork`).
+    pub gate_depth: Cell<u32>,
+    /// `forklock` mutexes this thread holds now: a fork from a thread holding one of the
+    /// profiler's locks (a signal handler that interrupted the profiler) cannot be prepared.
+    pub fork_locks: Cell<u32>,
+    /// Forks this thread began that the profiler's handlers left alone (see `crate::fork`).
+    pub fork_skips: Cell<u32>,
 }
 
 thread_local! {
@@ -57,6 +64,9 @@ thread_local! {
             arena: Cell::new(false),
             keep: Cell::new(false),
             label_slot: Cell::new(0),
+            gate_depth: Cell::new(0),
+            fork_locks: Cell::new(0),
+            fork_skips: Cell::new(0),
         }
     };
 }

@@ -83,7 +83,6 @@ impl<T> SpinLock<T> {
     }
 
     /// Whether the lock is held right now.
-    #[cfg(test)]
     pub(crate) fn is_locked(&self) -> bool {
         self.locked.load(Ordering::Acquire)
     }

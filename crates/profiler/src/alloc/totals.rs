@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 
-use parking_lot::Mutex;
+use crate::forklock::{reset_in_child, Mutex};
 
 /// alloc-samples, alloc-samples-unscaled, alloc-space.
 pub(crate) type AllocValues = [i64; 3];
@@ -93,10 +93,18 @@ impl AllocTotals {
     }
 
     /// In a forked child: the parent's allocations are not the child's, whose totals start at
-    /// the fork (as its other profiles do). The lock is only taken inside the fork gate, so it
-    /// is free here; the rows are dropped, not kept for reuse.
-    pub fn clear_after_fork(&self) {
-        *self.inner.lock() = Rows::default();
+    /// the fork (as its other profiles do). Every use of the lock is inside the fork gate, so
+    /// no thread should have held it at the fork; the child does not rely on that: it resets
+    /// the lock without waiting and leaks the rows (a holder may have left them half-updated).
+    ///
+    /// # Safety
+    /// Only in a forked child, before it starts any thread.
+    pub unsafe fn clear_after_fork(&self) {
+        // SAFETY: forwarded: no other thread exists, so a holder is a thread that vanished.
+        unsafe {
+            reset_in_child(&self.inner);
+            std::ptr::write(self.inner.data_ptr(), Rows::default());
+        }
     }
 
     /// Adds one sampled allocation's values to its stack's row.

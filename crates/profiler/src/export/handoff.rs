@@ -171,14 +171,12 @@ impl HandOff {
             self.deliveries.clone(),
         );
         let name = self.name.clone();
-        std::thread::Builder::new()
-            .name(format!("ferroprof-{}", self.name))
-            .stack_size(1 << 20)
-            .spawn(move || {
-                crate::tls::enter_profiler_thread();
-                deliver_loop(&name, &chan, &progress, &deliveries);
-            })
-            .map(drop)
+        // Not std::thread: a forked child starts this thread again (see `crate::ownthread`).
+        crate::ownthread::spawn(&format!("ferroprof-{}", self.name), 1 << 20, move || {
+            crate::tls::enter_profiler_thread();
+            deliver_loop(&name, &chan, &progress, &deliveries);
+        })
+        .map(drop)
     }
 
     /// In a forked child, before anything touches the channel: see the module docs.

@@ -657,30 +657,12 @@ fn on_threads<T: Send>(helpers: usize, name: &str, work: impl Fn() -> Vec<T> + S
     if helpers == 0 {
         return work();
     }
-    std::thread::scope(|scope| {
-        let work = &work;
-        let started: Vec<_> = (1..=helpers)
-            .filter_map(|n| {
-                crate::tls::with_guard(|| {
-                    std::thread::Builder::new()
-                        .name(format!("ferroprof-{name}{n}"))
-                        .spawn_scoped(scope, move || {
-                            crate::tls::enter_profiler_thread();
-                            work()
-                        })
-                        .ok()
-                })
-            })
-            .collect();
-        let mut all = work();
-        for h in started {
-            match h.join() {
-                Ok(done) => all.extend(done),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-        all
-    })
+    // Not std::thread::scope: a forked child's export thread runs passes too (see
+    // `crate::ownthread`).
+    crate::ownthread::Scoped::run(helpers, &format!("ferroprof-{name}"), &work)
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 impl Drop for ProcessSymbolizer {

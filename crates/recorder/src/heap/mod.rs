@@ -342,6 +342,19 @@ impl HeapRecorder {
         }
     }
 
+    /// Whether no lock of the heap recorder is held (for a forked child, which must not wait
+    /// on one that a vanished thread held: it asks before [`Self::after_fork`]).
+    pub fn locks_free(&self) -> bool {
+        self.objs.iter().all(|s| !s.0.is_locked())
+            && self.stacks.iter().all(|s| !s.0.is_locked())
+            && !self.contexts.is_locked()
+            && !self.active.is_locked()
+            && !self.pending.is_locked()
+            && !self.update_stats.is_locked()
+            && !self.iter.is_locked()
+            && !self.deferred_classes.is_locked()
+    }
+
     /// Called in a forked child: finishes any iteration left behind and resets the lifetime stats.
     ///
     /// Records are kept (the child's heap is a copy of the parent's). An update that was running

@@ -50,6 +50,14 @@ impl StackRecorder {
         }
     }
 
+    /// In a forked child, before [`Self::reset_after_fork`]: whether the locks that reset does
+    /// not force open (the string table's, the heap recorder's) are free. When one is held, its
+    /// holder vanished in the fork and what it guards may be half-updated: the child should
+    /// leave this recorder alone rather than take it.
+    pub fn locks_free_after_fork(&self) -> bool {
+        !self.strings.is_locked() && self.heap.as_ref().is_none_or(|h| h.locks_free())
+    }
+
     /// Fork preparation (a `pthread_atfork` prepare handler): waits for a running
     /// serialization, closes both slots to samplers and waits for those inside to leave, and
     /// holds the string storage, so the fork cannot catch any of them half-way through an
