@@ -6,27 +6,32 @@
 //! application's own, where a long-lived block of ours high in an arena keeps the free memory
 //! below it from going back to the kernel. While a thread runs the sampled path ([`with`]), its
 //! allocations come from here instead: the upper part of the arena's reservation
-//! ([`super::arena`]), power-of-two size classes with free lists, one spin lock. Blocks of
-//! two pages and more give their pages back when freed. Any thread may free a kept block
-//! (the export thread frees tables grown on application threads); the range compare of every
-//! free already finds them. Large blocks go to [`super::bigblock`] as before.
+//! ([`super::arena`]), power-of-two size classes with free lists. Blocks of two pages and more
+//! give their pages back when freed. Any thread may free a kept block (the export thread frees
+//! tables grown on application threads); the range compare of every free already finds them.
+//! Large blocks go to [`super::bigblock`] as before.
 //!
-//! The lock guards a few loads and stores (never a call that could allocate or block); a fork
-//! takes it first ([`before_fork`]), so no child inherits it held.
+//! No lock: the free lists are lock-free stacks and fresh blocks come from a bump offset moved
+//! by compare-and-swap. A signal handler that allocates on a thread caught half-way through
+//! taking or giving a block (the application's handler, while the thread records a sample) gets
+//! a block of its own, and a fork never finds anything held.
 
 use std::alloc::Layout;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::arena::{self, CLASSES, MIN_SHIFT, PAGE};
 use crate::tls::STATE;
 
 /// Bump offset from the kept part's base; everything below was handed out once.
 static USED: AtomicUsize = AtomicUsize::new(0);
-/// Free list heads (addresses; 0 = empty); a free block's first word is the next.
-static FREE: [AtomicUsize; CLASSES] = [const { AtomicUsize::new(0) }; CLASSES];
+/// Free list heads: the low half is the first free block (its offset from the kept part's base
+/// in 16-byte units, plus one; 0 = empty), the high half counts changes, so that a pop that
+/// read a head another thread popped and pushed back meanwhile fails its compare-and-swap. A
+/// free block's first word holds the next block in the same form (low half only).
+static FREE: [AtomicU64; CLASSES] = [const { AtomicU64::new(0) }; CLASSES];
+const UNIT: usize = 1 << MIN_SHIFT;
 /// Bytes of blocks handed out and not freed (their classes' sizes).
 static IN_USE: AtomicUsize = AtomicUsize::new(0);
-static LOCK: AtomicBool = AtomicBool::new(false);
 /// Threads in keep mode now.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
 /// Freed blocks at least this large hand their pages back.
@@ -86,26 +91,6 @@ impl Drop for Mode {
     }
 }
 
-struct Locked;
-
-impl Locked {
-    fn take() -> Locked {
-        while LOCK
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            std::hint::spin_loop();
-        }
-        Locked
-    }
-}
-
-impl Drop for Locked {
-    fn drop(&mut self) {
-        LOCK.store(false, Ordering::Release);
-    }
-}
-
 /// A kept block for `layout`, or None (the caller uses the heap).
 pub(crate) fn alloc(layout: Layout, zeroed: bool) -> Option<*mut u8> {
     if layout.align() > PAGE {
@@ -117,29 +102,14 @@ pub(crate) fn alloc(layout: Layout, zeroed: bool) -> Option<*mut u8> {
     if base == 0 {
         return None;
     }
-    let got = {
-        let _l = Locked::take();
-        let head = FREE[c].load(Ordering::Relaxed);
-        let got = if head != 0 {
-            // SAFETY: `head` is a free kept block of this class; its first word is the next.
-            FREE[c].store(unsafe { *(head as *const usize) }, Ordering::Relaxed);
-            Some(head)
-        } else {
-            // Fresh blocks are aligned to their size up to a page (every class's need).
-            let align = size.min(PAGE);
-            let used = USED.load(Ordering::Relaxed);
-            let start = (used + align - 1) & !(align - 1);
-            let end = start.checked_add(size)?;
-            if end > arena::KEEP_LEN {
-                return None;
-            }
-            USED.store(end, Ordering::Relaxed);
+    let got = match pop(c, base) {
+        Some(p) => p,
+        None => {
             // Low bit set: a fresh block, never handed out, still the kernel's zero pages.
-            Some((base + start) | 1)
-        };
-        IN_USE.fetch_add(size, Ordering::Relaxed);
-        got
-    }?;
+            (fresh_block(size)? + base) | 1
+        }
+    };
+    IN_USE.fetch_add(size, Ordering::Relaxed);
     let (p, fresh) = (got & !1, got & 1 == 1);
     if zeroed && !fresh {
         // Blocks this large had their pages handed back when freed, but for the link.
@@ -154,6 +124,47 @@ pub(crate) fn alloc(layout: Layout, zeroed: bool) -> Option<*mut u8> {
     Some(p as *mut u8)
 }
 
+/// The first free block of class `c`, taken off its list.
+fn pop(c: usize, base: usize) -> Option<usize> {
+    let head = &FREE[c];
+    let mut h = head.load(Ordering::Acquire);
+    loop {
+        let idx = h as u32;
+        if idx == 0 {
+            return None;
+        }
+        let p = base + (idx as usize - 1) * UNIT;
+        // SAFETY: `p` lies in the kept part of the reservation, which stays mapped for the
+        // process's life. If another thread took the block since `h` was read, the word read
+        // may be anything: the change count in `h` then fails the swap below and nothing read
+        // here is used.
+        let next = unsafe { (*(p as *const AtomicU64)).load(Ordering::Relaxed) };
+        let new = ((h >> 32).wrapping_add(1) << 32) | (next & 0xffff_ffff);
+        match head.compare_exchange_weak(h, new, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Some(p),
+            Err(now) => h = now,
+        }
+    }
+}
+
+/// A block of `size` bytes never handed out before: its offset from the kept part's base.
+fn fresh_block(size: usize) -> Option<usize> {
+    // Aligned to their size up to a page (every class's need).
+    let align = size.min(PAGE);
+    let mut used = USED.load(Ordering::Relaxed);
+    loop {
+        let start = (used + align - 1) & !(align - 1);
+        let end = start.checked_add(size)?;
+        if end > arena::KEEP_LEN {
+            return None;
+        }
+        match USED.compare_exchange_weak(used, end, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(start),
+            Err(now) => used = now,
+        }
+    }
+}
+
 /// Frees a kept block.
 pub(crate) fn free(ptr: *mut u8, layout: Layout) {
     let Some(c) = arena::class_of(layout) else {
@@ -165,35 +176,21 @@ pub(crate) fn free(ptr: *mut u8, layout: Layout) {
         // page-aligned multiples of a page).
         unsafe { libc::madvise(ptr as *mut libc::c_void, size, libc::MADV_DONTNEED) };
     }
-    let _l = Locked::take();
-    // SAFETY: the block is at least 16 bytes and no longer used by anyone.
-    unsafe { *(ptr as *mut usize) = FREE[c].load(Ordering::Relaxed) };
-    FREE[c].store(ptr as usize, Ordering::Relaxed);
-    IN_USE.fetch_sub(size, Ordering::Relaxed);
-}
-
-/// Called before a fork: takes the lock so that the child does not inherit it held by a
-/// thread that does not exist there. Gives up after a while (a fork from a signal handler that
-/// interrupted this thread's own critical section); the child then resets it.
-pub(crate) fn before_fork() -> bool {
-    for _ in 0..1_000_000 {
-        if LOCK
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-        {
-            return true;
+    let idx = ((ptr as usize - arena::keep_base()) / UNIT + 1) as u64;
+    // SAFETY: the block is at least 16 bytes, 8-aligned, and no longer used by anyone but this
+    // list (a stale pop may read its first word: atomically, see `pop`).
+    let link = unsafe { &*(ptr as *const AtomicU64) };
+    let head = &FREE[c];
+    let mut h = head.load(Ordering::Relaxed);
+    loop {
+        link.store(h & 0xffff_ffff, Ordering::Relaxed);
+        let new = ((h >> 32).wrapping_add(1) << 32) | idx;
+        match head.compare_exchange_weak(h, new, Ordering::Release, Ordering::Relaxed) {
+            Ok(_) => break,
+            Err(now) => h = now,
         }
-        std::hint::spin_loop();
     }
-    false
-}
-
-/// After a fork, in the parent (`taken`: what [`before_fork`] returned) and in the child.
-/// Async-signal-safe.
-pub(crate) fn after_fork(in_child: bool, taken: bool) {
-    if taken || in_child {
-        LOCK.store(false, Ordering::Release);
-    }
+    IN_USE.fetch_sub(size, Ordering::Relaxed);
 }
 
 #[cfg(test)]
