@@ -13,16 +13,21 @@
 //!
 //! A small server on `std::net` and `poll`, built so that clients cannot hurt the host:
 //! - The accept thread only accepts (it waits in `poll` on the listener and a wake-up socket)
-//!   and passes each connection to the reading thread; it never reads from a client.
+//!   and passes each connection to the reading thread; it never reads from a client. When the
+//!   reading thread is behind, it pauses and leaves new connections in the listen backlog.
 //! - The reading thread receives the request heads of all connections at once with
 //!   non-blocking reads. Each head must arrive whole within [`HttpConfig::read_timeout`] of the
 //!   accept, however slowly its bytes trickle in (then `408`). At most
 //!   [`HttpConfig::max_reading`] connections are read; a new one beyond that displaces the one
-//!   that has been reading longest. A new connection is read before it can displace anyone, so
-//!   a client that sends its request at once gets through a crowd of slow ones.
+//!   that has been reading longest, which gets `503`. A new connection is read before it can
+//!   displace anyone, so a client that sends its request at once gets through a crowd of slow
+//!   ones.
 //! - A complete request gets a short-lived thread of its own. At most
 //!   [`HttpConfig::max_concurrent`] requests are served at once (a profile request holds its
 //!   slot for N seconds); requests beyond that get `503`. Writing a response has a deadline too.
+//! - Error answers and `503`s are sent by the reading thread without blocking, and each
+//!   connection is closed gracefully: no connection is closed without a status line, except by
+//!   [`PprofServer::stop`] or when the client is gone.
 //! - [`PprofServer::stop`] closes every client connection and returns within a second; a request
 //!   thread still inside a capture is left to finish on its own and then sends nothing.
 //!
@@ -53,6 +58,11 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a connection is drained after its response, so that bytes the client still sends
 /// do not make the close a reset that destroys the response before the client reads it.
 const LINGER: Duration = Duration::from_millis(250);
+/// How long an answer sent without a thread of its own (an error, a `503`) may take to write.
+/// It is small and goes out in one non-blocking write unless the client's window is closed.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the accept thread looks whether the inbox has room again.
+const INBOX_RETRY: Duration = Duration::from_millis(10);
 /// How long [`PprofServer::stop`] waits for connection threads to see their socket closed.
 /// Threads inside a capture are not waited for: they cannot see it.
 const STOP_GRACE: Duration = Duration::from_millis(500);
@@ -104,7 +114,7 @@ pub struct HttpConfig {
     pub max_concurrent: usize,
     /// Connections whose request head is still being received (they cost a descriptor and a
     /// buffer each, no thread). When all are taken, a new connection displaces the one that has
-    /// been receiving longest.
+    /// been receiving longest, which is answered 503.
     pub max_reading: usize,
     /// Deadline for receiving the whole request head, counted from the connection's accept
     /// (not per read: a client trickling bytes is cut off too); then 408.
@@ -189,9 +199,9 @@ impl PprofServer {
         drop(wake);
         let _ = (&shared.notify).write(&[1]);
         let mut conns = shared.lock();
-        for conn in conns.open.values() {
+        for stream in conns.open.values() {
             // Ends every blocked read and write on the connection's own thread.
-            let _ = conn.stream.shutdown(Shutdown::Both);
+            let _ = stream.shutdown(Shutdown::Both);
         }
         let deadline = Instant::now() + STOP_GRACE;
         while conns.loops > 0 || conns.threads > conns.in_source {
@@ -403,9 +413,9 @@ struct Shared {
 struct Conns {
     /// Id of the next connection.
     next_id: u64,
-    /// Connections handed to their own thread, each with a clone of its socket so that `stop`
-    /// can shut it down.
-    open: BTreeMap<u64, Conn>,
+    /// Requests being served, each by a thread of its own, with a clone of its socket so that
+    /// `stop` can shut it down.
+    open: BTreeMap<u64, TcpStream>,
     /// Connection threads alive, and how many of them are inside the profile source.
     threads: usize,
     in_source: usize,
@@ -413,32 +423,13 @@ struct Conns {
     loops: usize,
 }
 
-impl Conns {
-    fn count(&self, phase: Phase) -> usize {
-        self.open.values().filter(|c| c.phase == phase).count()
-    }
-}
-
-struct Conn {
-    stream: TcpStream,
-    phase: Phase,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    /// Producing and sending a response (counts against `max_concurrent`).
-    Serving,
-    /// Sending an error response and closing.
-    Closing,
-}
-
-/// What a connection's thread does.
+/// What a complete request head comes to.
 enum Work {
     Request { method: String, target: String },
     Reply(Reply),
 }
 
-/// Ends a connection's bookkeeping when its thread ends (or never starts).
+/// Ends a connection's bookkeeping when its thread ends.
 struct ConnThread {
     shared: Arc<Shared>,
     id: u64,
@@ -477,21 +468,43 @@ impl Drop for LoopThread {
 /// Accepts until the server stops and hands each connection to the reading thread. Never reads
 /// from a client, so no client can hold up accepting or stopping.
 fn accept_loop(shared: &Shared, listener: TcpListener, woken: UnixStream) {
-    // Beyond this many connections waiting for the reading thread, new ones are closed at once.
+    // With this many connections waiting for the reading thread, accepting pauses: further ones
+    // wait in the listen backlog rather than being closed unanswered.
     let inbox_cap = shared.config.max_reading.saturating_mul(4);
+    let mut full = false;
     while !shared.stopping.load(Ordering::SeqCst) {
-        poll_readable(&[listener.as_raw_fd(), woken.as_raw_fd()], None);
+        let (listener_fd, woken_fd) = (listener.as_raw_fd(), woken.as_raw_fd());
+        if full {
+            // The reading thread does not say when it takes from the inbox: look again soon.
+            poll_ready(
+                &[(woken_fd, libc::POLLIN)],
+                Some(Instant::now() + INBOX_RETRY),
+            );
+        } else {
+            poll_ready(
+                &[(listener_fd, libc::POLLIN), (woken_fd, libc::POLLIN)],
+                None,
+            );
+        }
+        let mut accepted = false;
         loop {
             if shared.stopping.load(Ordering::SeqCst) {
                 return;
             }
+            full = shared.inbox.lock().unwrap_or_else(|e| e.into_inner()).len() >= inbox_cap;
+            if full {
+                break;
+            }
             match listener.accept() {
-                Ok((stream, _)) => {
-                    let mut inbox = shared.inbox.lock().unwrap_or_else(|e| e.into_inner());
-                    if inbox.len() < inbox_cap && stream.set_nonblocking(true).is_ok() {
+                Ok((stream, _)) => match stream.set_nonblocking(true) {
+                    Ok(()) => {
+                        let mut inbox = shared.inbox.lock().unwrap_or_else(|e| e.into_inner());
                         inbox.push((stream, Instant::now()));
+                        accepted = true;
                     }
-                }
+                    // Cannot be read without blocking the reading thread; nor answered.
+                    Err(e) => log::debug!("ferroprof: /debug/pprof: dropping a connection: {e}"),
+                },
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
@@ -502,8 +515,10 @@ fn accept_loop(shared: &Shared, listener: TcpListener, woken: UnixStream) {
                 }
             }
         }
-        // Full means a wake-up is already pending.
-        let _ = (&shared.notify).write(&[1]);
+        if accepted {
+            // A full notification socket means a wake-up is already pending.
+            let _ = (&shared.notify).write(&[1]);
+        }
     }
 }
 
@@ -560,18 +575,97 @@ impl Pending {
     }
 }
 
+/// An answer sent by the reading thread itself (an error, a `503`), without blocking: written,
+/// then the write side shut, then what the client still sends drained until it closes or
+/// [`LINGER`] passes, so the close is not a reset that destroys the answer before it is read.
+struct Answer {
+    stream: TcpStream,
+    out: Vec<u8>,
+    sent: usize,
+    drained: usize,
+    /// For the whole write; once written, for the drain.
+    deadline: Instant,
+}
+
+impl Answer {
+    fn new(stream: TcpStream, reply: &Reply) -> Self {
+        // Already non-blocking unless it comes back from `Shared::start`.
+        let _ = stream.set_nonblocking(true);
+        let mut out = reply_head(reply).into_bytes();
+        out.extend_from_slice(&reply.body);
+        Answer {
+            stream,
+            out,
+            sent: 0,
+            drained: 0,
+            deadline: Instant::now() + ANSWER_TIMEOUT,
+        }
+    }
+
+    fn writing(&self) -> bool {
+        self.sent < self.out.len()
+    }
+
+    /// Writes or drains what can be now; `false` when done with the connection.
+    fn progress(&mut self) -> bool {
+        let mut buf = [0u8; 2048];
+        loop {
+            let step = if self.writing() {
+                self.stream.write(&self.out[self.sent..])
+            } else {
+                self.stream.read(&mut buf)
+            };
+            match step {
+                Ok(0) => return false,
+                Ok(n) if self.writing() => {
+                    self.sent += n;
+                    if !self.writing() {
+                        self.out = Vec::new();
+                        if self.stream.shutdown(Shutdown::Write).is_err() {
+                            return false;
+                        }
+                        self.deadline = Instant::now() + LINGER;
+                    }
+                }
+                Ok(n) => {
+                    self.drained += n;
+                    if self.drained >= 4 * MAX_HEAD {
+                        return false;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
 /// Receives request heads on all connections at once, each within its deadline, and hands
 /// each complete one to a thread of its own. At most `max_reading` connections are read; a new
-/// one beyond that displaces the one that has been reading longest. A new connection is read
-/// before it can displace anyone, so a client that sends its request at once is never displaced
-/// by a crowd of slow ones.
+/// one beyond that displaces the one that has been reading longest, which is answered `503`. A
+/// new connection is read before it can displace anyone, so a client that sends its request at
+/// once is never displaced by a crowd of slow ones. Every connection this thread lets go of has
+/// been answered, except one that closed or failed first.
 fn read_loop(shared: &Arc<Shared>, notified: UnixStream) {
     let max = shared.config.max_reading;
+    // Connections being read or answered here. At the cap, new ones are left in the inbox (and
+    // the accept thread then leaves them in the listen backlog) until answers are done.
+    let cap = max.saturating_mul(4);
     // Oldest first.
     let mut reading: Vec<Pending> = Vec::new();
+    let mut answering: Vec<Answer> = Vec::new();
     let mut fds = Vec::new();
     while !shared.stopping.load(Ordering::SeqCst) {
-        let arrived = std::mem::take(&mut *shared.inbox.lock().unwrap_or_else(|e| e.into_inner()));
+        // Each arrival adds at most one answer (its own or a displaced one's), and a connection
+        // being read becomes at most one: the two together stay within `cap`.
+        let room = cap.saturating_sub(reading.len() + answering.len());
+        let (arrived, waiting) = {
+            let mut inbox = shared.inbox.lock().unwrap_or_else(|e| e.into_inner());
+            let n = room.min(inbox.len());
+            let arrived: Vec<_> = inbox.drain(..n).collect();
+            (arrived, !inbox.is_empty())
+        };
         for (stream, accepted) in arrived {
             let mut p = Pending {
                 stream,
@@ -582,26 +676,56 @@ fn read_loop(shared: &Arc<Shared>, notified: UnixStream) {
             match p.read_some() {
                 Step::More => {
                     if reading.len() >= max {
-                        reading.remove(0); // closes it
+                        let displaced = reading.remove(0);
+                        let busy = Reply::text(
+                            503,
+                            "too many connections are sending their request; try again later",
+                        );
+                        answer(&mut answering, displaced.stream, &busy);
                     }
                     reading.push(p);
                 }
                 Step::Gone => {}
-                Step::Done(work) => shared.start(p.stream, work),
+                Step::Done(work) => hand_off(shared, &mut answering, p.stream, work),
             }
         }
         fds.clear();
-        fds.push(notified.as_raw_fd());
-        fds.extend(reading.iter().map(|p| p.stream.as_raw_fd()));
-        let next_deadline = reading.iter().map(|p| p.deadline).min();
-        let ready = poll_readable(&fds, next_deadline);
+        fds.push((notified.as_raw_fd(), libc::POLLIN));
+        fds.extend(reading.iter().map(|p| (p.stream.as_raw_fd(), libc::POLLIN)));
+        fds.extend(answering.iter().map(|a| {
+            let events = if a.writing() {
+                libc::POLLOUT
+            } else {
+                libc::POLLIN
+            };
+            (a.stream.as_raw_fd(), events)
+        }));
+        let next_deadline = if waiting && reading.len() + answering.len() < cap {
+            // Room again for connections left in the inbox: take them at once.
+            Some(Instant::now())
+        } else {
+            let reads = reading.iter().map(|p| p.deadline);
+            reads.chain(answering.iter().map(|a| a.deadline)).min()
+        };
+        let ready = poll_ready(&fds, next_deadline);
         if ready.first() == Some(&true) {
             let mut sink = [0u8; 64];
             while matches!((&notified).read(&mut sink), Ok(1..)) {}
         }
         let now = Instant::now();
+        // `ready[0]` is the notification socket, then `reading`, then `answering` as polled.
+        let answers_at = 1 + reading.len();
+        for (i, mut a) in std::mem::take(&mut answering).into_iter().enumerate() {
+            let more = match ready.get(answers_at + i) {
+                Some(true) => a.progress(),
+                _ => true,
+            };
+            // Past its deadline: closed (a drain) or given up on (a client that does not read).
+            if more && now < a.deadline {
+                answering.push(a);
+            }
+        }
         for (i, mut p) in std::mem::take(&mut reading).into_iter().enumerate() {
-            // `ready[0]` is the notification socket.
             let step = match ready.get(i + 1) {
                 Some(true) => p.read_some(),
                 _ => Step::More,
@@ -610,15 +734,16 @@ fn read_loop(shared: &Arc<Shared>, notified: UnixStream) {
                 Step::More if now < p.deadline => reading.push(p),
                 Step::More => {
                     let late = Reply::text(408, "the request head did not arrive in time");
-                    shared.start(p.stream, Work::Reply(late));
+                    answer(&mut answering, p.stream, &late);
                 }
                 Step::Gone => {}
-                Step::Done(work) => shared.start(p.stream, work),
+                Step::Done(work) => hand_off(shared, &mut answering, p.stream, work),
             }
         }
     }
     // Close everything not yet handed off.
     drop(reading);
+    drop(answering);
     shared
         .inbox
         .lock()
@@ -626,14 +751,34 @@ fn read_loop(shared: &Arc<Shared>, notified: UnixStream) {
         .clear();
 }
 
-/// Waits until one of `fds` is readable (or closed), `deadline` passes, or a signal arrives;
-/// says which are readable.
-fn poll_readable(fds: &[RawFd], deadline: Option<Instant>) -> Vec<bool> {
+/// Starts sending `reply`; kept in `answering` until written and drained.
+fn answer(answering: &mut Vec<Answer>, stream: TcpStream, reply: &Reply) {
+    let mut a = Answer::new(stream, reply);
+    if a.progress() {
+        answering.push(a);
+    }
+}
+
+/// A complete head: a request goes to a thread of its own, an error is answered here.
+fn hand_off(shared: &Arc<Shared>, answering: &mut Vec<Answer>, stream: TcpStream, work: Work) {
+    match work {
+        Work::Request { method, target } => {
+            if let Err((stream, busy)) = shared.start(stream, method, target) {
+                answer(answering, stream, &busy);
+            }
+        }
+        Work::Reply(reply) => answer(answering, stream, &reply),
+    }
+}
+
+/// Waits until one of `fds` is ready for its events (or closed), `deadline` passes, or a signal
+/// arrives; says which are ready.
+fn poll_ready(fds: &[(RawFd, libc::c_short)], deadline: Option<Instant>) -> Vec<bool> {
     let mut pfds: Vec<libc::pollfd> = fds
         .iter()
-        .map(|&fd| libc::pollfd {
+        .map(|&(fd, events)| libc::pollfd {
             fd,
-            events: libc::POLLIN,
+            events,
             revents: 0,
         })
         .collect();
@@ -666,64 +811,58 @@ impl Shared {
         self.conns.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Hands a connection with a complete head (or an error to answer) to a thread of its own.
-    /// A request beyond `max_concurrent` gets 503.
-    fn start(self: &Arc<Self>, stream: TcpStream, work: Work) {
-        // Out of descriptors and the like: drop the connection.
-        let (Ok(()), Ok(clone)) = (stream.set_nonblocking(false), stream.try_clone()) else {
-            return;
+    /// Hands a request to a thread of its own. When `max_concurrent` requests are being served
+    /// (or no thread can be had), gives the connection back with the `503` to send instead.
+    fn start(
+        self: &Arc<Self>,
+        stream: TcpStream,
+        method: String,
+        target: String,
+    ) -> Result<(), (TcpStream, Reply)> {
+        let busy = || {
+            Reply::text(
+                503,
+                "too many /debug/pprof requests in progress; try again later",
+            )
         };
-        let (id, work) = {
+        let id = {
             let mut c = self.lock();
             if self.stopping.load(Ordering::SeqCst) {
-                return;
+                // `stop` closes every connection.
+                return Ok(());
             }
-            let (phase, work) = match work {
-                Work::Request { .. } if c.count(Phase::Serving) >= self.config.max_concurrent => (
-                    Phase::Closing,
-                    Work::Reply(Reply::text(
-                        503,
-                        "too many /debug/pprof requests in progress; try again later",
-                    )),
-                ),
-                Work::Request { .. } => (Phase::Serving, work),
-                Work::Reply(_) => (Phase::Closing, work),
+            if c.open.len() >= self.config.max_concurrent {
+                return Err((stream, busy()));
+            }
+            // Out of descriptors and the like.
+            let (Ok(()), Ok(clone)) = (stream.set_nonblocking(false), stream.try_clone()) else {
+                return Err((stream, busy()));
             };
-            // Error answers take a thread for a moment each; a flood of them gets closed instead.
-            if phase == Phase::Closing && c.count(Phase::Closing) >= self.config.max_reading {
-                return;
-            }
             let id = c.next_id;
             c.next_id += 1;
-            c.open.insert(
-                id,
-                Conn {
-                    stream: clone,
-                    phase,
-                },
-            );
+            c.open.insert(id, clone);
             c.threads += 1;
-            (id, work)
+            id
         };
-        // Owned by the thread; if the thread cannot start, dropping it here undoes the above.
-        let done = ConnThread {
-            shared: self.clone(),
-            id,
-        };
+        let shared = self.clone();
         let spawned = std::thread::Builder::new()
             .name("ferroprof-http-conn".into())
             .spawn(move || {
                 crate::tls::enter_profiler_thread();
-                let mut stream = stream;
-                match work {
-                    Work::Request { method, target } => done.shared.serve(stream, &method, &target),
-                    Work::Reply(reply) => finish(&mut stream, &reply, false),
-                }
-                drop(done);
+                let done = ConnThread { shared, id };
+                done.shared.serve(stream, &method, &target);
             });
-        if let Err(e) = spawned {
-            log::warn!("ferroprof: /debug/pprof: cannot start a connection thread: {e}");
-        }
+        let Err(e) = spawned else {
+            return Ok(());
+        };
+        log::warn!("ferroprof: /debug/pprof: cannot start a connection thread: {e}");
+        // The thread's end of the socket went with it; the registered clone is answered.
+        let mut c = self.lock();
+        let clone = c.open.remove(&id);
+        c.threads -= 1;
+        drop(c);
+        self.changed.notify_all();
+        clone.map_or(Ok(()), |s| Err((s, busy())))
     }
 
     fn serve(&self, mut stream: TcpStream, method: &str, target: &str) {
@@ -734,7 +873,10 @@ impl Shared {
         let reply = if method == "GET" || (head_only && is_index) {
             self.route(target)
         } else {
-            Reply::text(405, format!("method {method} not allowed here; use GET"))
+            Reply::text(
+                405,
+                format!("method {} not allowed here; use GET", shown(method)),
+            )
         };
         // After a stop the socket is shut down: nothing to answer.
         if !self.stopping.load(Ordering::SeqCst) {
@@ -854,17 +996,25 @@ fn parse_head(head: &[u8]) -> Result<(String, String), Reply> {
     else {
         return Err(Reply::text(
             400,
-            format!("malformed request line {:?}", line.trim_end()),
+            format!("malformed request line {:?}", shown(line.trim_end())),
         ));
     };
     if !version.starts_with("HTTP/1.") {
         return Err(Reply::text(
             505,
-            format!("unsupported protocol {version:?}"),
+            format!("unsupported protocol {:?}", shown(version)),
         ));
     }
     // The headers are skipped: a GET has no body, and nothing here depends on them.
     Ok((method.to_owned(), target.to_owned()))
+}
+
+/// At most the first 100 characters of `text`: error answers stay small (they are sent without
+/// a thread, in one non-blocking write).
+fn shown(text: &str) -> &str {
+    text.char_indices()
+        .nth(100)
+        .map_or(text, |(i, _)| &text[..i])
 }
 
 /// Where the head ends: after the first empty line (`\n\n` or `\n\r\n`), if it has arrived.
@@ -923,12 +1073,8 @@ fn finish(stream: &mut TcpStream, reply: &Reply, head_only: bool) {
     }
 }
 
-fn write_reply(
-    stream: &mut TcpStream,
-    reply: &Reply,
-    head_only: bool,
-    deadline: Instant,
-) -> std::io::Result<()> {
+/// The status line and headers of `reply`.
+fn reply_head(reply: &Reply) -> String {
     let mut head = format!(
         "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\
          X-Content-Type-Options: nosniff\r\n",
@@ -943,7 +1089,16 @@ fn write_reply(
         ));
     }
     head.push_str("\r\n");
-    write_all_by(stream, head.as_bytes(), deadline)?;
+    head
+}
+
+fn write_reply(
+    stream: &mut TcpStream,
+    reply: &Reply,
+    head_only: bool,
+    deadline: Instant,
+) -> std::io::Result<()> {
+    write_all_by(stream, reply_head(reply).as_bytes(), deadline)?;
     if !head_only {
         write_all_by(stream, &reply.body, deadline)?;
     }
