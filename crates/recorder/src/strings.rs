@@ -387,6 +387,25 @@ impl StringStorage {
         Ok(())
     }
 
+    /// Releases one reference of each id, under one hold of the lock, without allocating (for
+    /// the free path). Unlike [`Self::unintern_all`], ids before a bad one are released.
+    pub fn unintern_each(&self, ids: impl Iterator<Item = StringId>) -> Result<(), StringError> {
+        let mut t = self.table.lock();
+        let mut first_err = None;
+        for id in ids {
+            if id == StringId::EMPTY {
+                continue;
+            }
+            match t.check_unintern(id) {
+                Ok(()) => t.release(id),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
     /// Calls `f` with the string behind `id` (errors on a released or unknown id).
     pub fn with_str<R>(&self, id: StringId, f: impl FnOnce(&str) -> R) -> Result<R, StringError> {
         if id == StringId::EMPTY {

@@ -46,7 +46,13 @@ impl Contexts {
             Some(pos) => pos as usize,
             None if self.entries.len() < MAX_CONTEXTS => {
                 self.entries.push(ContextEntry::default());
-                self.entries.len() - 1
+                // Room for every entry on the free and quarantine lists, so that a release
+                // (on the application's `free`) never grows them.
+                let n = self.entries.len();
+                self.free.reserve(n.saturating_sub(self.free.len()));
+                self.quarantine
+                    .reserve(n.saturating_sub(self.quarantine.len()));
+                n - 1
             }
             None => {
                 self.refused += 1;
@@ -101,7 +107,9 @@ impl Contexts {
     /// Ends a snapshot: quarantined entries are freed; returns their endpoints to release.
     pub(super) fn unpin(&mut self, out: &mut Vec<StringId>) {
         self.pinned = false;
-        for pos in std::mem::take(&mut self.quarantine) {
+        // Its capacity is kept: a release while pinned must not grow it.
+        let mut quarantined = std::mem::take(&mut self.quarantine);
+        for &pos in &quarantined {
             let pos = pos as usize;
             if self.entries[pos].refs == 0 {
                 if self.entries[pos].endpoint != StringId::EMPTY {
@@ -111,6 +119,8 @@ impl Contexts {
                 self.free.push(pos as u32);
             }
         }
+        quarantined.clear();
+        self.quarantine = quarantined;
         self.maybe_shrink();
     }
 }

@@ -324,8 +324,9 @@ impl HeapRecorder {
             for shard in self.stacks.iter() {
                 let mut g = shard.lock();
                 g.pinned = false;
-                let quarantined = std::mem::take(&mut g.quarantine);
-                for slot in quarantined {
+                // Its capacity is kept: a release while pinned must not grow it.
+                let mut quarantined = std::mem::take(&mut g.quarantine);
+                for &slot in &quarantined {
                     let slot = slot as usize;
                     if g.slots[slot].refs == 0 {
                         if let Some(words) = g.slots[slot].words.take() {
@@ -335,8 +336,15 @@ impl HeapRecorder {
                         g.free.push(slot as u32);
                     }
                 }
+                quarantined.clear();
+                g.quarantine = quarantined;
             }
             self.contexts.lock().unpin(&mut to_release);
+            // Tables emptied by frees give their memory back here (a free never allocates, so
+            // it never shrinks them) or at the shard's next insert.
+            for shard in self.objs.iter() {
+                shard.lock().maybe_shrink();
+            }
             if let Some(classes) = self.deferred_classes.lock().take() {
                 to_release.extend(classes);
             }

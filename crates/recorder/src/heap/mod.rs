@@ -1668,6 +1668,12 @@ mod tests {
             assert!(shard.remove(id, mix64(id)).is_some());
         }
         assert!(shard.recs.is_empty());
+        // The index shrinks at the next insert (a remove never allocates).
+        let rec = ObjRecord {
+            id: 16,
+            ..ObjRecord::EMPTY
+        };
+        shard.insert(rec, mix64(16)).unwrap();
         assert!(shard.slots.len() <= 4 * MIN_INDEX_SLOTS);
     }
 

@@ -142,6 +142,9 @@ impl ObjShard {
         if let Some(i) = self.find(rec.id, hash) {
             return Err(self.recs[self.slots[i] as usize - 1]);
         }
+        // Memory goes back here rather than on remove: a free must not allocate (it runs in
+        // the application's `free`, maybe in a signal handler), and shrinking does.
+        self.maybe_shrink();
         if (self.recs.len() + 1) * 2 > self.slots.len() {
             self.rebuild_index((self.slots.len() * 2).max(MIN_INDEX_SLOTS));
         }
@@ -205,15 +208,21 @@ impl ObjShard {
         } else {
             self.ctxs.swap_remove(pos)
         };
-        self.maybe_shrink();
+        if self.recs.is_empty() && !self.ctxs.is_empty() {
+            // Freeing needs no allocation.
+            self.ctxs = Vec::new();
+        }
         Some((rec, ctx))
     }
 
     /// Gives memory back once most objects died (with hysteresis so churn does not thrash).
-    fn maybe_shrink(&mut self) {
-        if self.slots.len() > MIN_INDEX_SLOTS && self.recs.len() * 8 < self.slots.len() {
-            let len = (self.slots.len() / 2).max(MIN_INDEX_SLOTS);
-            self.rebuild_index(len);
+    pub(super) fn maybe_shrink(&mut self) {
+        let mut len = self.slots.len();
+        while len > MIN_INDEX_SLOTS && self.recs.len() * 8 < len {
+            len /= 2;
+        }
+        if len < self.slots.len() {
+            self.rebuild_index(len.max(MIN_INDEX_SLOTS));
         }
         let cap = self.recs.capacity();
         if cap > 64 && self.recs.len() < cap / 2 {

@@ -119,6 +119,9 @@ impl StackShard {
     fn index_insert(&mut self, hash: u64, slot: usize) {
         if (self.indexed + 1) * 2 > self.index.len() {
             self.rebuild_index((self.index.len() * 2).max(MIN_INDEX_SLOTS));
+        } else if self.index.len() > MIN_INDEX_SLOTS && (self.indexed + 1) * 8 < self.index.len() {
+            // Shrunk here, not in `index_remove`: a release must not allocate.
+            self.rebuild_index((self.index.len() / 2).max(MIN_INDEX_SLOTS));
         }
         self.place((hash << 32) | (slot as u64 + 1));
         self.indexed += 1;
@@ -138,9 +141,6 @@ impl StackShard {
         }
         probe_delete(&mut self.index, hole, |e| (e >> 32) as usize);
         self.indexed -= 1;
-        if self.index.len() > MIN_INDEX_SLOTS && self.indexed * 8 < self.index.len() {
-            self.rebuild_index((self.index.len() / 2).max(MIN_INDEX_SLOTS));
-        }
     }
 
     /// Drops one reference; returns the words whose strings must now be released.
@@ -621,7 +621,13 @@ impl HeapRecorder {
                     texts: Box::default(),
                     refs: 0,
                 });
-                shard.slots.len() - 1
+                // Room for every slot on the free and quarantine lists, so that releasing a
+                // stack (on the application's `free`) never grows them.
+                let sh = &mut *shard;
+                let n = sh.slots.len();
+                sh.free.reserve(n.saturating_sub(sh.free.len()));
+                sh.quarantine.reserve(n.saturating_sub(sh.quarantine.len()));
+                n - 1
             }
             None => {
                 return Err(HeapError::TooManyStacks {
@@ -646,11 +652,18 @@ impl HeapRecorder {
     pub(super) fn release_stack(&self, stack: u32) -> Result<(), StringError> {
         let (shard, slot) = split_stack_ref(stack);
         let freed = self.stacks[shard].lock().release(slot);
-        if let Some(words) = freed {
-            let mut ids = Vec::with_capacity(words.len());
-            push_string_ids(&words, &mut ids);
-            self.strings.unintern_all(&ids)?;
+        match freed {
+            // Address frames hold no strings: nothing to release, nothing to allocate.
+            Some(words) if address_frames(&words).is_none() => {
+                let ids = words[1..]
+                    .chunks_exact(2)
+                    .filter(|f| f[1] & ADDRESS_TAG == 0)
+                    .flat_map(|f| [f[0] as u32, (f[0] >> 32) as u32])
+                    .filter(|&id| id != 0)
+                    .map(StringId);
+                self.strings.unintern_each(ids)
+            }
+            _ => Ok(()),
         }
-        Ok(())
     }
 }
