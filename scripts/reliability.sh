@@ -9,6 +9,9 @@
 #   scripts/reliability.sh soak [cycles]        serialize cycles with churning content (10000)
 #   scripts/reliability.sh signals [secs] [forks]  1 kHz CPU + allocation on 8 threads (60 s),
 #                                               stray SIGPROF, forks under load (50)
+#   scripts/reliability.sh forks [forks] [runs]  concurrent forks under load (spawn storm: 6000
+#                                               forks, 3 runs; 0 hung children) and an allocating
+#                                               signal handler inside samples (10 s per interval)
 #   scripts/reliability.sh host                 "never harm the host": heavy versions of the
 #                                               fork+exec, pre-fork, dlclose, small-stack, thread
 #                                               churn, slowloris, stalled-exporter and CLI-bomb tests
@@ -52,6 +55,20 @@ run_signals() {
         -- --include-ignored --nocapture --test-threads=1
     log "fork under load: $forks forks"
     FERROPROF_FORKS="$forks" cargo test --release -p ferroprof --test fork_stress -- --nocapture
+}
+
+# No hang, ever: many threads forking at once while the profiler is busy, each run counting
+# hung children; then a signal handler that allocates on a thread recording a sample.
+run_forks() {
+    local forks="${1:-6000}" runs="${2:-3}" i
+    for i in $(seq 1 "$runs"); do
+        log "forks: spawn storm run $i of $runs, $forks forks"
+        FERROPROF_SPAWN_FORKS="$forks" cargo test --release -p ferroprof --test spawn_storm \
+            -- --nocapture
+    done
+    log "forks: allocating signal handler, 10 s at 64 B and at 4 KiB"
+    FERROPROF_SIGNAL_ALLOC_SECS=10 cargo test --release -p ferroprof --test signal_alloc \
+        -- --nocapture --test-threads 1
 }
 
 # Heavy versions of the "never harm the host" tests (issue 15); each prints its figures.
@@ -136,12 +153,14 @@ case "$cmd" in
     fuzz) run_fuzz "${1:-300}" yes ;;
     soak) run_soak "$@" ;;
     signals) run_signals "$@" ;;
+    forks) run_forks "$@" ;;
     host) run_host ;;
     all)
         run_loom
         run_conservation
         run_soak
         run_signals
+        run_forks
         run_host
         run_fuzz 300 yes
         ;;
@@ -152,7 +171,7 @@ case "$cmd" in
         run_fuzz 15 yes
         ;;
     *)
-        sed -n '2,19p' "$0" >&2
+        sed -n '2,22p' "$0" >&2
         exit 2
         ;;
 esac

@@ -169,6 +169,8 @@ pub struct PprofServer {
     /// Dropping this end wakes the accept thread's `poll`.
     wake: Option<UnixStream>,
     threads: Vec<JoinHandle<()>>,
+    /// The process that started the server: in a forked child its threads do not exist.
+    pid: u32,
 }
 
 impl PprofServer {
@@ -193,6 +195,13 @@ impl PprofServer {
         let Some(wake) = self.wake.take() else {
             return;
         };
+        if std::process::id() != self.pid {
+            // A forked child's copy: the server's threads are the parent's, and its locks may
+            // have been held by them at the fork. Nothing here to stop or wait for.
+            drop(wake);
+            std::mem::forget(std::mem::take(&mut self.threads));
+            return;
+        }
         let shared = &self.shared;
         shared.stopping.store(true, Ordering::SeqCst);
         // Closing our end makes the accept thread's `poll` see the other end readable.
@@ -305,6 +314,7 @@ pub fn serve_with(
         shared: shared.clone(),
         wake: Some(wake),
         threads: Vec::new(),
+        pid: std::process::id(),
     };
     // On an error below, dropping `server` stops the thread already started.
     for (name, run) in [

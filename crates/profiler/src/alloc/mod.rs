@@ -881,14 +881,16 @@ fn on_free_slow(p: *mut u8) {
     }
     tls::with_guard(|| {
         state::with_active(|sh| {
-            // The filter update stays inside the fork gate too (see `filter`).
+            // The filter update stays inside the fork gate too (see `filter`), and inside
+            // `in_recorder`: a signal handler's free on this thread while a filter counter is
+            // held busy here must skip, not spin on it.
             fork::outside_fork(|| {
-                if let Some(bytes) =
-                    tls::in_recorder(|| sh.recorder.untrack_allocation_bytes(p as u64))
-                {
-                    FILTER.remove(p as usize);
-                    peak::HEAP_ESTIMATE.untracked(bytes);
-                }
+                tls::in_recorder(|| {
+                    if let Some(bytes) = sh.recorder.untrack_allocation_bytes(p as u64) {
+                        FILTER.remove(p as usize);
+                        peak::HEAP_ESTIMATE.untracked(bytes);
+                    }
+                })
             });
         })
     });
