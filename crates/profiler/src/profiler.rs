@@ -835,8 +835,7 @@ fn export_loop(sh: &Arc<Shared>) {
         let mut names = outbox
             .deliveries()
             .abandoned_names
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+            .lock();
         names.extend(stuck);
     }
 }
@@ -1102,8 +1101,7 @@ impl ProfilerGuard {
                     &mut *self
                         .deliveries
                         .abandoned_names
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner()),
+                        .lock(),
                 );
                 if stuck.is_empty() {
                     Ok(())

@@ -293,6 +293,12 @@ impl Shared {
             reset_in_child(&self.serialize_lock);
             // Mid-export in the parent: the exporters' own state is theirs to keep sane.
             reset_in_child(&self.exporters);
+            let names = &(*self.exporters.data_ptr()).deliveries().abandoned_names;
+            if names.is_locked() {
+                reset_in_child(names);
+                std::mem::forget(std::ptr::read(names.data_ptr()));
+                std::ptr::write(names.data_ptr(), Vec::new());
+            }
         }
         for t in &self.own_tids {
             t.store(0, Ordering::SeqCst);

@@ -52,8 +52,9 @@ pub(crate) struct Deliveries {
     pub abandoned: AtomicU64,
     /// The export round a flush was served by (see [`Outbox::send`]).
     pub flush_round: AtomicU64,
-    /// Exporters still busy when a stop's deadline passed.
-    pub abandoned_names: Mutex<Vec<String>>,
+    /// Exporters still busy when a stop's deadline passed (a forked child resets it: see
+    /// `Shared::after_fork_in_child`).
+    pub abandoned_names: crate::forklock::Mutex<Vec<String>>,
     progress: Vec<Arc<Progress>>,
 }
 
