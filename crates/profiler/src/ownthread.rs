@@ -68,7 +68,7 @@ unsafe fn spawn_unchecked<'a, T: Send + 'a>(
     let rc = unsafe {
         let mut attr: libc::pthread_attr_t = std::mem::zeroed();
         libc::pthread_attr_init(&mut attr);
-        let min = usize::try_from(libc::PTHREAD_STACK_MIN).unwrap_or(16 << 10);
+        let min = libc::PTHREAD_STACK_MIN;
         libc::pthread_attr_setstacksize(&mut attr, stack_size.max(min));
         let rc = libc::pthread_create(&mut id, &attr, trampoline::<T>, arg as *mut libc::c_void);
         libc::pthread_attr_destroy(&mut attr);

@@ -832,10 +832,7 @@ fn export_loop(sh: &Arc<Shared>) {
     let mut outbox = sh.exporters.lock();
     let stuck = outbox.shutdown(sh.settings.stop_timeout);
     if !stuck.is_empty() {
-        let mut names = outbox
-            .deliveries()
-            .abandoned_names
-            .lock();
+        let mut names = outbox.deliveries().abandoned_names.lock();
         names.extend(stuck);
     }
 }
@@ -1097,12 +1094,7 @@ impl ProfilerGuard {
                     // No recorder holds tracked addresses any more.
                     FILTER.clear();
                 }
-                let stuck = std::mem::take(
-                    &mut *self
-                        .deliveries
-                        .abandoned_names
-                        .lock(),
-                );
+                let stuck = std::mem::take(&mut *self.deliveries.abandoned_names.lock());
                 if stuck.is_empty() {
                     Ok(())
                 } else {

@@ -270,11 +270,17 @@ impl Shared {
             reset_in_child(&self.threads);
             let threads = &mut *self.threads.data_ptr();
             // Handles of the parent's threads: joining them in the child would wait forever.
-            threads.sampler.take().map(OwnThread::forget);
-            threads.export.take().map(OwnThread::forget);
+            if let Some(t) = threads.sampler.take() {
+                t.forget();
+            }
+            if let Some(t) = threads.export.take() {
+                t.forget();
+            }
             // The parent's flush-on-termination thread too (its handler, still installed, knows
             // it is not this process's: see `crate::termination`).
-            threads.termination.take().map(OwnThread::forget);
+            if let Some(t) = threads.termination.take() {
+                t.forget();
+            }
             if self.taps.is_locked() {
                 reset_in_child(&self.taps);
                 std::mem::forget(std::ptr::read(self.taps.data_ptr()));

@@ -86,6 +86,8 @@ unsafe impl GlobalAlloc for MarkFrees {
 #[global_allocator]
 static GLOBAL: MarkFrees = MarkFrees(SamplingAllocator::new(Counting));
 
+/// Boxed: each block is an allocation of its own, sampled and freed one by one.
+#[allow(clippy::vec_box)]
 #[inline(never)]
 fn allocate_many(n: usize) -> Vec<Box<[u8; 48]>> {
     (0..n).map(|i| Box::new([i as u8; 48])).collect()
