@@ -940,9 +940,9 @@ fn compressed_debug_info_is_inflated_once_then_read_from_the_debug_cache() {
     }
     src.push_str(&format!(
         "}};\n__attribute__((noinline)) long spin(void) {{ long s = 0; struct timespec a, b;\n\
-         clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);\n\
+         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);\n\
          do {{ for (int i = 0; i < {n}; i++) s += table[i](s);\n\
-         clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b); }}\n\
+         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b); }}\n\
          while ((b.tv_sec - a.tv_sec) * 1000000000L + (b.tv_nsec - a.tv_nsec) < 400000000L);\n\
          return s; }}\nint main(void) {{ return spin() == 42; }}\n",
     ));

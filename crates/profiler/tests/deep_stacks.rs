@@ -13,11 +13,11 @@ mod profiler_support;
 use std::alloc::System;
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferroprof::{Profiler, Profiles, SamplingAllocator, MAX_FRAMES};
 use ferroprof_pprof::Profile;
-use profiler_support::temp_dir;
+use profiler_support::{temp_dir, thread_cpu};
 
 #[global_allocator]
 static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
@@ -25,11 +25,14 @@ static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
 const SHALLOW: u32 = 400;
 const DEEP: u32 = MAX_FRAMES as u32 + 200;
 
-/// Burns CPU and allocates until `until`: the leaf of every sample of the test's threads.
+/// Burns CPU and allocates until the thread used `cpu` of its own CPU (the checks below need
+/// that many samples, however loaded the machine): the leaf of every sample of the test's
+/// threads.
 #[inline(never)]
-fn deep_stacks_leaf(until: Instant) -> u64 {
+fn deep_stacks_leaf(cpu: Duration) -> u64 {
+    let end = thread_cpu() + cpu;
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    while Instant::now() < until {
+    while thread_cpu() < end {
         for i in 0..20_000u64 {
             x = black_box(x.rotate_left(7).wrapping_mul(0x2545_F491_4F6C_DD1D) ^ i);
         }
@@ -47,18 +50,18 @@ fn deep_stacks_allocate(seed: u64) -> u64 {
 /// One frame per level: never inlined, and the call is not in tail position (its result goes
 /// through `black_box` and an addition), so no level is folded into another.
 #[inline(never)]
-fn deep_stacks_recurse(depth: u32, until: Instant) -> u64 {
+fn deep_stacks_recurse(depth: u32, cpu: Duration) -> u64 {
     if depth == 0 {
-        return deep_stacks_leaf(until);
+        return deep_stacks_leaf(cpu);
     }
-    let below = black_box(deep_stacks_recurse(depth - 1, until));
+    let below = black_box(deep_stacks_recurse(depth - 1, cpu));
     below.wrapping_add(u64::from(depth))
 }
 
 /// The thread's entry: the outermost frame of the test's own code.
 #[inline(never)]
-fn deep_stacks_thread(depth: u32, until: Instant) -> u64 {
-    black_box(deep_stacks_recurse(depth, until))
+fn deep_stacks_thread(depth: u32, cpu: Duration) -> u64 {
+    black_box(deep_stacks_recurse(depth, cpu))
 }
 
 fn pprof_files(dir: &Path) -> Vec<PathBuf> {
@@ -147,7 +150,7 @@ fn deep_recursion_keeps_its_thread_root_and_marks_the_cut() {
         .output_dir(&dir)
         .start()
         .expect("profiler starts");
-    let until = Instant::now() + Duration::from_millis(2500);
+    let cpu = Duration::from_millis(2500);
     let threads: Vec<_> = [("deep-shallow", SHALLOW), ("deep-over", DEEP)]
         .into_iter()
         .map(|(name, depth)| {
@@ -155,7 +158,7 @@ fn deep_recursion_keeps_its_thread_root_and_marks_the_cut() {
                 .name(name.into())
                 // Room for the recursion's frames in unoptimized builds.
                 .stack_size(32 << 20)
-                .spawn(move || deep_stacks_thread(depth, until))
+                .spawn(move || deep_stacks_thread(depth, cpu))
                 .unwrap()
         })
         .collect();

@@ -6,6 +6,7 @@
 //! One test in its own binary: the profiler is process-wide.
 
 mod export_support;
+mod profiler_support;
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -14,14 +15,17 @@ use export_support::*;
 use ferroprof::export::datadog::DatadogConfig;
 use ferroprof::export::pyroscope::PyroscopeConfig;
 use ferroprof::{Profiler, SamplingAllocator};
+use profiler_support::thread_cpu;
 
 #[global_allocator]
 static GLOBAL: SamplingAllocator<std::alloc::System> = SamplingAllocator::new(std::alloc::System);
 
+/// `cpu` of the thread's own CPU: the profile must hold some of it.
 #[inline(never)]
-fn e2e_busy_work(until: std::time::Instant) -> u64 {
+fn e2e_busy_work(cpu: Duration) -> u64 {
+    let end = thread_cpu() + cpu;
     let mut x = black_box(1u64);
-    while std::time::Instant::now() < until {
+    while thread_cpu() < end {
         let mut i = 0;
         while i < 10_000 {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
@@ -66,9 +70,7 @@ fn profiler_uploads_to_datadog_and_pyroscope() {
         .exporter(Box::new(py))
         .start()
         .expect("start the profiler");
-    black_box(e2e_busy_work(
-        std::time::Instant::now() + Duration::from_millis(500),
-    ));
+    black_box(e2e_busy_work(Duration::from_millis(500)));
     // stop() exports the last profile and shuts the exporters down, flushing their queues.
     guard.stop().expect("stop the profiler");
 

@@ -3,27 +3,32 @@
 
 mod profiler_support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferroprof::{Profiler, Profiles};
 use profiler_support::*;
 
+/// `d` of the thread's own CPU: the assertions below expect that much of each.
 #[inline(never)]
 fn parent_work(d: Duration) -> u64 {
-    let end = Instant::now() + d;
+    let end = thread_cpu() + d;
     let mut x = 3u64;
-    while Instant::now() < end {
-        x = std::hint::black_box(x.rotate_left(3).wrapping_mul(7));
+    while thread_cpu() < end {
+        for _ in 0..100_000 {
+            x = std::hint::black_box(x.rotate_left(3).wrapping_mul(7));
+        }
     }
     x
 }
 
 #[inline(never)]
 fn child_work(d: Duration) -> u64 {
-    let end = Instant::now() + d;
+    let end = thread_cpu() + d;
     let mut x = 5u64;
-    while Instant::now() < end {
-        x = std::hint::black_box(x.rotate_left(5).wrapping_mul(11));
+    while thread_cpu() < end {
+        for _ in 0..100_000 {
+            x = std::hint::black_box(x.rotate_left(5).wrapping_mul(11));
+        }
     }
     x
 }

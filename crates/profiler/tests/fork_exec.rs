@@ -6,6 +6,8 @@
 //! The default run spawns 300 children; `FERROPROF_FORK_EXEC_CHILDREN` sets another count
 //! (`scripts/reliability.sh` runs 2,000).
 
+mod profiler_support;
+
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferroprof::{Profiler, Profiles};
+use profiler_support::thread_cpu;
 
 /// A child not finished by then hung (it needs milliseconds).
 const CHILD_TIMEOUT: Duration = Duration::from_secs(20);
@@ -71,14 +74,14 @@ fn fork_exec_children_never_die_of_a_profiler_signal() {
     let started = Instant::now();
     for i in 0..n {
         let mut cmd = Command::new("/bin/true");
-        // Between fork and exec the child works for 0 to 3 ms, as a library closing descriptors
-        // or setting up the new program's environment does.
+        // Between fork and exec the child works for 0 to 3 ms of its CPU, as a library closing
+        // descriptors or setting up the new program's environment does.
         let work = Duration::from_micros(1000 * (i % 4) as u64);
         // SAFETY: the closure only reads the clock and spins (no allocation, no lock).
         unsafe {
             cmd.pre_exec(move || {
-                let end = Instant::now() + work;
-                while Instant::now() < end {
+                let end = thread_cpu() + work;
+                while thread_cpu() < end {
                     std::hint::spin_loop();
                 }
                 Ok(())
@@ -145,8 +148,9 @@ fn children_that_resume_profiling_then_exec() {
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
             ferroprof::after_fork();
-            let end = Instant::now() + Duration::from_micros(1000 * (i % 4) as u64);
-            while Instant::now() < end {
+            // CPU time, so that its timer does fire around the exec on a loaded machine too.
+            let end = thread_cpu() + Duration::from_micros(1000 * (i % 4) as u64);
+            while thread_cpu() < end {
                 std::hint::spin_loop();
             }
             let argv = [c"/bin/true".as_ptr(), std::ptr::null()];

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferroprof::labels::{self, WithLabelsExt};
 use ferroprof::{Profiler, Profiles, SamplingAllocator};
@@ -41,12 +41,14 @@ fn work(units: u64) -> u64 {
     acc
 }
 
-/// Until `until`: 3 units of work under `tenant` and span (`span`, `root`), 1 unlabelled, in
-/// chunks of random length so the alternation cannot alias with sampling.
-fn worker(until: Instant, tenant: &'static str, span: u64, root: u64) -> u64 {
+/// Until the thread used `cpu` of its own CPU (the shares below need that many samples,
+/// however loaded the machine): 3 units of work under `tenant` and span (`span`, `root`), 1
+/// unlabelled, in chunks of random length so the alternation cannot alias with sampling.
+fn worker(cpu: Duration, tenant: &'static str, span: u64, root: u64) -> u64 {
+    let end = thread_cpu() + cpu;
     let mut r = span | 1;
     let mut acc = 0u64;
-    while Instant::now() < until {
+    while thread_cpu() < end {
         r ^= r << 13;
         r ^= r >> 7;
         r ^= r << 17;
@@ -83,14 +85,13 @@ fn cpu_wall_and_allocation_samples_carry_their_threads_labels() {
         .start()
         .expect("profiler starts");
     let run = Duration::from_secs(3);
-    let until = Instant::now() + run;
     let a = std::thread::Builder::new()
         .name("worker-a".into())
-        .spawn(move || worker(until, "a", 11, 10))
+        .spawn(move || worker(run, "a", 11, 10))
         .unwrap();
     let b = std::thread::Builder::new()
         .name("worker-b".into())
-        .spawn(move || worker(until, "b", 21, 20))
+        .spawn(move || worker(run, "b", 21, 20))
         .unwrap();
     let sleeper = std::thread::Builder::new()
         .name("sleeper".into())

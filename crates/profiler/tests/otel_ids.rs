@@ -5,7 +5,7 @@
 
 mod profiler_support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferroprof::tracing::FerroprofLayer;
 use ferroprof::Profiler;
@@ -14,10 +14,12 @@ use profiler_support::*;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 
+/// Spins for `cpu` of the thread's own CPU time.
 #[inline(never)]
-fn otel_spin(until: Instant) -> u64 {
+fn otel_spin(cpu: Duration) -> u64 {
+    let end = thread_cpu() + cpu;
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    while Instant::now() < until {
+    while thread_cpu() < end {
         for i in 0..10_000u64 {
             x = std::hint::black_box(x.rotate_left(7).wrapping_mul(0x2545_F491_4F6C_DD1D) ^ i);
         }
@@ -55,7 +57,7 @@ fn samples_carry_the_opentelemetry_span_ids() {
             let child_tracing = child.id().expect("enabled").into_u64();
             {
                 let _c = child.enter();
-                otel_spin(Instant::now() + Duration::from_millis(400));
+                otel_spin(Duration::from_millis(400));
             }
             (otel_id(&root), otel_id(&child), root_tracing, child_tracing)
         });

@@ -1,8 +1,11 @@
 //! Memory the profiler adds right after start (budget: 10 MB of RSS).
 
+mod profiler_support;
+
 use std::time::Duration;
 
 use ferroprof::{Profiler, Profiles, SamplingAllocator};
+use profiler_support::thread_cpu;
 
 #[global_allocator]
 static GLOBAL: SamplingAllocator<std::alloc::System> = SamplingAllocator::new(std::alloc::System);
@@ -63,9 +66,11 @@ fn exports_leave_their_symbolization_memory_behind_no_more() {
         .output_dir(&dir)
         .start()
         .unwrap();
+    // CPU time of this thread, so that every export has samples to symbolize on a loaded
+    // machine too.
     let work = |round| {
-        let end = std::time::Instant::now() + Duration::from_millis(300);
-        while std::time::Instant::now() < end {
+        let end = thread_cpu() + Duration::from_millis(300);
+        while thread_cpu() < end {
             spread_work(round);
         }
     };
@@ -127,8 +132,8 @@ fn a_cpu_only_profiler_symbolizes_in_the_arena_too() {
         .output_dir(&dir)
         .start()
         .unwrap();
-    let end = std::time::Instant::now() + Duration::from_millis(400);
-    while std::time::Instant::now() < end {
+    let end = thread_cpu() + Duration::from_millis(400);
+    while thread_cpu() < end {
         spread_work(1);
     }
     guard.flush().unwrap();
@@ -157,8 +162,8 @@ fn an_export_peaks_small() {
         .output_dir(&dir)
         .start()
         .unwrap();
-    let end = std::time::Instant::now() + Duration::from_millis(500);
-    while std::time::Instant::now() < end {
+    let end = thread_cpu() + Duration::from_millis(500);
+    while thread_cpu() < end {
         spread_work(7);
     }
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

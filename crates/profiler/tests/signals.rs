@@ -93,17 +93,22 @@ fn allocate_hard(stop: &AtomicBool, seed: u64) -> u64 {
     checked
 }
 
-/// Pure CPU work, so the 1 kHz sampler has busy threads to interrupt mid-computation.
+/// Pure CPU work, so the 1 kHz sampler has busy threads to interrupt mid-computation. Goes on
+/// after `stop` until the thread has used `MIN_SPIN_CPU` (the tests expect its samples, on
+/// however loaded a machine).
 #[inline(never)]
 fn spin_hard(stop: &AtomicBool) -> u64 {
+    let end = thread_cpu() + MIN_SPIN_CPU;
     let mut x = 1u64;
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.load(Ordering::Relaxed) || thread_cpu() < end {
         for _ in 0..10_000 {
             x = std::hint::black_box(x.rotate_left(7) ^ 0x9e37_79b9_7f4a_7c15).wrapping_mul(3);
         }
     }
     x
 }
+
+const MIN_SPIN_CPU: Duration = Duration::from_millis(100);
 
 fn load(duration: Duration) {
     let c = Collect::default();

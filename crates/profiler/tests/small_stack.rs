@@ -18,11 +18,11 @@ mod profiler_support;
 
 use std::alloc::System;
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use child_support::*;
 use ferroprof::{Profiler, ProfilerGuard, Profiles, SamplingAllocator};
-use profiler_support::Collect;
+use profiler_support::{thread_cpu, Collect};
 
 #[global_allocator]
 static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
@@ -170,9 +170,10 @@ fn small_stack_child() {
             let floor = sigframe + if cfg!(debug_assertions) { 4096 } else { 2048 };
             let mut h = top.saturating_sub(512);
             while h >= floor {
-                let end = Instant::now() + Duration::from_millis(15);
+                // CPU time at each depth: what its timer samples (and may have to skip).
+                let end = thread_cpu() + Duration::from_millis(15);
                 at_headroom(h, lo, &mut || {
-                    while Instant::now() < end {
+                    while thread_cpu() < end {
                         acc ^= work(20, true);
                     }
                 });
@@ -248,13 +249,14 @@ fn lowest_written(lo: usize, top: usize) -> usize {
     top
 }
 
-/// Deepest stack use below the caller of `f` while `f` runs for `d`, in bytes.
+/// Deepest stack use below the caller of `f` while `f` runs for `d` of the thread's CPU (the
+/// signals that land meanwhile come with its CPU time), in bytes.
 #[inline(never)]
 fn depth_used(lo: usize, d: Duration, f: &mut dyn FnMut()) -> usize {
     let here = sp();
     let top = paint(lo);
-    let end = Instant::now() + d;
-    while Instant::now() < end {
+    let end = thread_cpu() + d;
+    while thread_cpu() < end {
         f();
     }
     here - lowest_written(lo, top)

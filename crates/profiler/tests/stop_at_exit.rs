@@ -5,16 +5,17 @@
 
 mod profiler_support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use profiler_support::*;
 
+/// Runs until the thread has used `d` of CPU (the assertions below expect that much).
 #[inline(never)]
 fn burn_first(d: Duration) -> u64 {
-    let end = Instant::now() + d;
+    let end = thread_cpu() + d;
     let mut x = 1u64;
-    while Instant::now() < end {
-        for _ in 0..1000 {
+    while thread_cpu() < end {
+        for _ in 0..100_000 {
             x = std::hint::black_box(x.rotate_left(5).wrapping_mul(0x2545_F491_4F6C_DD1D));
         }
     }
@@ -23,10 +24,10 @@ fn burn_first(d: Duration) -> u64 {
 
 #[inline(never)]
 fn burn_second(d: Duration) -> u64 {
-    let end = Instant::now() + d;
+    let end = thread_cpu() + d;
     let mut x = 3u64;
-    while Instant::now() < end {
-        for _ in 0..1000 {
+    while thread_cpu() < end {
+        for _ in 0..100_000 {
             x = std::hint::black_box(x.rotate_right(3).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         }
     }

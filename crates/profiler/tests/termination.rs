@@ -2,22 +2,27 @@
 //! would have (by the signal, or through the application's own handler).
 
 mod child_support;
+mod profiler_support;
 
 use std::time::Duration;
 
 use child_support::{is_child, run_child};
 use ferroprof::{Profiler, Profiles};
+use profiler_support::thread_cpu;
 
 fn child_dir() -> std::path::PathBuf {
     std::path::PathBuf::from(std::env::var("FERROPROF_TERM_DIR").expect("the parent sets it"))
 }
 
+/// `ms` of the thread's own CPU: the last profile must hold samples.
 #[inline(never)]
 fn burn(ms: u64) -> u64 {
-    let end = std::time::Instant::now() + Duration::from_millis(ms);
+    let end = thread_cpu() + Duration::from_millis(ms);
     let mut x = 0u64;
-    while std::time::Instant::now() < end {
-        x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+    while thread_cpu() < end {
+        for _ in 0..100_000 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
     }
     x
 }

@@ -8,10 +8,13 @@
 //! structures). The default run creates 20,000 threads per churn; `FERROPROF_CHURN_THREADS`
 //! sets another count (`scripts/reliability.sh` runs 20,000 and 80,000, in release).
 
+mod profiler_support;
+
 use std::alloc::System;
 use std::time::{Duration, Instant};
 
 use ferroprof::{Profiler, ProfilerGuard, Profiles, SamplingAllocator};
+use profiler_support::thread_cpu;
 
 #[global_allocator]
 static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
@@ -37,17 +40,20 @@ fn threads() -> usize {
         .unwrap_or(20_000)
 }
 
-/// What a short thread does: a little work and a few allocations.
+/// What a short thread does: a little work (200 us of its own CPU, so the churn gets CPU
+/// samples on a loaded machine too) and a few allocations.
 #[inline(never)]
 fn short_life(i: usize) -> u64 {
     let mut v: Vec<u64> = Vec::with_capacity(64);
-    let end = Instant::now() + Duration::from_micros(200);
+    let end = thread_cpu() + Duration::from_micros(200);
     let mut x = i as u64 | 1;
-    while Instant::now() < end {
-        x = x.rotate_left(5).wrapping_mul(0x9e37_79b9);
-        v.push(x);
-        if v.len() == 64 {
-            v.clear();
+    while thread_cpu() < end {
+        for _ in 0..256 {
+            x = x.rotate_left(5).wrapping_mul(0x9e37_79b9);
+            v.push(x);
+            if v.len() == 64 {
+                v.clear();
+            }
         }
     }
     let s = format!("{x:x}-{i}");

@@ -10,7 +10,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferroprof::labels;
 use ferroprof::tracing::FerroprofLayer;
@@ -71,14 +71,19 @@ fn xorshift(r: &mut u64) -> u64 {
     *r
 }
 
-/// Until `until`: requests on "/a" (cost k) and "/b" (cost 3k), each a root span with a
+/// Until the thread used `cpu` of its own CPU (the split needs that many samples, however
+/// loaded the machine): requests on "/a" (cost k) and "/b" (cost 3k), each a root span with a
 /// `handler` child doing most of the work, with unlabelled work in between.
-fn requests(until: Instant, seed: u64, truth: &Mutex<Truth>) {
+fn requests(cpu: Duration, seed: u64, truth: &Mutex<Truth>) {
     // Kept here and merged at the end: a lock per request would stop the thread in the kernel
-    // between requests, where pending CPU signals are delivered (not an even sampling).
+    // between requests, where pending CPU signals are delivered (not an even sampling). For the
+    // same reason the CPU clock (a system call) is read once every 16 requests only.
+    let end = thread_cpu() + cpu;
     let mut t = Truth::default();
     let mut r = seed | 1;
-    while Instant::now() < until {
+    let mut n = 0u64;
+    while n % 16 != 0 || thread_cpu() < end {
+        n += 1;
         let k = 1 + xorshift(&mut r) % 6;
         let (route, units) = if xorshift(&mut r) % 2 == 0 {
             ("/a", k)
@@ -146,13 +151,13 @@ fn cpu_splits_by_endpoint_and_samples_carry_span_ids() {
     let c = Collect::default();
     let guard = start("tracing-layer-test", &c);
     let truth = Arc::new(Mutex::new(Truth::default()));
-    let until = Instant::now() + Duration::from_secs(4);
+    let cpu = Duration::from_secs(4);
     let workers: Vec<_> = (0..2u64)
         .map(|i| {
             let truth = truth.clone();
             std::thread::Builder::new()
                 .name(format!("req-{i}"))
-                .spawn(move || requests(until, 0x1234_5678 + i * 77, &truth))
+                .spawn(move || requests(cpu, 0x1234_5678 + i * 77, &truth))
                 .unwrap()
         })
         .collect();
@@ -255,7 +260,9 @@ fn instrumented_futures_carry_their_span_on_every_worker() {
         .unwrap();
     let (x_cpu, y_cpu) = (Arc::new(Mutex::new(0)), Arc::new(Mutex::new(0)));
     let mut spans: HashMap<u64, &'static str> = HashMap::new();
-    let until = Instant::now() + Duration::from_secs(3);
+    // The workers' CPU, about 3 s each, read from the process's clock (they are the runtime's
+    // threads): the checks need that many samples, however loaded the machine.
+    let cpu_until = process_cpu() + Duration::from_secs(6);
     let mut requests: HashMap<&str, i64> = HashMap::new();
     let (wake, wakes) = std::sync::mpsc::channel::<std::task::Waker>();
     let waker_thread = std::thread::spawn(move || {
@@ -264,7 +271,7 @@ fn instrumented_futures_carry_their_span_on_every_worker() {
         }
     });
     rt.block_on(async {
-        while Instant::now() < until {
+        while process_cpu() < cpu_until {
             let mut tasks = Vec::new();
             for (route, units, cpu) in [("/x", 40, &x_cpu), ("/y", 80, &y_cpu)] {
                 for _ in 0..2 {

@@ -79,6 +79,29 @@ pub fn has_fn(p: &Profile, s: &Sample, name: &str) -> bool {
     p.stack(s).iter().any(|l| l.function.ends_with(name))
 }
 
+/// CPU time the calling thread has used. Busy loops run on it rather than on wall time: on a
+/// loaded machine a thread gets only part of a core, and a test expecting an amount of CPU
+/// must make sure the thread had it. No allocation or lock: usable in a forked child.
+pub fn thread_cpu() -> std::time::Duration {
+    cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// CPU time of the whole process (every thread), for work spread over threads the test does
+/// not run itself (a runtime's workers).
+pub fn process_cpu() -> std::time::Duration {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+fn cpu_clock(clock: libc::clockid_t) -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer; these clocks exist on every Linux.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
 /// A fresh, empty directory under the target dir.
 pub fn temp_dir(tag: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("ferroprof-test-{tag}-{}", std::process::id()));
