@@ -2147,12 +2147,11 @@ mod tests {
             assert!(jobs.len() >= 2, "at least two objects with symbols");
             let threads = std::sync::Mutex::new(HashSet::new());
             let mut got = resolve_objects(jobs, parallel, |od, probes| {
-                let me = std::thread::current();
-                threads
-                    .lock()
-                    .unwrap()
-                    .insert(me.name().unwrap_or("").to_owned());
-                if me.name().is_some_and(|n| n.starts_with("ferroprof-sym")) {
+                // The kernel's name: the helpers are not std threads (see `crate::ownthread`).
+                let mut buf = [0u8; 16];
+                let me = crate::state::current_thread_name(&mut buf).to_owned();
+                threads.lock().unwrap().insert(me.clone());
+                if me.starts_with("ferroprof-sym") {
                     assert!(crate::state::is_own_tid(crate::state::current_tid()));
                 }
                 resolve_object(od, probes, 1, None, |_| None)
