@@ -495,13 +495,13 @@ impl StringStorage {
         self.table.lock()
     }
 
-    /// Fork preparation: takes the lock and keeps it (no guard) until
-    /// [`Self::unlock_after_fork`], so a fork never catches the table half-way through an update.
     /// Whether the table's lock is held (for a forked child, which must not wait on it).
     pub fn is_locked(&self) -> bool {
         self.table.is_locked()
     }
 
+    /// Fork preparation: takes the lock and keeps it (no guard) until
+    /// [`Self::unlock_after_fork`], so a fork never catches the table half-way through an update.
     pub(crate) fn lock_for_fork(&self) {
         std::mem::forget(self.table.lock());
     }
