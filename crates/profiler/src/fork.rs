@@ -305,7 +305,7 @@ extern "C" fn child() {
     // child's: its thread did not survive the fork.
     RESTART.store(IDLE, Ordering::SeqCst);
     open_loader_walks(true);
-    crate::state::reset_current_tid();
+    crate::threads::reset_current_tid();
     crate::labels::after_fork(true);
     // The locks reset above were this thread's holds.
     crate::tls::STATE.with(|s| s.fork_locks.set(HELD_BEFORE.load(Ordering::Relaxed)));
@@ -317,9 +317,9 @@ extern "C" fn child() {
     let sh = unsafe { Arc::from_raw(p) };
     crate::tls::with_guard(|| {
         state::after_fork_in_child();
-        state::reset_current_tid();
-        state::forget_own_threads_after_fork();
-        state::reset_current_thread_name();
+        crate::threads::reset_current_tid();
+        crate::threads::forget_own_threads_after_fork();
+        crate::threads::reset_current_thread_name();
         crate::unwind::after_fork_in_child();
         crate::sampler::after_fork_in_child();
         crate::alloc::arena::after_fork_in_child();

@@ -450,7 +450,8 @@ fn claim_slot() -> Option<&'static Slot> {
     let s = slot(idx)?;
     // A freed slot holds an empty context already; its owner changes before any publish of
     // ours (the release fence of `publish` orders this store first).
-    s.tid.store(crate::state::current_tid(), Ordering::Relaxed);
+    s.tid
+        .store(crate::threads::current_tid(), Ordering::Relaxed);
     s.publish(&Ctx::EMPTY);
     OWNERS_GEN.fetch_add(1, Ordering::Release);
     STATE.with(|st| st.label_slot.set(idx + 1));
@@ -486,7 +487,8 @@ pub(crate) fn after_fork(child: bool) {
     if child {
         let idx = STATE.with(|s| s.label_slot.get());
         if let Some(s) = idx.checked_sub(1).and_then(slot) {
-            s.tid.store(crate::state::current_tid(), Ordering::Release);
+            s.tid
+                .store(crate::threads::current_tid(), Ordering::Release);
             OWNERS_GEN.fetch_add(1, Ordering::Release);
         }
     }
@@ -931,7 +933,7 @@ mod tests {
             let mut i = 1u64;
             // Its slot exists once it first set a span: only then is it worth reading.
             let first = set_span(i, i);
-            tx.send(crate::state::current_tid()).unwrap();
+            tx.send(crate::threads::current_tid()).unwrap();
             while !st.load(Ordering::Relaxed) {
                 i += 1;
                 // span == root always: a torn read would show them different.

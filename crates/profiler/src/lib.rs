@@ -81,6 +81,7 @@ mod sharded;
 mod state;
 mod symbolize;
 mod termination;
+mod threads;
 mod tls;
 mod unwind;
 

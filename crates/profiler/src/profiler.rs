@@ -569,7 +569,7 @@ impl ProfilerBuilder {
             fork::register();
             // The heap recorder starts empty: so does the estimate of the live heap.
             alloc::peak::HEAP_ESTIMATE.reset();
-            state::PROCESS_ENDING.store(false, Ordering::SeqCst);
+            crate::threads::PROCESS_ENDING.store(false, Ordering::SeqCst);
             if !state::activate(&shared) {
                 return Err(ProfilerError::AlreadyRunning);
             }
@@ -749,7 +749,7 @@ pub(crate) fn spawn_threads(shared: &Arc<Shared>) -> Result<(), ProfilerError> {
     let sh = shared.clone();
     let export = crate::ownthread::spawn("ferroprof-export", 2 << 20, move || {
         tls::enter_profiler_thread();
-        sh.own_tids[1].store(state::current_tid(), Ordering::SeqCst);
+        sh.own_tids[1].store(crate::threads::current_tid(), Ordering::SeqCst);
         let _ = tx.send(());
         export_loop(&sh);
     })
@@ -764,7 +764,7 @@ pub(crate) fn spawn_threads(shared: &Arc<Shared>) -> Result<(), ProfilerError> {
         let sh = shared.clone();
         let sampler = crate::ownthread::spawn("ferroprof-sampler", 512 << 10, move || {
             tls::enter_profiler_thread();
-            sh.own_tids[0].store(state::current_tid(), Ordering::SeqCst);
+            sh.own_tids[0].store(crate::threads::current_tid(), Ordering::SeqCst);
             let _ = tx.send(());
             Sampler::new(sh).run();
         })
@@ -1052,7 +1052,7 @@ impl ProfilerGuard {
     /// arena), which the exit does anyway (about 2 ms of `ferroprof record`'s exit on
     /// ripgrep).
     pub fn stop_at_exit(mut self) -> Result<(), ProfilerError> {
-        state::PROCESS_ENDING.store(true, Ordering::SeqCst);
+        crate::threads::PROCESS_ENDING.store(true, Ordering::SeqCst);
         self.stop_inner()
     }
 
@@ -1066,7 +1066,7 @@ impl ProfilerGuard {
         // The sampler's last visits leave this thread alone: its time in here is the
         // profiler's.
         tls::with_guard(|| {
-            state::as_own_thread(|| {
+            crate::threads::as_own_thread(|| {
                 let sh = &self.shared;
                 let term = sh.threads.lock().termination.take();
                 if let Some(t) = term {

@@ -26,7 +26,7 @@ pub(crate) struct ThreadState {
     /// This thread's kernel id, cached; 0 = not known yet.
     pub tid: Cell<i32>,
     /// This thread's name (kernel `comm`, at most 15 bytes), cached for allocation samples and
-    /// re-read every [`crate::state::NAME_REFRESH`] samples; `name_len` 0xff = not read yet.
+    /// re-read every [`crate::threads::NAME_REFRESH`] samples; `name_len` 0xff = not read yet.
     pub name: Cell<[u8; 16]>,
     pub name_len: Cell<u8>,
     pub name_age: Cell<u8>,
@@ -108,7 +108,7 @@ pub(crate) fn in_recorder<R>(f: impl FnOnce() -> R) -> R {
 /// (Also keeps the sampler away from it.)
 pub(crate) fn enter_profiler_thread() {
     STATE.with(|s| s.guard.set(s.guard.get() + 1));
-    crate::state::register_own_thread();
+    crate::threads::register_own_thread();
 }
 
 /// For the preload library, not API: a thread of ferroprof's own (its allocations are never

@@ -271,7 +271,10 @@ pub(crate) fn free(ptr: *mut u8, layout: Layout) {
 /// afresh and frees the arena for the next owner. Nothing `owner` allocated in arena mode may be
 /// used afterwards.
 pub(crate) fn release(owner: u64) {
-    release_as(owner, crate::state::PROCESS_ENDING.load(Ordering::Relaxed));
+    release_as(
+        owner,
+        crate::threads::PROCESS_ENDING.load(Ordering::Relaxed),
+    );
 }
 
 /// [`release`]; `ending`: the process ends now, so its blocks are kept as they are (what the

@@ -611,12 +611,12 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     // The allocation profile and the live heap are separate choices: `heap` alone samples too.
     let (alloc_on, heap_on) = (sh.alloc_enabled(), sh.heap_enabled());
     let frames: Vec<Frame<'static>> = addrs.iter().map(|&a| Frame::Address(a)).collect();
-    let tid = state::current_tid();
+    let tid = crate::threads::current_tid();
     let mut name_buf = [0u8; 16];
-    let name = state::current_thread_name(&mut name_buf);
+    let name = crate::threads::current_thread_name(&mut name_buf);
     let mut labels = [Label::num("", 0); 2 + crate::labels::WORDS];
-    labels[0] = Label::num(state::THREAD_ID_LABEL, tid as i64);
-    labels[1] = Label::str(state::THREAD_NAME_LABEL, name);
+    labels[0] = Label::num(crate::threads::THREAD_ID_LABEL, tid as i64);
+    labels[1] = Label::str(crate::threads::THREAD_NAME_LABEL, name);
     // The allocating thread's request labels (its own slot: see `crate::labels`).
     let ctx = crate::labels::own_ctx();
     let n = 2 + ctx.fill((&mut labels[2..]).try_into().expect("WORDS"));

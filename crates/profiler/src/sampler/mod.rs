@@ -47,7 +47,8 @@ use std::sync::Arc;
 use ferroprof_recorder::{Frame, Label, SampleValues};
 
 use crate::labels::{self, Ctx};
-use crate::state::{Shared, TapKind, THREAD_ID_LABEL, THREAD_NAME_LABEL};
+use crate::state::{Shared, TapKind};
+use crate::threads::{THREAD_ID_LABEL, THREAD_NAME_LABEL};
 use crate::tls;
 use crate::unwind::{self, MAX_FRAMES};
 use remote::{RemoteUnwinder, TaskSyscall};
@@ -1099,7 +1100,7 @@ impl Sampler {
 
     /// Threads that registered as ferroprof's since the last look stop being sampled.
     fn check_own_threads(&mut self) {
-        let own_gen = crate::state::own_threads_generation();
+        let own_gen = crate::threads::own_threads_generation();
         if own_gen == self.own_gen {
             return;
         }
@@ -1107,7 +1108,7 @@ impl Sampler {
         for idx in 0..self.threads.len() {
             let became_own = self.threads[idx]
                 .as_ref()
-                .is_some_and(|t| !t.own && crate::state::is_own_tid(t.tid));
+                .is_some_and(|t| !t.own && crate::threads::is_own_tid(t.tid));
             if became_own {
                 self.finish_thread(idx, false);
             }
@@ -1209,7 +1210,7 @@ impl Sampler {
     }
 
     fn add_thread(&mut self, tid: i32, now: u64, first: bool) {
-        let own = crate::state::is_own_tid(tid);
+        let own = crate::threads::is_own_tid(tid);
         let cpu = if own { Some(0) } else { thread_cpu_ns(tid) };
         let Some(cpu) = cpu else {
             return; // gone already
@@ -1504,7 +1505,7 @@ impl Sampler {
             }
         }
         if t.probation {
-            if crate::state::is_own_tid(t.tid) {
+            if crate::threads::is_own_tid(t.tid) {
                 // One of ours that registered after the listing found it: nothing recorded.
                 self.threads[idx] = Some(t);
                 self.finish_thread(idx, false);

@@ -306,7 +306,7 @@ impl ProcessSymbolizer {
     fn end_pass(&mut self) {
         // Arena memory (see `lookup`): dropped, then its pages handed back; left to the exit
         // of a process that ends now (unmapping the files, freeing the tables).
-        if crate::state::PROCESS_ENDING.load(std::sync::atomic::Ordering::Relaxed) {
+        if crate::threads::PROCESS_ENDING.load(std::sync::atomic::Ordering::Relaxed) {
             std::mem::forget(self.objects.take());
         }
         self.objects = None;
@@ -1150,7 +1150,7 @@ impl DebugInfo {
     /// later read maps them again), so that what a pass reads of a large file never adds up in
     /// the process's resident memory.
     fn forget_pages(&self) {
-        if crate::state::PROCESS_ENDING.load(std::sync::atomic::Ordering::Relaxed) {
+        if crate::threads::PROCESS_ENDING.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
         for m in &self.maps {
@@ -2149,10 +2149,10 @@ mod tests {
             let mut got = resolve_objects(jobs, parallel, |od, probes| {
                 // The kernel's name: the helpers are not std threads (see `crate::ownthread`).
                 let mut buf = [0u8; 16];
-                let me = crate::state::current_thread_name(&mut buf).to_owned();
+                let me = crate::threads::current_thread_name(&mut buf).to_owned();
                 threads.lock().unwrap().insert(me.clone());
                 if me.starts_with("ferroprof-sym") {
-                    assert!(crate::state::is_own_tid(crate::state::current_tid()));
+                    assert!(crate::threads::is_own_tid(crate::threads::current_tid()));
                 }
                 resolve_object(od, probes, 1, None, |_| None)
             });
