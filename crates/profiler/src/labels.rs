@@ -672,7 +672,7 @@ pub fn record_endpoint(local_root_span_id: u64, endpoint: &str) {
     tls::in_recorder(|| {
         crate::state::with_active(|sh| {
             // Never inside the recorder while a fork is under way (see `fork`).
-            crate::fork::outside_fork(|| {
+            crate::forkgate::outside_fork(|| {
                 if sh
                     .recorder
                     .record_endpoint(local_root_span_id, endpoint)

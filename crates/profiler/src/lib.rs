@@ -70,6 +70,7 @@ pub mod tracing;
 mod alloc;
 mod error;
 mod fork;
+mod forkgate;
 mod forklock;
 mod modules;
 mod notice;
@@ -92,7 +93,9 @@ pub use error::ProfilerError;
 pub use ferroprof_recorder as recorder;
 pub use fork::after_fork;
 #[doc(hidden)]
-pub use fork::{__hold_lock, __restart_pending, __walk_loader, __LOCKS};
+pub use fork::{__hold_lock, __walk_loader, __LOCKS};
+#[doc(hidden)]
+pub use forkgate::__restart_pending;
 pub use profiler::{
     Profiler, ProfilerBuilder, ProfilerGuard, ProfilerStats, DEFAULT_CPU_HZ,
     DEFAULT_MAX_PROFILE_BYTES, DEFAULT_OUTPUT_DIR, DEFAULT_PERIOD, MAX_CPU_HZ, MIN_PERIOD,

@@ -348,7 +348,7 @@ fn iterate(
         reuse,
     };
     // SAFETY: the callback only touches `c` through the pointer we pass and the loader's info.
-    crate::fork::outside_fork_walk_loader(|| unsafe {
+    crate::forkgate::outside_fork_walk_loader(|| unsafe {
         libc::dl_iterate_phdr(Some(callback), &mut c as *mut Collect as *mut libc::c_void);
     });
     let gen = (c.adds, c.subs);
@@ -374,7 +374,7 @@ pub(crate) fn objects_generation() -> (u64, u64) {
     }
     let mut out = (0u64, 0u64);
     // SAFETY: as above.
-    crate::fork::outside_fork_walk_loader(|| unsafe {
+    crate::forkgate::outside_fork_walk_loader(|| unsafe {
         libc::dl_iterate_phdr(
             Some(first_only),
             &mut out as *mut (u64, u64) as *mut libc::c_void,
@@ -403,7 +403,7 @@ pub(crate) fn walk_with(f: impl FnOnce()) {
     };
     let mut dynf: &mut dyn FnMut() = &mut run;
     // SAFETY: the callback only calls the closure behind the pointer we pass.
-    crate::fork::outside_fork_walk_loader(|| unsafe {
+    crate::forkgate::outside_fork_walk_loader(|| unsafe {
         libc::dl_iterate_phdr(
             Some(call_once),
             &mut dynf as *mut &mut dyn FnMut() as *mut libc::c_void,

@@ -846,8 +846,8 @@ fn export_once(sh: &Shared) -> Option<u64> {
         let mut sym = sh.symbolizer.lock();
         // Through the fork gate, step by step: a fork never catches a step that touches state
         // shared with application threads half-way, and waits for one such step at most, never
-        // for symbolizing and encoding (see `fork::SerializeSteps`).
-        let steps = fork::SerializeSteps::new();
+        // for symbolizing and encoding (see `crate::forkgate::SerializeSteps`).
+        let steps = crate::forkgate::SerializeSteps::new();
         let (t0, c0) = (std::time::Instant::now(), sampler::own_cpu_ns());
         let serialized =
             tls::in_recorder(|| sym.pass(|sym| sh.recorder.serialize_gated(Some(sym), &steps)));
@@ -1074,7 +1074,7 @@ impl ProfilerGuard {
                 }
                 sh.stopping.store(true, Ordering::SeqCst);
                 // A forked child's pending restart is dropped (or one under way finishes first).
-                fork::settle_restart();
+                crate::forkgate::settle_restart();
                 sh.wake_all();
                 // Sampler first (it records its pending samples), then no new allocation samples,
                 // then the export thread writes the last profile.
@@ -1110,7 +1110,7 @@ impl ProfilerGuard {
     /// Serializes and exports a profile now (on the export thread), waiting for the
     /// serialization and, up to the stop timeout, for the exporters' delivery.
     pub fn flush(&self) -> Result<(), ProfilerError> {
-        fork::resume_if_pending();
+        crate::forkgate::resume_if_pending();
         if self.stopped {
             return Err(ProfilerError::Stopped);
         }
@@ -1119,7 +1119,7 @@ impl ProfilerGuard {
 
     /// On-demand profiles for `/debug/pprof` (see [`ProfileSource`]).
     pub fn profile_source(&self) -> Arc<dyn ProfileSource> {
-        fork::resume_if_pending();
+        crate::forkgate::resume_if_pending();
         // The profiler's own allocation, though made on the caller's thread: never sampled.
         tls::with_guard(|| {
             Arc::new(Source {
@@ -1130,13 +1130,14 @@ impl ProfilerGuard {
 
     /// Counters of the running profiler.
     pub fn stats(&self) -> ProfilerStats {
-        fork::resume_if_pending();
+        crate::forkgate::resume_if_pending();
         let s = &self.shared.stats;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let done = l(&s.handler_count).max(1);
         // The heap recorder's shard locks, briefly: inside the fork gate, as every lock a fork
         // must not catch.
-        let heap = tls::with_guard(|| fork::outside_fork(|| self.shared.recorder.stats().heap));
+        let heap =
+            tls::with_guard(|| crate::forkgate::outside_fork(|| self.shared.recorder.stats().heap));
         ProfilerStats {
             cpu_samples: l(&s.cpu_samples),
             cpu_ticks: l(&s.cpu_ticks),
@@ -1186,7 +1187,7 @@ impl ProfilerGuard {
             labels: crate::labels::stats(),
             private_heap_bytes: crate::alloc::keep::bytes_in_use(),
             alloc_totals_bytes: tls::with_guard(|| {
-                fork::outside_fork(|| self.shared.alloc_totals.bytes() as u64)
+                crate::forkgate::outside_fork(|| self.shared.alloc_totals.bytes() as u64)
             }),
         }
     }
@@ -1199,7 +1200,7 @@ impl ProfilerGuard {
 
     /// The shared recorder (for advanced use and tests).
     pub fn recorder(&self) -> &Arc<StackRecorder> {
-        fork::resume_if_pending();
+        crate::forkgate::resume_if_pending();
         &self.shared.recorder
     }
 }
@@ -1217,7 +1218,7 @@ struct Source {
 
 impl Source {
     fn shared(&self) -> Result<Arc<Shared>, String> {
-        fork::resume_if_pending();
+        crate::forkgate::resume_if_pending();
         self.shared
             .upgrade()
             .filter(|s| !s.stopping.load(Ordering::SeqCst))
@@ -1321,7 +1322,7 @@ impl ProfileSource for Source {
                 // string storage (shared with application threads): through the fork gate.
                 // Adding the totals' copy (address frames) and encoding work on the profile's
                 // own tables only, so a fork need not wait for them.
-                let totals = fork::outside_fork(|| {
+                let totals = crate::forkgate::outside_fork(|| {
                     heap.prepare_iteration().map_err(|e| e.to_string())?;
                     let mut add_err = None;
                     let iterated = heap.for_each_live_object(&mut |obj, frames| {

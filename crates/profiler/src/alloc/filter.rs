@@ -22,7 +22,7 @@
 //! look atomic to other inserts and removes of the same granule (else an insert could return
 //! before "its" bit is set, or a remove could clear the bit of a newer insert). The thread making
 //! such a transition marks the counter [`BUSY`] until the bit is updated; others wait those few
-//! instructions. Both run inside `fork::outside_fork`, so no fork ever sees a
+//! instructions. Both run inside `crate::forkgate::outside_fork`, so no fork ever sees a
 //! counter left busy.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};

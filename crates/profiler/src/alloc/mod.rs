@@ -76,7 +76,6 @@ use std::sync::OnceLock;
 use ferroprof_recorder::{ExtraValues, Frame, Label, ResolvedFrame, SampleValues};
 
 use crate::alloc::filter::FILTER;
-use crate::fork;
 use crate::state::{self, Shared, TapKind};
 use crate::tls::{self, ThreadState, STATE};
 use crate::unwind::{self, MAX_FRAMES};
@@ -466,7 +465,7 @@ fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp:
         return;
     }
     // A forked child that allocates lives on: its profiler threads start now (see `fork`).
-    crate::fork::resume_if_pending();
+    crate::forkgate::resume_if_pending();
     let w = sample_weight(size as u64, interval);
     let weight = stochastic_round(s, w);
     // `as` saturates: an absurd size cannot wrap to a negative estimate.
@@ -631,7 +630,7 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     };
     tls::in_recorder(|| {
         // Never inside the recorder while a fork is under way (see `fork`).
-        fork::outside_fork(|| {
+        crate::forkgate::outside_fork(|| {
             if alloc_on
                 && sh
                     .recorder
@@ -884,7 +883,7 @@ fn on_free_slow(p: *mut u8) {
             // The filter update stays inside the fork gate too (see `filter`), and inside
             // `in_recorder`: a signal handler's free on this thread while a filter counter is
             // held busy here must skip, not spin on it.
-            fork::outside_fork(|| {
+            crate::forkgate::outside_fork(|| {
                 tls::in_recorder(|| {
                     if let Some(bytes) = sh.recorder.untrack_allocation_bytes(p as u64) {
                         FILTER.remove(p as usize);

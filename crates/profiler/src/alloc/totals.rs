@@ -9,7 +9,7 @@
 //! cap (the profile cap, [`crate::ProfilerBuilder::max_profile_bytes`]) samples of new stacks
 //! add to one folded row, so no value is lost.
 //!
-//! Every use of the lock is inside the fork gate (`fork::outside_fork`) and takes no other
+//! Every use of the lock is inside the fork gate (`crate::forkgate::outside_fork`) and takes no other
 //! lock, so a fork never catches it held and the gate never waits on it for long.
 
 use std::collections::HashMap;

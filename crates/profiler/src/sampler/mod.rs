@@ -1880,7 +1880,7 @@ fn record(
     let frames = &*frames;
     tls::in_recorder(|| {
         // Never inside the recorder while a fork is under way (see `fork`); taps outside.
-        crate::fork::outside_fork(|| {
+        crate::forkgate::outside_fork(|| {
             if sh
                 .recorder
                 .record_sample(frames, &values, labels, 0)
