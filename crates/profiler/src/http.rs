@@ -335,7 +335,7 @@ pub fn serve_with(
             .spawn(move || {
                 // Ours: never sampled (a capture's wait, reads and writes are not the
                 // application's).
-                crate::tls::enter_profiler_thread();
+                crate::threads::enter_profiler_thread();
                 run(&alive.0);
                 drop(alive);
             })
@@ -858,7 +858,7 @@ impl Shared {
         let spawned = std::thread::Builder::new()
             .name("ferroprof-http-conn".into())
             .spawn(move || {
-                crate::tls::enter_profiler_thread();
+                crate::threads::enter_profiler_thread();
                 let done = ConnThread { shared, id };
                 done.shared.serve(stream, &method, &target);
             });

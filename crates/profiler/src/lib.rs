@@ -103,7 +103,9 @@ pub use profiler::{
 pub use settings::Profiles;
 pub use symbolize::ProcessSymbolizer;
 #[doc(hidden)]
-pub use tls::{__late_own_thread, __spawn_own_thread, __unsampled};
+pub use threads::{__late_own_thread, __spawn_own_thread};
+#[doc(hidden)]
+pub use tls::__unsampled;
 #[doc(hidden)]
 pub use unwind::__in_signal_handler;
 pub use unwind::MAX_FRAMES;

@@ -161,7 +161,7 @@ impl Scoped {
         let started: Vec<OwnThread<T>> = (1..=helpers)
             .filter_map(|n| {
                 let job: Box<dyn FnOnce() -> T + Send + '_> = Box::new(move || {
-                    crate::tls::enter_profiler_thread();
+                    crate::threads::enter_profiler_thread();
                     work()
                 });
                 // SAFETY: every thread started here is joined below, before `work` (borrowed)

@@ -748,7 +748,7 @@ pub(crate) fn spawn_threads(shared: &Arc<Shared>) -> Result<(), ProfilerError> {
     let (tx, rx) = std::sync::mpsc::channel();
     let sh = shared.clone();
     let export = crate::ownthread::spawn("ferroprof-export", 2 << 20, move || {
-        tls::enter_profiler_thread();
+        crate::threads::enter_profiler_thread();
         sh.own_tids[1].store(crate::threads::current_tid(), Ordering::SeqCst);
         let _ = tx.send(());
         export_loop(&sh);
@@ -763,7 +763,7 @@ pub(crate) fn spawn_threads(shared: &Arc<Shared>) -> Result<(), ProfilerError> {
         let (tx, rx) = std::sync::mpsc::channel();
         let sh = shared.clone();
         let sampler = crate::ownthread::spawn("ferroprof-sampler", 512 << 10, move || {
-            tls::enter_profiler_thread();
+            crate::threads::enter_profiler_thread();
             sh.own_tids[0].store(crate::threads::current_tid(), Ordering::SeqCst);
             let _ = tx.send(());
             Sampler::new(sh).run();
@@ -848,14 +848,16 @@ fn export_once(sh: &Shared) -> Option<u64> {
         // shared with application threads half-way, and waits for one such step at most, never
         // for symbolizing and encoding (see `crate::forkgate::SerializeSteps`).
         let steps = crate::forkgate::SerializeSteps::new();
-        let (t0, c0) = (std::time::Instant::now(), sampler::own_cpu_ns());
+        let (t0, c0) = (std::time::Instant::now(), crate::threads::own_cpu_ns());
         let serialized =
             tls::in_recorder(|| sym.pass(|sym| sh.recorder.serialize_gated(Some(sym), &steps)));
         let st = &sh.stats;
         st.last_export_ns
             .store(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        st.last_export_cpu_ns
-            .store(sampler::own_cpu_ns().saturating_sub(c0), Ordering::Relaxed);
+        st.last_export_cpu_ns.store(
+            crate::threads::own_cpu_ns().saturating_sub(c0),
+            Ordering::Relaxed,
+        );
         st.symbolized_addresses
             .store(sym.resolved_from_debug_info(), Ordering::Relaxed);
         st.symbolizer_cached
@@ -1160,7 +1162,7 @@ impl ProfilerGuard {
             snapshot_builds: unwind::snapshot_builds() as u64,
             sampler_cpu_ns: match self.shared.own_tids[0].load(Ordering::Relaxed) {
                 0 => 0,
-                tid => sampler::thread_cpu_ns(tid).unwrap_or(0),
+                tid => crate::threads::thread_cpu_ns(tid).unwrap_or(0),
             },
             alloc_samples: s.alloc_samples.total() as u64,
             record_errors: l(&s.record_errors),

@@ -78,7 +78,7 @@ pub(crate) fn arm(
     let (r, w) = (fds[0], fds[1]);
     let stopping = shared.clone();
     let thread = crate::ownthread::spawn("ferroprof-term", 256 << 10, move || {
-        crate::tls::enter_profiler_thread();
+        crate::threads::enter_profiler_thread();
         let mut b = 0u8;
         loop {
             // SAFETY: a one-byte read into a valid buffer.

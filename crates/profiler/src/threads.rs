@@ -144,3 +144,81 @@ pub(crate) fn current_thread_name(buf: &mut [u8; 16]) -> &str {
 pub(crate) fn reset_current_thread_name() {
     STATE.with(|s| s.name_len.set(0xff));
 }
+
+pub(crate) fn clock_ns(clock: libc::clockid_t) -> Option<u64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid out-pointer; clock_gettime is async-signal-safe.
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return None;
+    }
+    Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
+/// The calling thread's CPU time.
+pub(crate) fn own_cpu_ns() -> u64 {
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0)
+}
+
+/// CPU time consumed by thread `tid` of this process.
+pub(crate) fn thread_cpu_ns(tid: i32) -> Option<u64> {
+    // The kernel's clock id for another thread's CPU clock: CPUCLOCK_SCHED | PERTHREAD, tid
+    // stored inverted above the low three bits.
+    let clock = ((!(tid as libc::clockid_t)) << 3) | 6;
+    clock_ns(clock)
+}
+
+/// Marks the calling thread as a profiler thread for the rest of its life.
+/// (Also keeps the sampler away from it.)
+pub(crate) fn enter_profiler_thread() {
+    crate::tls::STATE.with(|s| s.guard.set(s.guard.get() + 1));
+    register_own_thread();
+}
+
+/// For the preload library, not API: a thread of ferroprof's own (its allocations are never
+/// sampled, the sampler leaves it alone), running `f`.
+#[doc(hidden)]
+pub fn __spawn_own_thread(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    crate::tls::with_guard(|| {
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .stack_size(256 << 10)
+            .spawn(move || {
+                enter_profiler_thread();
+                f()
+            })
+    })
+}
+
+/// Test support, not API: a thread named `name` that, like one of ferroprof's threads the
+/// scheduler did not run right after its creation, first uses `start_cpu` of CPU (as starting
+/// a thread can on a slow host: page faults on a fresh stack count), waits `delay` before it
+/// registers as a profiler thread, then uses CPU for `busy`.
+#[doc(hidden)]
+pub fn __late_own_thread(
+    name: &str,
+    start_cpu: std::time::Duration,
+    delay: std::time::Duration,
+    busy: std::time::Duration,
+) -> std::thread::JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            let start = own_cpu_ns();
+            while own_cpu_ns().saturating_sub(start) < start_cpu.as_nanos() as u64 {
+                std::hint::black_box(0u64);
+            }
+            std::thread::sleep(delay);
+            enter_profiler_thread();
+            let end = std::time::Instant::now() + busy;
+            while std::time::Instant::now() < end {
+                std::hint::black_box(0u64);
+            }
+        })
+        .expect("spawn a thread")
+}

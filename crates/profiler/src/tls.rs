@@ -104,59 +104,6 @@ pub(crate) fn in_recorder<R>(f: impl FnOnce() -> R) -> R {
     with_guard(f)
 }
 
-/// Marks the calling thread as a profiler thread for the rest of its life.
-/// (Also keeps the sampler away from it.)
-pub(crate) fn enter_profiler_thread() {
-    STATE.with(|s| s.guard.set(s.guard.get() + 1));
-    crate::threads::register_own_thread();
-}
-
-/// For the preload library, not API: a thread of ferroprof's own (its allocations are never
-/// sampled, the sampler leaves it alone), running `f`.
-#[doc(hidden)]
-pub fn __spawn_own_thread(
-    name: &str,
-    f: impl FnOnce() + Send + 'static,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
-    with_guard(|| {
-        std::thread::Builder::new()
-            .name(name.to_owned())
-            .stack_size(256 << 10)
-            .spawn(move || {
-                enter_profiler_thread();
-                f()
-            })
-    })
-}
-
-/// Test support, not API: a thread named `name` that, like one of ferroprof's threads the
-/// scheduler did not run right after its creation, first uses `start_cpu` of CPU (as starting
-/// a thread can on a slow host: page faults on a fresh stack count), waits `delay` before it
-/// registers as a profiler thread, then uses CPU for `busy`.
-#[doc(hidden)]
-pub fn __late_own_thread(
-    name: &str,
-    start_cpu: std::time::Duration,
-    delay: std::time::Duration,
-    busy: std::time::Duration,
-) -> std::thread::JoinHandle<()> {
-    std::thread::Builder::new()
-        .name(name.to_owned())
-        .spawn(move || {
-            let start = crate::sampler::own_cpu_ns();
-            while crate::sampler::own_cpu_ns().saturating_sub(start) < start_cpu.as_nanos() as u64 {
-                std::hint::black_box(0u64);
-            }
-            std::thread::sleep(delay);
-            enter_profiler_thread();
-            let end = std::time::Instant::now() + busy;
-            while std::time::Instant::now() < end {
-                std::hint::black_box(0u64);
-            }
-        })
-        .expect("spawn a thread")
-}
-
 /// The calling thread's stack bounds, computed once per thread (not async-signal-safe: may
 /// allocate through libc and read /proc for the main thread).
 pub(crate) fn current_stack_bounds() -> Option<(usize, usize)> {

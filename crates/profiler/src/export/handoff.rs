@@ -174,7 +174,7 @@ impl HandOff {
         let name = self.name.clone();
         // Not std::thread: a forked child starts this thread again (see `crate::ownthread`).
         crate::ownthread::spawn(&format!("ferroprof-{}", self.name), 1 << 20, move || {
-            crate::tls::enter_profiler_thread();
+            crate::threads::enter_profiler_thread();
             deliver_loop(&name, &chan, &progress, &deliveries);
         })
         .map(drop)

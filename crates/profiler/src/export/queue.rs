@@ -248,7 +248,7 @@ impl<B: Backend> QueuedExporter<B> {
         std::thread::Builder::new()
             .name(format!("ferroprof-{name}-export"))
             .spawn(move || {
-                crate::tls::enter_profiler_thread();
+                crate::threads::enter_profiler_thread();
                 worker.run();
                 let _ = done_tx.send(());
             })

@@ -48,7 +48,7 @@ use ferroprof_recorder::{Frame, Label, SampleValues};
 
 use crate::labels::{self, Ctx};
 use crate::state::{Shared, TapKind};
-use crate::threads::{THREAD_ID_LABEL, THREAD_NAME_LABEL};
+use crate::threads::{clock_ns, thread_cpu_ns, THREAD_ID_LABEL, THREAD_NAME_LABEL};
 use crate::tls;
 use crate::unwind::{self, MAX_FRAMES};
 use remote::{RemoteUnwinder, TaskSyscall};
@@ -620,31 +620,6 @@ impl StampClock {
     }
 }
 
-fn clock_ns(clock: libc::clockid_t) -> Option<u64> {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a valid out-pointer; clock_gettime is async-signal-safe.
-    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
-        return None;
-    }
-    Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
-}
-
-/// CPU time consumed by thread `tid` of this process.
-/// The calling thread's CPU time.
-pub(crate) fn own_cpu_ns() -> u64 {
-    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0)
-}
-
-pub(crate) fn thread_cpu_ns(tid: i32) -> Option<u64> {
-    // The kernel's clock id for another thread's CPU clock: CPUCLOCK_SCHED | PERTHREAD, tid
-    // stored inverted above the low three bits.
-    let clock = ((!(tid as libc::clockid_t)) << 3) | 6;
-    clock_ns(clock)
-}
-
 /// Arms a CPU-time timer on thread `tid` that signals it with `value` every `period_ns` of its
 /// CPU time; None when the kernel refuses (no timers left: the thread gets wall samples only).
 fn create_cpu_timer(tid: i32, sig: i32, value: u64, period_ns: u64) -> Option<libc::timer_t> {
@@ -996,7 +971,7 @@ impl Sampler {
 
     /// The sampler thread's body.
     pub(crate) fn run(mut self) {
-        tls::enter_profiler_thread();
+        crate::threads::enter_profiler_thread();
         ask_for_short_slice();
         // The snapshot was built by `start`; only changes are picked up from here on.
         unwind::refresh(false);
