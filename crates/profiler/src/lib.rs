@@ -72,6 +72,7 @@ mod error;
 mod fork;
 mod forkgate;
 mod forklock;
+mod frame_names;
 mod modules;
 mod notice;
 mod ownthread;

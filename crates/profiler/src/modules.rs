@@ -252,7 +252,7 @@ fn copy_unwind_sections(
     let hdr = unsafe {
         std::slice::from_raw_parts(hdr_start as *const u8, (hdr_end - hdr_start) as usize)
     };
-    let eh_frame_addr = crate::unwind::eh_frame_address(hdr, hdr_start)?;
+    let eh_frame_addr = eh_frame_address(hdr, hdr_start)?;
     let seg = seg_of(eh_frame_addr)?;
     let len = eh_frame_len(eh_frame_addr, seg.end);
     // SAFETY: as above: [eh_frame_addr, + len) ends within the segment.
@@ -409,6 +409,33 @@ pub(crate) fn walk_with(f: impl FnOnce()) {
             &mut dynf as *mut &mut dyn FnMut() as *mut libc::c_void,
         );
     });
+}
+
+/// Decodes `eh_frame_ptr` from an `.eh_frame_hdr` mapped at `hdr_addr`.
+pub(crate) fn eh_frame_address(hdr: &[u8], hdr_addr: u64) -> Option<u64> {
+    if hdr.len() < 8 || hdr[0] != 1 {
+        return None;
+    }
+    let enc = hdr[1];
+    let field = &hdr[4..];
+    let field_addr = hdr_addr + 4;
+    let value: i128 = match enc & 0x0f {
+        0x00 => u64::from_le_bytes(field.get(..8)?.try_into().ok()?) as i128,
+        0x02 => u16::from_le_bytes(field.get(..2)?.try_into().ok()?) as i128,
+        0x03 => u32::from_le_bytes(field.get(..4)?.try_into().ok()?) as i128,
+        0x04 => u64::from_le_bytes(field.get(..8)?.try_into().ok()?) as i128,
+        0x0a => i16::from_le_bytes(field.get(..2)?.try_into().ok()?) as i128,
+        0x0b => i32::from_le_bytes(field.get(..4)?.try_into().ok()?) as i128,
+        0x0c => i64::from_le_bytes(field.get(..8)?.try_into().ok()?) as i128,
+        _ => return None,
+    };
+    let base: i128 = match enc & 0x70 {
+        0x00 => 0,
+        0x10 => field_addr as i128,
+        0x30 => hdr_addr as i128,
+        _ => return None,
+    };
+    u64::try_from(base + value).ok()
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@
 //! (`SamplingAllocator`'s methods, the sampling path) nor the global-allocator shims
 //! (`__rust_alloc`, `__rdl_alloc`, `__rg_alloc`) nor `alloc::alloc`'s plumbing to them
 //! (`alloc::alloc::alloc`, `Global::alloc_impl`, `<Global as Allocator>::allocate`); see
-//! [`is_allocator_path`]. What the compiler inlined decides where those frames are, so three
+//! [`crate::frame_names::is_allocator_path`]. What the compiler inlined decides where those frames are, so three
 //! cuts together cover every outcome:
 //! - the walk leaves out the frames below the stack pointer read in the allocator entry (the
 //!   sampling path's own frames, deeper than the function the entry is inlined into);
@@ -51,7 +51,7 @@
 //! - the first kept frame may still have the allocator inlined into it (`__rust_alloc`
 //!   inlined into the caller, with LTO; `alloc::alloc::alloc` inlined into `alloc::raw_vec`):
 //!   the symbolizer drops a location's innermost inlined frames of the allocator path
-//!   ([`strip_inlined_allocator`]), keeping its outermost frame, the function the address is
+//!   ([`crate::frame_names::strip_inlined_allocator`]), keeping its outermost frame, the function the address is
 //!   in. A location is shared by every stack through it, so CPU stacks that pass through the
 //!   allocator's call site lose those shims' inlined frames too (they have no code of their own
 //!   beyond the call).
@@ -73,9 +73,10 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use ferroprof_recorder::{ExtraValues, Frame, Label, ResolvedFrame, SampleValues};
+use ferroprof_recorder::{ExtraValues, Frame, Label, SampleValues};
 
 use crate::alloc::filter::FILTER;
+use crate::frame_names::is_allocator_path;
 use crate::state::{self, Shared, TapKind};
 use crate::tls::{self, ThreadState, STATE};
 use crate::unwind::{self, MAX_FRAMES};
@@ -669,7 +670,7 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     });
 }
 
-/// Address ranges `[start, end)` of the allocator-path functions (see [`is_allocator_path`]),
+/// Address ranges `[start, end)` of the allocator-path functions (see [`crate::frame_names::is_allocator_path`]),
 /// sorted and disjoint; set once, when sampling is first enabled.
 static ALLOCATOR_RANGES: OnceLock<Box<[(u64, u64)]>> = OnceLock::new();
 
@@ -693,31 +694,6 @@ fn in_ranges(ranges: &[(u64, u64)], a: u64) -> bool {
     i > 0 && a < ranges[i - 1].1
 }
 
-/// Whether a function (its demangled name without hash, as the symbolizer writes it) belongs
-/// to the allocator path: ferroprof's allocator, the global-allocator shims, or `alloc::alloc`'s
-/// plumbing from the allocating code to them. `alloc::raw_vec`, `alloc::vec`, `hashbrown` and
-/// `Box::new` are not: they are the allocating code's own call chain.
-pub(crate) fn is_allocator_path(name: &str) -> bool {
-    let path = name.strip_prefix('<').unwrap_or(name);
-    if path.starts_with("ferroprof::alloc::")
-        || path.starts_with("alloc::alloc::")
-        || name == "ferroprof::unwind::current_sp"
-    {
-        return true;
-    }
-    // The shims are free functions: `__rust_alloc`, `__rustc::__rust_alloc` (v0 mangling),
-    // `std::alloc::__default_lib_allocator::__rdl_alloc`.
-    if name.contains('<') {
-        return false;
-    }
-    let last = name.rsplit("::").next().unwrap_or(name);
-    matches!(
-        last,
-        "__rust_alloc" | "__rust_alloc_zeroed" | "__rust_realloc" | "__rust_dealloc"
-    ) || last.starts_with("__rdl_")
-        || last.starts_with("__rg_")
-}
-
 /// The cheap test on symbol names ([`Prefilter::may_be_allocator_path`]), its searchers built
 /// once per scan.
 struct Prefilter {
@@ -736,7 +712,7 @@ impl Prefilter {
     }
 
     /// Whether the mangled (legacy or v0) or plain symbol name `raw` may demangle to a name of
-    /// the allocator path ([`is_allocator_path`]) or be a C allocation entry, so that only
+    /// the allocator path ([`crate::frame_names::is_allocator_path`]) or be a C allocation entry, so that only
     /// those few are demangled. Most names hold none of `alloc`, `__r` and `current_sp`, found
     /// with SIMD searchers; the finer test runs on the others. ferroprof's paths are matched
     /// down to `ferroprof::alloc`: matching the crate alone demangled every symbol of the
@@ -781,28 +757,6 @@ fn is_c_allocation_entry(name: &str) -> bool {
             | "valloc"
             | "pvalloc"
     )
-}
-
-/// Leaves out a location's innermost (inlined) frames of the allocator path, keeping at least
-/// its outermost frame (the function the address is in). Applied by the symbolizer to every
-/// resolved location.
-pub(crate) fn strip_inlined_allocator(frames: Box<[ResolvedFrame]>) -> Box<[ResolvedFrame]> {
-    let n = inlined_allocator_frames(frames.iter().map(|f| f.name.as_str()));
-    if n == 0 {
-        return frames;
-    }
-    let mut v = frames.into_vec();
-    v.drain(..n);
-    v.into_boxed_slice()
-}
-
-/// How many of a location's frames (innermost first) [`strip_inlined_allocator`] leaves out.
-fn inlined_allocator_frames<'a>(names: impl ExactSizeIterator<Item = &'a str>) -> usize {
-    let len = names.len();
-    names
-        .take_while(|n| is_allocator_path(n))
-        .count()
-        .min(len.saturating_sub(1))
 }
 
 /// The allocator-path functions' ranges in the objects that hold ferroprof and the program
@@ -918,61 +872,6 @@ mod tests {
             let mean = sum as f64 / n as f64;
             assert!((mean - 1.25).abs() < 0.01, "{mean}");
         });
-    }
-
-    #[test]
-    fn allocator_path_names() {
-        for name in [
-            "<ferroprof::alloc::SamplingAllocator<A> as core::alloc::global::GlobalAlloc>::alloc",
-            "<ferroprof::alloc::SamplingAllocator<std::alloc::System> as core::alloc::global::GlobalAlloc>::realloc",
-            "ferroprof::alloc::on_alloc_slow",
-            "__rust_alloc",
-            "__rustc::__rust_alloc_zeroed",
-            "__rustc::__rust_realloc",
-            "std::alloc::__default_lib_allocator::__rdl_alloc",
-            "__rg_alloc",
-            "alloc::alloc::alloc",
-            "alloc::alloc::Global::alloc_impl",
-            "<alloc::alloc::Global as core::alloc::Allocator>::allocate",
-            "alloc::alloc::exchange_malloc",
-        ] {
-            assert!(is_allocator_path(name), "{name}");
-        }
-        for name in [
-            "alloc::raw_vec::RawVecInner<A>::try_allocate_in",
-            "<alloc::raw_vec::RawVecInner>::finish_grow",
-            "alloc::boxed::Box<T>::new",
-            "hashbrown::raw::RawTableInner::fallible_with_capacity",
-            "ferroprof::http::serve",
-            "app::__rust_alloc_helper<T>",
-            "app::alloc",
-            "malloc",
-        ] {
-            assert!(!is_allocator_path(name), "{name}");
-        }
-    }
-
-    #[test]
-    fn inlined_allocator_frames_go_and_the_outermost_stays() {
-        let n = |names: &[&str]| inlined_allocator_frames(names.iter().copied());
-        assert_eq!(
-            n(&[
-                "<ferroprof::alloc::SamplingAllocator<A> as core::alloc::global::GlobalAlloc>::alloc",
-                "__rustc::__rust_alloc",
-                "alloc::alloc::alloc",
-                "alloc::raw_vec::RawVecInner<A>::try_allocate_in",
-                "alloc::alloc::alloc",
-                "app::load",
-            ]),
-            3
-        );
-        // All of the allocator path (an address in a real `__rust_alloc`): the outermost stays.
-        assert_eq!(
-            n(&["ferroprof::alloc::on_alloc_slow", "__rustc::__rust_alloc"]),
-            1
-        );
-        assert_eq!(n(&["app::load"]), 0);
-        assert_eq!(n(&[]), 0);
     }
 
     #[test]

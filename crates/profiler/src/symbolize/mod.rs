@@ -404,10 +404,10 @@ impl ProcessSymbolizer {
             })
             .collect();
         drop(found);
-        // A location's innermost frames of the allocator path go (see `crate::alloc`).
+        // A location's innermost frames of the allocator path go (see `crate::frame_names`).
         let owned: Vec<Box<[ResolvedFrame]>> = owned
             .into_iter()
-            .map(crate::alloc::strip_inlined_allocator)
+            .map(crate::frame_names::strip_inlined_allocator)
             .collect();
         debug_assert!(owned
             .iter()

@@ -486,7 +486,7 @@ impl Sections {
             ptr: hdr_start as *const u8,
             len: (hdr_end - hdr_start) as usize,
         };
-        let eh_frame_start = eh_frame_address(&hdr, hdr_start)?;
+        let eh_frame_start = crate::modules::eh_frame_address(&hdr, hdr_start)?;
         // The section's size is not recorded anywhere in memory; lookups go through the index
         // in `.eh_frame_hdr`, so the slice may extend to the end of the containing segment.
         let eh_seg = obj.segment_of(eh_frame_start)?;
@@ -617,33 +617,6 @@ fn direct_call_target(snap: &Snapshot, ret: u64) -> Option<u64> {
     // Lazily bound stubs point back into the PLT, at code that is no function's start.
     (snap.objects.iter().any(|o| o.executes(bound)) && function_start(snap, bound) == Some(bound))
         .then_some(bound)
-}
-
-/// Decodes `eh_frame_ptr` from an `.eh_frame_hdr` mapped at `hdr_addr`.
-pub(crate) fn eh_frame_address(hdr: &[u8], hdr_addr: u64) -> Option<u64> {
-    if hdr.len() < 8 || hdr[0] != 1 {
-        return None;
-    }
-    let enc = hdr[1];
-    let field = &hdr[4..];
-    let field_addr = hdr_addr + 4;
-    let value: i128 = match enc & 0x0f {
-        0x00 => u64::from_le_bytes(field.get(..8)?.try_into().ok()?) as i128,
-        0x02 => u16::from_le_bytes(field.get(..2)?.try_into().ok()?) as i128,
-        0x03 => u32::from_le_bytes(field.get(..4)?.try_into().ok()?) as i128,
-        0x04 => u64::from_le_bytes(field.get(..8)?.try_into().ok()?) as i128,
-        0x0a => i16::from_le_bytes(field.get(..2)?.try_into().ok()?) as i128,
-        0x0b => i32::from_le_bytes(field.get(..4)?.try_into().ok()?) as i128,
-        0x0c => i64::from_le_bytes(field.get(..8)?.try_into().ok()?) as i128,
-        _ => return None,
-    };
-    let base: i128 = match enc & 0x70 {
-        0x00 => 0,
-        0x10 => field_addr as i128,
-        0x30 => hdr_addr as i128,
-        _ => return None,
-    };
-    u64::try_from(base + value).ok()
 }
 
 /// Readable+writable mappings from /proc/self/maps, and the main `[stack]`.
@@ -2088,8 +2061,14 @@ mod tests {
         // version 1, pcrel|sdata4, udata4, datarel|sdata4, then -0x20.
         let mut hdr = vec![1u8, 0x1b, 0x03, 0x3b];
         hdr.extend_from_slice(&(-0x20i32).to_le_bytes());
-        assert_eq!(eh_frame_address(&hdr, 0x1000), Some(0x1000 + 4 - 0x20));
-        assert_eq!(eh_frame_address(&[2, 0, 0, 0, 0, 0, 0, 0], 0), None);
+        assert_eq!(
+            crate::modules::eh_frame_address(&hdr, 0x1000),
+            Some(0x1000 + 4 - 0x20)
+        );
+        assert_eq!(
+            crate::modules::eh_frame_address(&[2, 0, 0, 0, 0, 0, 0, 0], 0),
+            None
+        );
     }
 
     /// Recursion through a function compiled without frame pointers and through `level1`/
