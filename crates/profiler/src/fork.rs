@@ -18,8 +18,8 @@
 //!
 //! A child that should not profile can stop its copy of the guard (cheap when nothing
 //! restarted yet), or the program builds with `restart_after_fork(false)` and calls
-//! [`after_fork`] in the children that should profile. A child that only computes (never
-//! allocates through the sampling allocator nor calls the profiler) calls [`after_fork`] to be
+//! [`crate::after_fork`] in the children that should profile. A child that only computes (never
+//! allocates through the sampling allocator nor calls the profiler) calls [`crate::after_fork`] to be
 //! profiled.
 //! The locks a thread may hold at the fork are `forklock` mutexes: `parking_lot`'s unlock hands
 //! a contended lock to a waiter, which in the child is a thread that is not there, so its
@@ -39,7 +39,6 @@ static REGISTER: Once = Once::new();
 static IN_FORK: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
 
 pub(crate) fn register() {
-    forkgate::set_restart_hook(restart_threads);
     REGISTER.call_once(|| {
         // SAFETY: registering plain extern "C" functions; they stay valid forever.
         unsafe {
@@ -169,36 +168,6 @@ extern "C" fn child() {
             forkgate::reset_restart(true);
         }
     });
-}
-
-fn start_threads_if_stopped(sh: &Arc<Shared>) {
-    let running = {
-        let t = sh.threads.lock();
-        t.sampler.is_some() || t.export.is_some()
-    };
-    if !running && !sh.stopping.load(Ordering::SeqCst) && crate::profiler::spawn_threads(sh).is_ok()
-    {
-        // A child that lives on ends as its parent would: a SIGTERM writes its last profile.
-        crate::termination::rearm_in_child(sh);
-    }
-}
-
-/// Restarts profiling in a forked child now: when the profiler was built with
-/// `restart_after_fork(false)`, or to have a child that neither allocates nor calls the
-/// profiler profiled from this point on (by default a child resumes at its first sampled
-/// allocation or profiler call). Does nothing when no profiler runs or its threads are alive.
-pub fn after_fork() {
-    // Takes over a pending restart, or waits for the thread doing one.
-    forkgate::begin_restart();
-    crate::tls::with_guard(restart_threads);
-    forkgate::end_restart();
-}
-
-/// Starts the running profiler's threads unless they run (the restart hook of `forkgate`).
-fn restart_threads() {
-    if let Some(sh) = state::active_arc() {
-        start_threads_if_stopped(&sh);
-    }
 }
 
 /// The locks of the running profiler that [`__hold_lock`] can hold (tests).

@@ -92,13 +92,12 @@ pub use alloc::{__disable_arena, __heap_peak_estimate_bytes, __raw_allocated, __
 pub use alloc::{sample_weight, SamplingAllocator, DEFAULT_SAMPLING_INTERVAL};
 pub use error::ProfilerError;
 pub use ferroprof_recorder as recorder;
-pub use fork::after_fork;
 #[doc(hidden)]
 pub use fork::{__hold_lock, __walk_loader, __LOCKS};
 #[doc(hidden)]
 pub use forkgate::__restart_pending;
 pub use profiler::{
-    Profiler, ProfilerBuilder, ProfilerGuard, ProfilerStats, DEFAULT_CPU_HZ,
+    after_fork, Profiler, ProfilerBuilder, ProfilerGuard, ProfilerStats, DEFAULT_CPU_HZ,
     DEFAULT_MAX_PROFILE_BYTES, DEFAULT_OUTPUT_DIR, DEFAULT_PERIOD, MAX_CPU_HZ, MIN_PERIOD,
 };
 pub use settings::Profiles;

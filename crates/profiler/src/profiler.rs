@@ -567,6 +567,7 @@ impl ProfilerBuilder {
                 })?;
             }
             fork::register();
+            crate::forkgate::set_restart_hook(restart_threads);
             // The heap recorder starts empty: so does the estimate of the live heap.
             alloc::peak::HEAP_ESTIMATE.reset();
             crate::threads::PROCESS_ENDING.store(false, Ordering::SeqCst);
@@ -741,6 +742,35 @@ fn probe_allocator() {
     tls::STATE.with(|s| s.countdown.set(-1));
     let b = std::hint::black_box(Box::new(0u64));
     drop(b);
+}
+
+fn start_threads_if_stopped(sh: &Arc<Shared>) {
+    let running = {
+        let t = sh.threads.lock();
+        t.sampler.is_some() || t.export.is_some()
+    };
+    if !running && !sh.stopping.load(Ordering::SeqCst) && spawn_threads(sh).is_ok() {
+        // A child that lives on ends as its parent would: a SIGTERM writes its last profile.
+        crate::termination::rearm_in_child(sh);
+    }
+}
+
+/// Restarts profiling in a forked child now: when the profiler was built with
+/// `restart_after_fork(false)`, or to have a child that neither allocates nor calls the
+/// profiler profiled from this point on (by default a child resumes at its first sampled
+/// allocation or profiler call). Does nothing when no profiler runs or its threads are alive.
+pub fn after_fork() {
+    // Takes over a pending restart, or waits for the thread doing one.
+    crate::forkgate::begin_restart();
+    crate::tls::with_guard(restart_threads);
+    crate::forkgate::end_restart();
+}
+
+/// Starts the running profiler's threads unless they run (the restart hook of `forkgate`).
+fn restart_threads() {
+    if let Some(sh) = state::active_arc() {
+        start_threads_if_stopped(&sh);
+    }
 }
 
 /// Starts the export thread, then the sampler (so the export thread is known not to sample).
