@@ -60,6 +60,8 @@
 //! only async-signal-safe in the static TLS block. One profiler runs per process.
 
 #![warn(missing_docs)]
+// Library code returns errors or degrades; only tests may unwrap.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod export;
 pub mod http;

@@ -200,6 +200,7 @@ pub fn __spawn_own_thread(
 /// a thread can on a slow host: page faults on a fresh stack count), waits `delay` before it
 /// registers as a profiler thread, then uses CPU for `busy`.
 #[doc(hidden)]
+#[allow(clippy::expect_used)] // test support: a test whose thread cannot start fails here
 pub fn __late_own_thread(
     name: &str,
     start_cpu: std::time::Duration,

@@ -619,7 +619,9 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     labels[1] = Label::str(crate::threads::THREAD_NAME_LABEL, name);
     // The allocating thread's request labels (its own slot: see `crate::labels`).
     let ctx = crate::labels::own_ctx();
-    let n = 2 + ctx.fill((&mut labels[2..]).try_into().expect("WORDS"));
+    let n = 2 + labels[2..]
+        .first_chunk_mut::<{ crate::labels::WORDS }>()
+        .map_or(0, |w| ctx.fill(w));
     let labels = &labels[..n];
     let values = SampleValues {
         alloc_samples: weight,

@@ -1844,7 +1844,9 @@ fn record(
     let mut labels = [Label::num("", 0); 2 + labels::WORDS];
     labels[0] = Label::num(THREAD_ID_LABEL, t.tid as i64);
     labels[1] = Label::str(THREAD_NAME_LABEL, &t.name);
-    let n = 2 + ctx.fill((&mut labels[2..]).try_into().expect("WORDS labels"));
+    let n = 2 + labels[2..]
+        .first_chunk_mut::<{ labels::WORDS }>()
+        .map_or(0, |w| ctx.fill(w));
     let labels = &labels[..n];
     let values = SampleValues {
         cpu_time_ns: cpu_ns,

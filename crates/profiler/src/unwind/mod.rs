@@ -557,7 +557,8 @@ pub(crate) fn hdr_function_start(hdr: &[u8], hdr_addr: u64, probe: u64) -> Optio
     let count = u32::from_le_bytes(rest[4..8].try_into().ok()?) as usize;
     let table = rest.get(8..8 + count.checked_mul(8)?)?;
     let start_of = |i: usize| {
-        let v = i32::from_le_bytes(table[i * 8..i * 8 + 4].try_into().expect("4 bytes"));
+        let b = &table[i * 8..i * 8 + 4];
+        let v = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         hdr_addr.wrapping_add_signed(i64::from(v))
     };
     let (mut lo, mut hi) = (0, count);
