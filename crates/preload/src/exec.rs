@@ -127,7 +127,7 @@ fn before_exec() -> bool {
     if in_vfork_child() {
         return false; // the profiler is the parent's
     }
-    if ferroprof::__restart_pending() {
+    if ferroprof::internals::__restart_pending() {
         return false; // a forked child with nothing recorded
     }
     crate::stop_for_exec()

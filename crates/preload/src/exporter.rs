@@ -40,7 +40,7 @@ impl PerProcessFiles {
         let Some(dir) = &self.summary_dir else { return };
         let text = format!(
             "heap_peak_estimate_bytes={}\n",
-            ferroprof::__heap_peak_estimate_bytes()
+            ferroprof::internals::__heap_peak_estimate_bytes()
         );
         let tmp = dir.join(format!(".{pid}.tmp"));
         if std::fs::write(&tmp, text).is_ok() {

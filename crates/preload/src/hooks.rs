@@ -33,7 +33,7 @@ extern "C" {
 pub unsafe extern "C" fn malloc(size: size_t) -> *mut c_void {
     // SAFETY: forwarded contract.
     let p = unsafe { __libc_malloc(size) };
-    ferroprof::__raw_allocated(p.cast(), size);
+    ferroprof::internals::__raw_allocated(p.cast(), size);
     p
 }
 
@@ -44,7 +44,7 @@ pub unsafe extern "C" fn free(p: *mut c_void) {
     if p.is_null() {
         return;
     }
-    ferroprof::__raw_freeing(p.cast());
+    ferroprof::internals::__raw_freeing(p.cast());
     // SAFETY: forwarded contract.
     unsafe { __libc_free(p) }
 }
@@ -55,7 +55,7 @@ pub unsafe extern "C" fn free(p: *mut c_void) {
 pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
     // SAFETY: forwarded contract (glibc checks the product for overflow).
     let p = unsafe { __libc_calloc(n, size) };
-    ferroprof::__raw_allocated(p.cast(), n.saturating_mul(size));
+    ferroprof::internals::__raw_allocated(p.cast(), n.saturating_mul(size));
     p
 }
 
@@ -66,11 +66,11 @@ pub unsafe extern "C" fn realloc(p: *mut c_void, size: size_t) -> *mut c_void {
     // The old block may be freed (or reused at the same address): untracked first, so a new
     // allocation at its address never meets its stale record.
     if !p.is_null() {
-        ferroprof::__raw_freeing(p.cast());
+        ferroprof::internals::__raw_freeing(p.cast());
     }
     // SAFETY: forwarded contract.
     let q = unsafe { __libc_realloc(p, size) };
-    ferroprof::__raw_allocated(q.cast(), size);
+    ferroprof::internals::__raw_allocated(q.cast(), size);
     q
 }
 
@@ -93,7 +93,7 @@ pub unsafe extern "C" fn reallocarray(p: *mut c_void, n: size_t, size: size_t) -
 pub unsafe extern "C" fn memalign(align: size_t, size: size_t) -> *mut c_void {
     // SAFETY: forwarded contract.
     let p = unsafe { __libc_memalign(align, size) };
-    ferroprof::__raw_allocated(p.cast(), size);
+    ferroprof::internals::__raw_allocated(p.cast(), size);
     p
 }
 
@@ -104,7 +104,7 @@ pub unsafe extern "C" fn aligned_alloc(align: size_t, size: size_t) -> *mut c_vo
     // glibc's own aligned_alloc is memalign (it accepts any alignment memalign accepts).
     // SAFETY: forwarded contract.
     let p = unsafe { __libc_memalign(align, size) };
-    ferroprof::__raw_allocated(p.cast(), size);
+    ferroprof::internals::__raw_allocated(p.cast(), size);
     p
 }
 
@@ -124,7 +124,7 @@ pub unsafe extern "C" fn posix_memalign(
     if p.is_null() {
         return libc::ENOMEM;
     }
-    ferroprof::__raw_allocated(p.cast(), size);
+    ferroprof::internals::__raw_allocated(p.cast(), size);
     // SAFETY: the caller passes a valid out-pointer.
     unsafe { *out = p };
     0
@@ -136,7 +136,7 @@ pub unsafe extern "C" fn posix_memalign(
 pub unsafe extern "C" fn valloc(size: size_t) -> *mut c_void {
     // SAFETY: forwarded contract.
     let p = unsafe { __libc_valloc(size) };
-    ferroprof::__raw_allocated(p.cast(), size);
+    ferroprof::internals::__raw_allocated(p.cast(), size);
     p
 }
 
@@ -146,7 +146,7 @@ pub unsafe extern "C" fn valloc(size: size_t) -> *mut c_void {
 pub unsafe extern "C" fn pvalloc(size: size_t) -> *mut c_void {
     // SAFETY: forwarded contract.
     let p = unsafe { __libc_pvalloc(size) };
-    ferroprof::__raw_allocated(p.cast(), size);
+    ferroprof::internals::__raw_allocated(p.cast(), size);
     p
 }
 
@@ -178,7 +178,7 @@ pub unsafe extern "C" fn pthread_getattr_np(
     let real: unsafe extern "C" fn(libc::pthread_t, *mut libc::pthread_attr_t) -> c_int =
         unsafe { std::mem::transmute(f) };
     // SAFETY: forwarded contract.
-    ferroprof::__unsampled(|| unsafe { real(thread, attr) })
+    ferroprof::internals::__unsampled(|| unsafe { real(thread, attr) })
 }
 
 /// Looks up the interposed functions glibc defines (`dlsym` may allocate and takes the

@@ -59,7 +59,7 @@ fn start() {
         return;
     }
     // `free` has no size to give an arena block back with: symbolization uses the heap.
-    ferroprof::__disable_arena();
+    ferroprof::internals::__disable_arena();
     let dir = std::env::var_os("FERROPROF_OUTPUT_DIR")
         .filter(|d| !d.is_empty())
         .map(std::path::PathBuf::from)
@@ -167,8 +167,8 @@ extern "C" fn at_exit() {
 fn before_quick_exit() {
     if !RUNNING.load(std::sync::atomic::Ordering::SeqCst)
         || exec::in_vfork_child()
-        || ferroprof::__restart_pending()
-        || ferroprof::__in_signal_handler() != Some(false)
+        || ferroprof::internals::__restart_pending()
+        || ferroprof::internals::__in_signal_handler() != Some(false)
     {
         return;
     }

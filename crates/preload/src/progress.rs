@@ -18,7 +18,7 @@ static GENERATION: AtomicU32 = AtomicU32::new(0);
 pub(crate) fn start(dir: PathBuf, stats: impl Fn() -> Option<ProfilerStats> + Send + 'static) {
     let path = dir.join(std::process::id().to_string());
     let generation = GENERATION.load(Ordering::SeqCst);
-    let spawned = ferroprof::__spawn_own_thread("ferroprof-progress", move || {
+    let spawned = ferroprof::internals::__spawn_own_thread("ferroprof-progress", move || {
         while GENERATION.load(Ordering::SeqCst) == generation {
             std::thread::sleep(Duration::from_millis(500));
             let Some(s) = stats() else { break };

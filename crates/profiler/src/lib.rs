@@ -65,6 +65,8 @@
 
 pub mod export;
 pub mod http;
+#[doc(hidden)]
+pub mod internals;
 pub mod labels;
 #[cfg(feature = "tracing")]
 pub mod tracing;
@@ -89,25 +91,13 @@ mod threads;
 mod tls;
 mod unwind;
 
-#[doc(hidden)]
-pub use alloc::{__disable_arena, __heap_peak_estimate_bytes, __raw_allocated, __raw_freeing};
 pub use alloc::{sample_weight, SamplingAllocator, DEFAULT_SAMPLING_INTERVAL};
 pub use error::ProfilerError;
 pub use ferroprof_recorder as recorder;
-#[doc(hidden)]
-pub use fork::{__hold_lock, __walk_loader, __LOCKS};
-#[doc(hidden)]
-pub use forkgate::__restart_pending;
 pub use profiler::{
     after_fork, Profiler, ProfilerBuilder, ProfilerGuard, ProfilerStats, DEFAULT_CPU_HZ,
     DEFAULT_MAX_PROFILE_BYTES, DEFAULT_OUTPUT_DIR, DEFAULT_PERIOD, MAX_CPU_HZ, MIN_PERIOD,
 };
 pub use settings::Profiles;
 pub use symbolize::ProcessSymbolizer;
-#[doc(hidden)]
-pub use threads::{__late_own_thread, __spawn_own_thread};
-#[doc(hidden)]
-pub use tls::__unsampled;
-#[doc(hidden)]
-pub use unwind::__in_signal_handler;
 pub use unwind::MAX_FRAMES;

@@ -66,7 +66,14 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "7 the public face",
-        &["profiler", "fork", "termination", "tracing", "lib"],
+        &[
+            "profiler",
+            "fork",
+            "termination",
+            "tracing",
+            "internals",
+            "lib",
+        ],
     ),
 ];
 

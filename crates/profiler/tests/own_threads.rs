@@ -168,7 +168,7 @@ fn a_thread_of_ours_found_before_it_registered_leaves_nothing() {
     std::thread::sleep(Duration::from_millis(50));
     // It starts slowly (2 ms of CPU before its first line of its own, ten times the CPU
     // probation), then waits before it registers.
-    let late = ferroprof::__late_own_thread(
+    let late = ferroprof::internals::__late_own_thread(
         "ferroprof-late",
         Duration::from_millis(2),
         Duration::from_millis(400),

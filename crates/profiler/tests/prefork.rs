@@ -132,18 +132,18 @@ fn a_child_forked_while_each_profiler_lock_is_held_never_hangs() {
     // Warms the symbolizer the children inherit (unless forked with its lock held).
     guard.flush().expect("parent flushes");
     let mut failures = Vec::new();
-    for &name in ferroprof::__LOCKS {
+    for &name in ferroprof::internals::__LOCKS {
         let (held_tx, held_rx) = mpsc::channel();
         let (release_tx, release_rx) = mpsc::channel::<()>();
         let holder = std::thread::spawn(move || {
-            ferroprof::__hold_lock(name, move || {
+            ferroprof::internals::__hold_lock(name, move || {
                 let _ = held_tx.send(());
                 let _ = release_rx.recv();
             })
         });
         held_rx.recv().expect("the lock is held");
         // A thread asleep on the lock at the fork: the child must not hand the lock to it.
-        let waiter = std::thread::spawn(move || ferroprof::__hold_lock(name, || {}));
+        let waiter = std::thread::spawn(move || ferroprof::internals::__hold_lock(name, || {}));
         std::thread::sleep(Duration::from_millis(50));
         let pid = fork_child(&guard, use_every_lock);
         release_tx.send(()).unwrap();
@@ -157,7 +157,7 @@ fn a_child_forked_while_each_profiler_lock_is_held_never_hangs() {
     let _ = std::fs::remove_dir_all(&dir);
     println!(
         "{} locks forked over, failures: {failures:?}",
-        ferroprof::__LOCKS.len()
+        ferroprof::internals::__LOCKS.len()
     );
     assert!(failures.is_empty(), "{failures:#?}");
 }
@@ -174,7 +174,7 @@ fn a_child_forked_while_the_profiler_walks_the_loaders_list_never_hangs() {
     guard.flush().expect("parent flushes");
     let (inside_tx, inside_rx) = mpsc::channel();
     let walker = std::thread::spawn(move || {
-        ferroprof::__walk_loader(move || {
+        ferroprof::internals::__walk_loader(move || {
             let _ = inside_tx.send(());
             // Long enough that the fork below starts while this walk is under way.
             std::thread::sleep(Duration::from_millis(300));

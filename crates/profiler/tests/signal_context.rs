@@ -19,7 +19,10 @@ fn code(v: Option<bool>) -> u8 {
 }
 
 extern "C" fn handler(_: libc::c_int) {
-    SEEN.store(code(ferroprof::__in_signal_handler()), Ordering::SeqCst);
+    SEEN.store(
+        code(ferroprof::internals::__in_signal_handler()),
+        Ordering::SeqCst,
+    );
 }
 
 fn seen_in_handler(on_alt_stack: bool) -> u8 {
@@ -41,7 +44,11 @@ fn seen_in_handler(on_alt_stack: bool) -> u8 {
 fn a_handler_is_told_apart_from_ordinary_code() {
     let c = Collect::default();
     let guard = start_cpu_wall("signal-context", 100, &c);
-    assert_eq!(code(ferroprof::__in_signal_handler()), 2, "ordinary code");
+    assert_eq!(
+        code(ferroprof::internals::__in_signal_handler()),
+        2,
+        "ordinary code"
+    );
     assert_eq!(seen_in_handler(false), 3, "a handler on the thread's stack");
 
     // A small alternate signal stack, as crash handlers use.
