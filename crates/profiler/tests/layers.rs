@@ -68,6 +68,9 @@ const LAYERS: &[(&str, &[&str])] = &[
         "7 the public face",
         &[
             "profiler",
+            "profiler/guard",
+            "profiler/run",
+            "profiler/source",
             "fork",
             "termination",
             "tracing",
