@@ -62,7 +62,16 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "6 capture",
-        &["labels", "alloc", "sampler", "sampler/remote"],
+        &[
+            "labels",
+            "alloc",
+            "sampler",
+            "sampler/capture",
+            "sampler/clock",
+            "sampler/record",
+            "sampler/tasks",
+            "sampler/remote",
+        ],
     ),
     (
         "7 the public face",
