@@ -713,23 +713,47 @@ fn sighup_is_forwarded_and_the_program_flushes_before_it_ends() {
 }
 
 fn signal_is_forwarded_and_flushed(sig: libc::c_int, tag: &str) {
+    use std::os::unix::process::CommandExt;
     let dir = work_dir(tag);
-    let mut child = Command::new(BIN)
-        .env("FERROPROF_PRELOAD", preload())
+    let mut cmd = Command::new(BIN);
+    cmd.env("FERROPROF_PRELOAD", preload())
         .args(["record", "-o", dir.to_str().unwrap(), "--"])
         .arg(fixture(false))
         .arg("sigterm")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    // The signal's default action, as a terminal gives it: a run started under `nohup` (SIGHUP
+    // ignored) or as a background job (SIGINT, SIGQUIT ignored) passes its ignored signals on,
+    // and the program would never end.
+    // SAFETY: signal() is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::signal(sig, libc::SIG_DFL);
+            Ok(())
+        })
+    };
+    let mut child = cmd.spawn().unwrap();
+    let pid = child.id() as i32;
+    // A deadline: a program that never ends fails the test instead of hanging the suite.
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if done_rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .is_err()
+        {
+            // SAFETY: our own child, still running after the deadline.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    });
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first = lines.next().expect("a line").unwrap();
     assert_eq!(first, "ready");
     // SAFETY: a signal to our own child.
-    unsafe { libc::kill(child.id() as i32, sig) };
+    unsafe { libc::kill(pid, sig) };
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     let status = child.wait().unwrap();
+    let _ = done_tx.send(());
+    let _ = watchdog.join();
     let stdout = rest.join("\n");
     // 128 + the signal: the program ended by it, as it would have without ferroprof.
     assert_eq!(status.code(), Some(128 + sig), "{stdout}");
