@@ -40,17 +40,6 @@ fn total_forks() -> u64 {
         .unwrap_or(1_000)
 }
 
-/// CPU spent by the calling thread, from its own clock.
-fn thread_cpu() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: writes the calling thread's CPU clock into `ts`.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
 /// Allocation churn with a rolling live set, and a little CPU between rounds.
 #[inline(never)]
 fn churn(stop: &AtomicBool, seed: u64) -> u64 {
