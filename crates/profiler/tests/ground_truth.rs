@@ -1084,3 +1084,54 @@ fn a_thread_started_as_another_ends_keeps_its_whole_wall_time() {
         );
     }
 }
+
+/// A thread that is found before it names itself, and does not run for a while (a loaded
+/// machine may leave a new thread unscheduled for longer than the sampler's first visits of it):
+/// its wall time after it names itself carries its new name, and only that. Before, each visit
+/// used up one of the name re-reads whether or not the thread had run, and a thread unscheduled
+/// through them kept its creator's name for its whole life (0.0% here; the CI run where
+/// `gt-swap-0` read 0.0%); and the wall time from before the rename that was still to be booked
+/// went under the new name (163% with a shorter wait).
+#[test]
+fn a_thread_that_names_itself_late_gets_its_wall_time_under_its_name() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Collect::default();
+    let guard = start_cpu_wall("late-name", 100, &c);
+    std::thread::sleep(Duration::from_millis(100));
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let late = std::thread::Builder::new()
+        .name("gt-creator".into())
+        .spawn(move || {
+            // Not running until told: the sampler lists it and visits it meanwhile.
+            go_rx.recv().unwrap();
+            let name = std::ffi::CString::new("gt-late-name").unwrap();
+            // SAFETY: names this thread with a NUL-terminated string under 16 bytes.
+            unsafe { libc::pthread_setname_np(libc::pthread_self(), name.as_ptr()) };
+            let named = Instant::now();
+            std::thread::sleep(Duration::from_millis(600));
+            let spin = thread_cpu();
+            while thread_cpu() - spin < Duration::from_millis(40) {
+                std::hint::black_box(mix(1, 2));
+            }
+            named.elapsed()
+        })
+        .unwrap();
+    // Past the sampler's first 100 visits (about one a tick: the process has few threads).
+    std::thread::sleep(Duration::from_millis(1300));
+    go_tx.send(()).unwrap();
+    let truth = late.join().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    guard.stop().expect("profiler stops");
+    let profile = c.decoded();
+    let wall = sum_all(&profile, "wall-time", |p, s| {
+        p.label_str(s, "thread name") == Some("gt-late-name")
+    }) as f64;
+    let cover = wall / truth.as_nanos() as f64 * 100.0;
+    println!("named late: {cover:.1}% of {truth:?} under its new name");
+    // Under: the wall time since its last visit before it ran is booked at the first visit
+    // after, under the new name, so only the tick around the rename is uncertain.
+    assert!(
+        (80.0..=120.0).contains(&cover),
+        "gt-late-name: {cover:.1}% of its {truth:?} of wall time since it named itself"
+    );
+}

@@ -357,11 +357,12 @@ impl Sampler {
         self.refresh_unwinder();
         if self.tick - self.last_names >= self.cpu_hz {
             self.last_names = self.tick;
-            let dirfd = self.task_dir();
             // Names of threads that ran lately (an idle thread's name is read when it runs).
-            for &idx in &self.hot {
-                if let Some(t) = self.threads[idx].as_mut() {
-                    refresh_name(dirfd, t.tid, &mut t.name);
+            for i in 0..self.hot.len() {
+                let idx = self.hot[i];
+                if let Some(mut t) = self.threads[idx].take() {
+                    self.rename(&mut t);
+                    self.threads[idx] = Some(t);
                 }
             }
         }
@@ -784,14 +785,14 @@ impl Sampler {
             let periods: u64 = caps.iter().map(|c| c.weight as u64).sum();
             t.last_cpu + periods * self.period
         });
-        let dirfd = self.task_dir();
-        if t.name_checks_left > 0 {
-            // Re-read until the thread renamed itself (it starts with its creator's name):
-            // every visit at first, then every tenth.
+        // Re-read until the thread renamed itself (it starts with its creator's name): at
+        // every visit after it ran at first, then every tenth. Only a thread that ran can have
+        // renamed itself; counting visits it spent unscheduled (a new thread on a loaded
+        // machine) used the checks up, and its whole life went under its creator's name.
+        let ran_since = !caps.is_empty() || clock.is_some_and(|c| c != t.last_cpu);
+        if t.name_checks_left > 0 && ran_since {
             t.name_checks_left -= 1;
-            if (t.name_checks_left > 90 || t.name_checks_left % 10 == 0)
-                && refresh_name(dirfd, t.tid, &mut t.name)
-            {
+            if (t.name_checks_left > 90 || t.name_checks_left % 10 == 0) && self.rename(&mut t) {
                 t.name_checks_left = 0;
             }
         }
@@ -1048,6 +1049,22 @@ impl Sampler {
         }
         counter.fetch_add(1, Ordering::Relaxed);
         Ok(Where::Read(n))
+    }
+
+    /// Re-reads thread `t`'s name; whether it changed. The wall time it kept from before its
+    /// last visit goes under the old name first; the interval since, in which it renamed
+    /// itself, under the new one.
+    fn rename(&mut self, t: &mut ThreadInfo) -> bool {
+        let mut buf = [0u8; 64];
+        let fresh = read_comm(self.task_dir(), t.tid, &mut buf);
+        if fresh.is_empty() || fresh == t.name {
+            return false;
+        }
+        if !t.probation {
+            self.flush_idle(t);
+        }
+        fresh.clone_into(&mut t.name);
+        true
     }
 
     /// Records the off-CPU wall time `t` accumulated, on its stack (or where it ran, when its

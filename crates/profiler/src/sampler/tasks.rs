@@ -122,7 +122,6 @@ pub(super) fn read_comm(dirfd: Option<libc::c_int>, tid: i32, buf: &mut [u8; 64]
     std::str::from_utf8(name).unwrap_or("")
 }
 
-/// Replaces `name` with thread `tid`'s current name; whether it changed.
 /// When thread `tid` started, on the monotonic clock: its start time in
 /// `/proc/self/task/<tid>/stat` (clock ticks since boot) moved from the boot-time clock, plus
 /// half a tick (it started within that tick). `None` when the file cannot be read.
@@ -143,6 +142,7 @@ pub(super) fn thread_start_ns(dirfd: Option<libc::c_int>, tid: i32) -> Option<u6
     Some(monotonic_ns().saturating_sub(since_start))
 }
 
+/// Replaces `name` with thread `tid`'s current name; whether it changed.
 pub(super) fn refresh_name(dirfd: Option<libc::c_int>, tid: i32, name: &mut String) -> bool {
     let mut buf = [0u8; 64];
     let fresh = read_comm(dirfd, tid, &mut buf);
