@@ -40,6 +40,11 @@ const LAYERS: &[(&str, &[&str])] = &[
         &[
             "unwind",
             "unwind/rules",
+            "unwind/frames",
+            "unwind/snapshot",
+            "unwind/spare",
+            "unwind/x86_64",
+            "unwind/aarch64",
             "symbolize",
             "symbolize/debug_info",
             "symbolize/inflate",
