@@ -76,6 +76,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "sampler",
             "sampler/capture",
             "sampler/clock",
+            "sampler/engine",
             "sampler/record",
             "sampler/tasks",
             "sampler/remote",

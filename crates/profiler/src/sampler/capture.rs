@@ -1,6 +1,6 @@
-//! The CPU-time engine's signal side: the signal it uses and its handler, the pool of capture
-//! slots the handler fills (async-signal-safe: no allocation, no lock), and the per-thread CPU
-//! timers that raise the signal.
+//! The CPU-time engines' signal side: the signal they use and its handler, and the pool of
+//! capture slots the handler fills (async-signal-safe: no allocation, no lock). What raises the
+//! signal is the engine's (`engine.rs`).
 
 use super::*;
 
@@ -426,41 +426,4 @@ pub(super) unsafe fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *m
             f(sig);
         }
     }
-}
-
-/// Arms a CPU-time timer on thread `tid` that signals it with `value` every `period_ns` of its
-/// CPU time; None when the kernel refuses (no timers left: the thread gets wall samples only).
-pub(super) fn create_cpu_timer(
-    tid: i32,
-    sig: i32,
-    value: u64,
-    period_ns: u64,
-) -> Option<libc::timer_t> {
-    // SAFETY: sigevent is plain data; every field the kernel reads is set below.
-    let mut ev: libc::sigevent = unsafe { std::mem::zeroed() };
-    ev.sigev_notify = libc::SIGEV_THREAD_ID;
-    ev.sigev_signo = sig;
-    ev.sigev_notify_thread_id = tid;
-    ev.sigev_value = libc::sigval {
-        sival_ptr: value as usize as *mut libc::c_void,
-    };
-    let mut id: libc::timer_t = std::ptr::null_mut();
-    // The thread's CPU clock, as in `thread_cpu_ns`.
-    let clock = ((!(tid as libc::clockid_t)) << 3) | 6;
-    // SAFETY: valid sigevent and out-pointer; the kernel checks that `tid` is one of ours.
-    if unsafe { libc::timer_create(clock, &mut ev, &mut id) } != 0 {
-        return None;
-    }
-    let ts = timespec(period_ns);
-    let spec = libc::itimerspec {
-        it_interval: ts,
-        it_value: ts,
-    };
-    // SAFETY: `id` was just created; valid itimerspec.
-    if unsafe { libc::timer_settime(id, 0, &spec, std::ptr::null_mut()) } != 0 {
-        // SAFETY: as above.
-        unsafe { libc::timer_delete(id) };
-        return None;
-    }
-    Some(id)
 }

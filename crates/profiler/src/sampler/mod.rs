@@ -55,6 +55,7 @@ use remote::{RemoteUnwinder, TaskSyscall};
 
 mod capture;
 mod clock;
+mod engine;
 mod record;
 mod tasks;
 
@@ -63,6 +64,7 @@ pub(crate) use capture::{
     after_fork_in_child, install_handler, lost_captures, pick_signal, valid_signal,
 };
 use clock::*;
+use engine::{CpuEngine, TimerEngine};
 use record::*;
 pub(crate) use tasks::read_task_file;
 use tasks::*;
@@ -91,6 +93,9 @@ const PROBATION_MAX_NS: u64 = 1_000_000_000;
 const OWN_NAME_PREFIX: &str = "ferroprof-";
 /// A listing of `/proc/self/task` may take this share of the time between two listings (1/N).
 const LIST_BUDGET: u64 = 1000;
+
+/// The CPU-time engine in use.
+type Engine = TimerEngine;
 
 /// Set by the sampler when threads exited since the last export.
 static THREADS_EXITED: AtomicBool = AtomicBool::new(false);
@@ -137,7 +142,8 @@ struct ThreadInfo {
     /// A new thread names itself shortly after it starts (Rust does it in the new thread):
     /// its name is re-read on its first visits until it changes.
     name_checks_left: u8,
-    timer: Option<libc::timer_t>,
+    /// Its CPU engine's arming, while armed.
+    timer: Option<<Engine as CpuEngine>::Armed>,
     /// The thread's CPU clock at its last visit, and the wall time accounted up to.
     last_cpu: u64,
     last_wall: u64,
@@ -227,6 +233,8 @@ pub(crate) struct Sampler {
     last_names: u64,
     /// Our signal's handler was replaced: no timers any more.
     timers_off: bool,
+    /// What raises the CPU signal on each thread.
+    engine: Engine,
     timer_failure_logged: bool,
     stamps: StampClock,
     /// Finds other threads' label slots.
@@ -278,6 +286,7 @@ impl Sampler {
             maps_wanted: false,
             last_names: 0,
             timers_off: false,
+            engine: Engine::default(),
             timer_failure_logged: false,
             stamps: StampClock::new(),
             labels: labels::Finder::new(),
@@ -429,9 +438,8 @@ impl Sampler {
             self.signal
         );
         for t in self.threads.iter_mut().flatten() {
-            if let Some(id) = t.timer.take() {
-                // SAFETY: a timer this sampler created and has not deleted.
-                unsafe { libc::timer_delete(id) };
+            if let Some(armed) = t.timer.take() {
+                self.engine.disarm(armed);
             }
         }
     }
@@ -571,20 +579,23 @@ impl Sampler {
         };
         if !own && !self.timers_off {
             let value = (MAGIC << 48) | (self.epoch << 40) | ((gen as u64) << 24) | idx as u64;
-            t.timer = create_cpu_timer(tid, self.signal, value, self.period);
-            if t.timer.is_none() {
-                self.shared
-                    .stats
-                    .threads_without_timer
-                    .fetch_add(1, Ordering::Relaxed);
-                if !self.timer_failure_logged {
-                    self.timer_failure_logged = true;
-                    log::warn!(
-                        "ferroprof: the kernel refused a CPU-time timer for thread {tid} ({}); \
-                         threads without one get wall samples only (see \
-                         ProfilerStats::threads_without_timer; RLIMIT_SIGPENDING bounds timers)",
-                        std::io::Error::last_os_error()
-                    );
+            match self.engine.arm(tid, self.signal, value, self.period) {
+                Ok(armed) => t.timer = Some(armed),
+                Err(err) => {
+                    self.shared
+                        .stats
+                        .threads_without_timer
+                        .fetch_add(1, Ordering::Relaxed);
+                    if !self.timer_failure_logged {
+                        self.timer_failure_logged = true;
+                        log::warn!(
+                            "ferroprof: the kernel refused the {} CPU engine for thread {tid} \
+                             ({err}); threads without one get wall samples only (see \
+                             ProfilerStats::threads_without_timer; RLIMIT_SIGPENDING bounds \
+                             timers)",
+                            Engine::NAME
+                        );
+                    }
                 }
             }
         }
@@ -603,9 +614,8 @@ impl Sampler {
         let Some(mut t) = self.threads[idx].take() else {
             return;
         };
-        if let Some(id) = t.timer.take() {
-            // SAFETY: a timer this sampler created and has not deleted.
-            unsafe { libc::timer_delete(id) };
+        if let Some(armed) = t.timer.take() {
+            self.engine.disarm(armed);
         }
         if !t.own {
             self.sampled -= 1;
