@@ -153,7 +153,7 @@ impl RemoteUnwinder {
         if n < 3 || sps.len() != n || out.len() < n || out_sps.len() < out.len() {
             return Ok(0);
         }
-        if frames.iter().any(|&f| unwind::is_truncation_marker(f)) {
+        if frames.iter().any(|&f| unwind::is_marker(f)) {
             return Ok(0);
         }
         // The window read: from well below the old leaf (the thread may have gone deeper) up.
@@ -594,6 +594,25 @@ mod tests {
         std::hint::black_box(stop);
     }
 
+    /// Reads the clock right before it sleeps and after: the clock calls leave their return
+    /// addresses in the stack the sleep's frames then reuse.
+    #[inline(never)]
+    fn nap_between_polls(stop: &std::sync::atomic::AtomicBool) {
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let t = std::time::Instant::now();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            std::hint::black_box(t.elapsed());
+        }
+    }
+
+    #[inline(never)]
+    fn nap_outer(tx: mpsc::Sender<i32>, stop: &std::sync::atomic::AtomicBool) {
+        // SAFETY: gettid has no preconditions.
+        tx.send(unsafe { libc::gettid() }).unwrap();
+        nap_between_polls(stop);
+        std::hint::black_box(stop);
+    }
+
     #[inline(never)]
     fn std_lock_inner(m: &std::sync::Mutex<()>) {
         drop(std::hint::black_box(m.lock()));
@@ -623,7 +642,14 @@ mod tests {
         let (s1, m2) = (stop.clone(), m.clone());
         let h1 = std::thread::spawn(move || std_sleep_outer(tx1, &s1));
         let h2 = std::thread::spawn(move || std_lock_outer(tx2, &m2));
-        let tids = [rx1.recv().unwrap(), rx2.recv().unwrap()];
+        let (tx3, rx3) = mpsc::channel();
+        let s3 = stop.clone();
+        let h3 = std::thread::spawn(move || nap_outer(tx3, &s3));
+        let tids = [
+            rx1.recv().unwrap(),
+            rx2.recv().unwrap(),
+            rx3.recv().unwrap(),
+        ];
         std::thread::sleep(std::time::Duration::from_millis(100));
         crate::unwind::refresh(true);
         let mut u = RemoteUnwinder::new();
@@ -635,6 +661,7 @@ mod tests {
                 "std_sleep_outer",
             ],
             ["lock_contended", "std_lock_inner", "std_lock_outer"],
+            ["thread::functions::sleep", "nap_between_polls", "nap_outer"],
         ]) {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             let (sp, pc) = loop {
@@ -672,5 +699,6 @@ mod tests {
         drop(held);
         h1.join().unwrap();
         h2.join().unwrap();
+        h3.join().unwrap();
     }
 }

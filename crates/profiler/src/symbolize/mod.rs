@@ -436,7 +436,7 @@ impl ProcessSymbolizer {
         // Addresses by object (sorted addresses stay sorted within each).
         let mut by_object: Vec<(usize, usize)> = Vec::with_capacity(addresses.len());
         for (k, &a) in addresses.iter().enumerate() {
-            if let Some(name) = crate::unwind::truncation_name(a) {
+            if let Some(name) = crate::unwind::marker_name(a) {
                 // The unwinder's mark where it cut a stack too deep for its buffer.
                 out[k].push(ResolvedFrame {
                     name,

@@ -40,6 +40,24 @@ pub(crate) fn truncation_name(addr: u64) -> Option<String> {
     is_truncation_marker(addr).then(|| format!("[truncated: {}+ frames]", 1u64 << (addr & 0x3f)))
 }
 
+/// Marks where the walk of another thread's stack could not prove the next caller (see
+/// [`super::unwind_copied`]): the frames before it are the thread's, the rest of its stack is
+/// unknown. A reserved address next to [`TRUNCATED_MARKER`], never code either.
+pub(crate) const UNKNOWN_MARKER: u64 = 0x7fff_ffff_ffff_fe00;
+
+/// Whether `addr` is one of the walk's marker frames (truncation or unknown caller).
+pub(crate) fn is_marker(addr: u64) -> bool {
+    is_truncation_marker(addr) || addr == UNKNOWN_MARKER
+}
+
+/// The function name of a marker frame: the truncation's, or `[stack unknown]`.
+pub(crate) fn marker_name(addr: u64) -> Option<String> {
+    if addr == UNKNOWN_MARKER {
+        return Some("[stack unknown]".to_owned());
+    }
+    truncation_name(addr)
+}
+
 /// Where a walk writes a stack: one slice, or two used back to back (a CPU capture slot keeps
 /// the first frames of every stack densely and the rest of deep ones apart).
 pub(crate) struct FrameBuf<'a> {
@@ -190,6 +208,35 @@ impl<'b, 'a> Sink<'b, 'a> {
     /// Takes back the last frame pushed (the walk will write it again).
     pub(super) fn pop(&mut self) {
         self.seen = self.seen.saturating_sub(1);
+    }
+
+    /// Frames pushed so far.
+    pub(super) fn depth(&self) -> usize {
+        self.seen
+    }
+
+    /// The frame pushed `i`th, while the buffer still holds it in place (before its ring).
+    pub(super) fn frame(&self, i: usize) -> Option<u64> {
+        (i < self.seen && i < self.buf.len() && (self.seen <= self.buf.len() || i < self.cut()))
+            .then(|| self.buf.get(i))
+    }
+
+    /// Takes back the frames pushed from the `keep`th on, when the buffer still holds them in
+    /// place; whether it did.
+    pub(super) fn keep_first(&mut self, keep: usize) -> bool {
+        let len = self.buf.len();
+        if keep > self.seen || (self.seen > len && keep >= self.cut().min(len)) {
+            return false;
+        }
+        self.seen = keep;
+        true
+    }
+
+    /// Ends the stack with [`UNKNOWN_MARKER`] as its outermost frame: the walk stopped at a
+    /// caller it could not prove.
+    pub(super) fn finish_unknown(mut self) -> usize {
+        self.push(UNKNOWN_MARKER);
+        self.finish(true)
     }
 
     /// Puts the frames in their final order and returns how many the buffer holds. `ended`:

@@ -424,11 +424,14 @@ pub(crate) fn unwind_copied(
     let mut sink = Sink::new(&mut buf).with_sps(sps);
     // The frame pointer is unknown. Code built with frame pointers (Rust's std, between a
     // blocking libc call and the application) finds its frame through it: when the walk gets
-    // stuck there, the frame pointer is guessed from the copy (the lowest word above the stack
-    // pointer followed by a return address into a loaded object) and the walk goes on.
+    // stuck there, the frame pointer is guessed from the copy and the walk goes on. Only a
+    // proven guess is taken (see `guess_frame_pointer`); a walk that cannot go on ends in
+    // `[stack unknown]` rather than at a wrong caller or without its root.
     let mut frame = FrameAddress::from_instruction_pointer(pc);
     let (mut at_sp, mut fp) = (sp, 0u64);
-    let mut ended = true;
+    // The depth where the first guess whose caller is not proven (an indirect call) began.
+    let mut unproven_from: Option<usize> = None;
+    let mut outcome = Outcome::Unknown;
     for _ in 0..8 {
         let regs = StartRegs {
             pc: frame.address(),
@@ -449,49 +452,123 @@ pub(crate) fn unwind_copied(
             walk_read,
         );
         let Some(stuck) = walked.stuck else {
-            ended = !walked.out_of_steps;
+            outcome = if walked.out_of_steps {
+                Outcome::Cut
+            } else {
+                Outcome::Root
+            };
             break;
         };
         if more_above && past_end.get() && !stuck.ended {
-            ended = false;
+            outcome = Outcome::Cut;
             break;
         }
-        // Only a frame pointer nobody restored is guessed; a known one that fails is a real end.
+        // A frame pointer the walk restored that fails is the stack's end when framehop says
+        // so (a zero frame pointer at the root), else a frame it could not unwind.
         if stuck.fp != 0 {
+            if stuck.ended {
+                outcome = Outcome::Root;
+            }
             break;
         }
-        let Some(guess) = guess_frame_pointer(snap, stuck.sp, &read) else {
+        if stuck.ended && ends_whatever_the_frame_pointer(snap, &stuck, cache, read) {
+            outcome = Outcome::Root;
+            break;
+        }
+        let Some((guess, proven)) = guess_frame_pointer(snap, &stuck, &read) else {
             break;
         };
-        if stuck.ended {
-            // The outermost frame also ends the walk: only a frame whose unwinding depends on
-            // the frame pointer (it does not end with a non-zero one) is worth the guess.
-            #[cfg(target_arch = "x86_64")]
-            let mut probe =
-                framehop::x86_64::UnwindRegsX86_64::new(stuck.frame.address(), stuck.sp, guess);
-            #[cfg(target_arch = "aarch64")]
-            let mut probe = framehop::aarch64::UnwindRegsAarch64::new_with_ptr_auth_mask(
-                snap.ptr_auth_mask,
-                0,
-                stuck.sp,
-                guess,
-            );
-            let mut r = read;
-            if matches!(
-                snap.unwinder
-                    .unwind_frame(stuck.frame, &mut probe, &mut cache.0, &mut r),
-                Ok(None)
-            ) {
-                break;
-            }
-        }
         // The stuck frame is the first of the next walk: written again in place.
         sink.pop();
+        if !proven && unproven_from.is_none() {
+            unproven_from = Some(sink.depth() + 1);
+        }
         frame = stuck.frame;
         at_sp = stuck.sp;
         fp = guess;
     }
-    sink.finish(ended)
+    // An unproven caller stands when the walk from it reached the thread's root and the next
+    // caller's direct call, if it is one, goes into it; else the stack keeps what came
+    // before it and is marked.
+    if let Some(k) = unproven_from {
+        let checks_out = outcome == Outcome::Root
+            && match (sink.frame(k), sink.frame(k + 1)) {
+                (Some(caller), Some(next)) => calls_into(snap, next.wrapping_add(1), caller),
+                _ => true,
+            };
+        if !checks_out && sink.keep_first(k) {
+            outcome = Outcome::Unknown;
+        }
+    }
+    match outcome {
+        Outcome::Root => sink.finish(true),
+        Outcome::Cut => sink.finish(false),
+        Outcome::Unknown => sink.finish_unknown(),
+    }
+}
+
+/// Whether the frame a walk got stuck in with an unknown frame pointer, where framehop said
+/// "end of stack", is the stack's real end: framehop says so too for a frame-pointer frame whose
+/// frame pointer is zero, as it is here for want of a known one. The frame is unwound again with
+/// a made-up frame pointer whose frame record reads as a caller: only a frame whose rules mark no
+/// caller whatever the frame pointer (the thread's root) still ends the stack.
+fn ends_whatever_the_frame_pointer(
+    snap: &Snapshot,
+    stuck: &Stuck,
+    cache: &mut OwnCache,
+    read: impl Fn(u64) -> Result<u64, ()>,
+) -> bool {
+    // Canonical, aligned, and in no stack: its frame record exists only in this probe.
+    const RECORD: u64 = 0x7ff0_0000_0000;
+    let mut probe_read = |addr: u64| match addr {
+        RECORD => Ok(RECORD + 0x1000),
+        a if a == RECORD + 8 => Ok(stuck.frame.address()),
+        a => read(a),
+    };
+    #[cfg(target_arch = "x86_64")]
+    let mut probe =
+        framehop::x86_64::UnwindRegsX86_64::new(stuck.frame.address(), stuck.sp, RECORD);
+    #[cfg(target_arch = "aarch64")]
+    let mut probe = framehop::aarch64::UnwindRegsAarch64::new_with_ptr_auth_mask(
+        snap.ptr_auth_mask,
+        0,
+        stuck.sp,
+        RECORD,
+    );
+    matches!(
+        snap.unwinder
+            .unwind_frame(stuck.frame, &mut probe, &mut cache.0, &mut probe_read),
+        Ok(None)
+    )
+}
+
+/// How a walk over a copied stack ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// At the thread's root.
+    Root,
+    /// For want of stack or of steps, with more stack above.
+    Cut,
+    /// At a caller it could not find or prove.
+    Unknown,
+}
+
+/// Whether the call before return address `ret` may go into the function holding `callee` (a
+/// lookup address): true for an indirect call (nothing to check) and where the function is
+/// unknown; for a direct call, its target (followed through a bound PLT stub) is that function.
+fn calls_into(snap: &Snapshot, ret: u64, callee: u64) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match (direct_call_target(snap, ret), function_start(snap, callee)) {
+            (Some(target), Some(start)) => target == start,
+            _ => true,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (snap, ret, callee);
+        true
+    }
 }
 
 /// Whether `ret`, a word found in a thread's stack at `slot`, is the return address of a call
@@ -553,19 +630,38 @@ pub(crate) fn returns_into(
     }
 }
 
-/// The frame pointer of a frame-pointer function whose stack pointer is `sp`: the lowest
-/// 8-aligned address at or above `sp` (within 4 KiB) whose next word is a return address: in
-/// an executable segment of a loaded object, right after a call instruction.
+/// The frame pointer of the frame-pointer function a walk is stuck in (its stack pointer
+/// `stuck.sp`): the lowest 8-aligned address at or above it (within 4 KiB) whose next word is
+/// a return address (in an executable segment of a loaded object, right after a call
+/// instruction) of a call that may go into the stuck function. With whether that was proven:
+/// a direct call into the stuck function proves it; an indirect one cannot, and the caller
+/// checks the walk that follows. Words left over from calls that returned (a clock read just
+/// before a sleep leaves its return addresses in the stack the sleep then uses) are return
+/// addresses too, but of calls into other functions: a direct one is skipped, an indirect one
+/// left to the caller's check.
 fn guess_frame_pointer(
     snap: &Snapshot,
-    sp: u64,
+    stuck: &Stuck,
     read: &impl Fn(u64) -> Result<u64, ()>,
-) -> Option<u64> {
-    let base = sp.checked_add(7)? & !7;
-    (0..512u64).map(|i| base + i * 8).find(|&at| {
-        read(at + 8)
-            .is_ok_and(|ret| snap.objects.iter().any(|o| o.executes(ret)) && follows_a_call(ret))
-            && read(at).is_ok()
+) -> Option<(u64, bool)> {
+    let base = stuck.sp.checked_add(7)? & !7;
+    let callee = stuck.frame.address_for_lookup();
+    (0..512u64).map(|i| base + i * 8).find_map(|at| {
+        let ret = read(at + 8).ok()?;
+        if read(at).is_err()
+            || !snap.objects.iter().any(|o| o.executes(ret))
+            || !follows_a_call(ret)
+        {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        let target = direct_call_target(snap, ret);
+        #[cfg(not(target_arch = "x86_64"))]
+        let target: Option<u64> = None;
+        match target {
+            None => Some((at, false)),
+            Some(t) => (function_start(snap, callee) == Some(t)).then_some((at, true)),
+        }
     })
 }
 

@@ -132,7 +132,7 @@ impl RuleTable {
     /// everything when another thread is learning, and addresses whose set is full. Allocates;
     /// never call from a signal handler.
     pub(crate) fn learn(&self, addrs: &[u64]) {
-        let skip = |a: u64| a == 0 || crate::unwind::is_truncation_marker(a);
+        let skip = |a: u64| a == 0 || crate::unwind::is_marker(a);
         if addrs.iter().all(|&a| skip(a) || self.known(a)) {
             return;
         }

@@ -305,16 +305,24 @@ pub(super) fn function_start(snap: &Snapshot, addr: u64) -> Option<u64> {
     hdr_function_start(&sections.hdr, sections.hdr_addr, addr)
 }
 
-/// Where the call instruction just before `ret` goes, when it is a direct call (`call rel32`),
-/// followed through a bound PLT stub (`jmp *GOT`); None for an indirect call, an unbound stub
-/// or unreadable code.
+/// Where the call instruction just before `ret` goes, when its target is fixed: a direct call
+/// (`call rel32`), followed through a bound PLT stub (`jmp *GOT`), or a call through a GOT
+/// entry (`call *GOT(%rip)`, how Rust calls into other crates); None for other indirect calls,
+/// an unbound stub or unreadable code.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn direct_call_target(snap: &Snapshot, ret: u64) -> Option<u64> {
-    let mut call = [0u8; 5];
-    if read_own_memory(ret.checked_sub(5)?, &mut call) != 5 || call[0] != 0xe8 {
+    let mut call = [0u8; 6];
+    if read_own_memory(ret.checked_sub(6)?, &mut call) != 6 {
         return None;
     }
-    let rel = i32::from_le_bytes(call[1..5].try_into().ok()?);
+    if call[..2] == [0xff, 0x15] {
+        let disp = i32::from_le_bytes(call[2..6].try_into().ok()?);
+        return bound_code(snap, ret.wrapping_add_signed(i64::from(disp)));
+    }
+    if call[1] != 0xe8 {
+        return None;
+    }
+    let rel = i32::from_le_bytes(call[2..6].try_into().ok()?);
     let target = ret.wrapping_add_signed(i64::from(rel));
     let mut code = [0u8; 11];
     if read_own_memory(target, &mut code) != code.len() {
@@ -333,7 +341,15 @@ pub(super) fn direct_call_target(snap: &Snapshot, ret: u64) -> Option<u64> {
         return Some(target);
     }
     let disp = i32::from_le_bytes(code[at + 2..at + 6].try_into().ok()?);
-    let got = (target + at as u64 + 6).wrapping_add_signed(i64::from(disp));
+    bound_code(
+        snap,
+        (target + at as u64 + 6).wrapping_add_signed(i64::from(disp)),
+    )
+}
+
+/// The function a GOT entry at `got` points to: a function's start in a loaded object.
+#[cfg(target_arch = "x86_64")]
+fn bound_code(snap: &Snapshot, got: u64) -> Option<u64> {
     let mut word = [0u8; 8];
     if read_own_memory(got, &mut word) != 8 {
         return None;
