@@ -13,7 +13,7 @@ pub(crate) fn is_allocator_path(name: &str) -> bool {
     let path = name.strip_prefix('<').unwrap_or(name);
     if path.starts_with("ferroprof::alloc::")
         || path.starts_with("alloc::alloc::")
-        || name == "ferroprof::unwind::current_sp"
+        || name == "ferroprof::unwind::arch::current_sp"
     {
         return true;
     }
