@@ -533,7 +533,7 @@ fn hostname() -> String {
 mod tests {
     use super::*;
 
-    use crate::export::test_lookup as lookup;
+    use crate::test_lookup as lookup;
 
     #[test]
     fn agent_host_and_port() {

@@ -100,12 +100,13 @@ impl DirExporter {
     }
 }
 
-/// Creates `dir` and probes it with a temporary file.
+/// For the profiler, not API: creates `dir` and probes it with a temporary file.
 ///
 /// The probe's name is unique to this call (process, thread, call counter) and it is created
 /// with `create_new`: two callers probing the same directory at once (two `start()` racing)
 /// never remove each other's probe.
-pub(crate) fn check_writable(dir: &Path) -> std::io::Result<()> {
+#[doc(hidden)]
+pub fn check_writable(dir: &Path) -> std::io::Result<()> {
     static PROBES: AtomicU64 = AtomicU64::new(0);
     std::fs::create_dir_all(dir)?;
     let probe = dir.join(format!(

@@ -6,13 +6,15 @@
 //! of its own from the profiler (see [`Exporter::queues_profiles`]). A backend being down or a
 //! write that never returns blocks neither the application nor the next serialization, and
 //! costs a bounded number of profiles of memory.
+//!
+//! This crate does not need the profiler: `ferroprof` re-exports it as `ferroprof::export`, and
+//! other hosts (a language binding, a preload library) use the same exporters through it.
+
+#![warn(missing_docs)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod datadog;
 pub mod dir;
-pub(crate) mod handoff;
-
-/// Profiles that may wait for one exporter at most; see [`Exporter::queues_profiles`].
-pub use handoff::CAPACITY as HANDOFF_CAPACITY;
 pub mod pyroscope;
 pub mod queue;
 mod span_labels;
@@ -117,7 +119,7 @@ pub trait Exporter: Send + 'static {
 
 /// A boxed exporter is an exporter: `Box<dyn Exporter>` (what
 /// [`queue::network_exporters_from_env`] returns) goes to
-/// [`ProfilerBuilder::exporter`](crate::ProfilerBuilder::exporter) as it is.
+/// `ferroprof::ProfilerBuilder::exporter` as it is.
 impl<E: Exporter + ?Sized> Exporter for Box<E> {
     fn name(&self) -> &str {
         (**self).name()
@@ -159,17 +161,23 @@ pub(crate) fn test_lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<Stri
 /// for two exporters counts twice): `ProfilerStats::export_queue_bytes`.
 static QUEUED_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-pub(crate) fn queued_bytes() -> u64 {
+/// For the profiler, not API: bytes of encoded profiles waiting in export queues, all queues
+/// together (the profiler's delivery queues count theirs through [`QueuedShare`]).
+#[doc(hidden)]
+pub fn queued_bytes() -> u64 {
     QUEUED_BYTES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One queue's share of [`queued_bytes`]: set to what the queue holds after each change (under
-/// the queue's lock), and back to 0 when the queue goes.
+/// the queue's lock), and back to 0 when the queue goes. For the profiler's delivery queues too,
+/// not API.
+#[doc(hidden)]
 #[derive(Default)]
-pub(crate) struct QueuedShare(u64);
+pub struct QueuedShare(u64);
 
 impl QueuedShare {
-    pub(crate) fn set(&mut self, bytes: u64) {
+    /// Makes this queue's share `bytes`.
+    pub fn set(&mut self, bytes: u64) {
         use std::sync::atomic::Ordering::Relaxed;
         if bytes >= self.0 {
             QUEUED_BYTES.fetch_add(bytes - self.0, Relaxed);
@@ -183,5 +191,34 @@ impl QueuedShare {
 impl Drop for QueuedShare {
     fn drop(&mut self) {
         self.set(0);
+    }
+}
+
+/// Run at the start of every thread this crate starts; see [`set_worker_thread_hook`].
+static WORKER_THREAD_HOOK: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+thread_local! {
+    /// Whether this thread of ours ran the hook already.
+    static HOOK_RAN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// For the profiler, not API: sets what every background thread of this crate runs first (the
+/// profiler marks the thread as its own, so it is neither sampled nor its allocations
+/// profiled). Set once; later calls are ignored. A thread started before the hook was set runs
+/// it before its next delivery.
+#[doc(hidden)]
+pub fn set_worker_thread_hook(hook: fn()) {
+    let _ = WORKER_THREAD_HOOK.set(hook);
+}
+
+/// Runs the worker-thread hook on this thread, once, if one is set. Called by this crate's
+/// threads at their start and before each delivery.
+pub(crate) fn enter_worker_thread() {
+    if HOOK_RAN.with(|r| r.get()) {
+        return;
+    }
+    if let Some(hook) = WORKER_THREAD_HOOK.get() {
+        HOOK_RAN.with(|r| r.set(true));
+        hook();
     }
 }

@@ -362,7 +362,7 @@ fn label_value(v: &str) -> String {
 mod tests {
     use super::*;
 
-    use crate::export::test_lookup as lookup;
+    use crate::test_lookup as lookup;
 
     #[test]
     fn off_without_url() {

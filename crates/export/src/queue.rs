@@ -248,7 +248,7 @@ impl<B: Backend> QueuedExporter<B> {
         std::thread::Builder::new()
             .name(format!("ferroprof-{name}-export"))
             .spawn(move || {
-                crate::threads::enter_profiler_thread();
+                crate::enter_worker_thread();
                 worker.run();
                 let _ = done_tx.send(());
             })
@@ -404,6 +404,8 @@ impl<B: Backend> Worker<B> {
                     self.shared.wake.wait(&mut st);
                 }
             };
+            // A queue built before the profiler set the hook marks its thread here.
+            crate::enter_worker_thread();
             self.deliver(&profile);
         }
     }

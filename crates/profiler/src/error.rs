@@ -6,8 +6,8 @@ use std::time::Duration;
 use ferroprof_recorder::RecorderError;
 use thiserror::Error;
 
-use crate::export::ExportError;
 use crate::http::HttpError;
+use ferroprof_export::ExportError;
 
 /// Everything that can go wrong starting, flushing or stopping the profiler, and (through
 /// `From`) configuring its exporters and its `/debug/pprof` server, so `?` works on all of them

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{ExportError, ExportedProfile, Exporter};
+use ferroprof_export::{ExportError, ExportedProfile, Exporter, QueuedShare};
 
 /// Profiles waiting for one exporter, at most (the one being delivered not counted).
 pub const CAPACITY: usize = 2;
@@ -85,7 +85,7 @@ impl Deliveries {
 struct Queue {
     items: VecDeque<(u64, Arc<ExportedProfile>)>,
     /// What `items` holds, in the process's total.
-    share: super::QueuedShare,
+    share: QueuedShare,
     /// A profile is being delivered.
     busy: bool,
     /// Set at shutdown: deliver what is queued until then, then stop.
@@ -118,7 +118,7 @@ impl Chan {
     fn new(exporter: Option<Box<dyn Exporter>>) -> Arc<Chan> {
         Arc::new(Chan {
             queue: Mutex::new(Queue {
-                share: super::QueuedShare::default(),
+                share: QueuedShare::default(),
                 items: VecDeque::with_capacity(CAPACITY),
                 busy: false,
                 closing: None,

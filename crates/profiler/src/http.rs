@@ -43,7 +43,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::export::ProfileSource;
+use ferroprof_export::ProfileSource;
 
 /// Default address: loopback only, Go's conventional port.
 pub const DEFAULT_ADDR: &str = "127.0.0.1:6060";

@@ -63,7 +63,15 @@
 // Library code returns errors or degrades; only tests may unwrap.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
-pub mod export;
+/// Where finished profiles go: the exporters of the crate [`ferroprof_export`], re-exported, and
+/// the capacity of the profiler's hand-off to each exporter that does not queue on its own.
+pub mod export {
+    #[doc(inline)]
+    pub use ferroprof_export::*;
+
+    /// Profiles that may wait for one exporter at most; see [`Exporter::queues_profiles`].
+    pub use crate::handoff::CAPACITY as HANDOFF_CAPACITY;
+}
 pub mod http;
 #[doc(hidden)]
 pub mod internals;
@@ -77,6 +85,7 @@ mod fork;
 mod forkgate;
 mod forklock;
 mod frame_names;
+mod handoff;
 mod modules;
 mod notice;
 mod ownthread;

@@ -16,7 +16,7 @@ use crate::ownthread::OwnThread;
 use ferroprof_recorder::StackRecorder;
 
 use crate::alloc::totals::AllocTotals;
-use crate::export::handoff::Outbox;
+use crate::handoff::Outbox;
 use crate::settings::Settings;
 use crate::sharded::ShardedCount;
 use crate::symbolize::ProcessSymbolizer;

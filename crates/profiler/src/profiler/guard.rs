@@ -275,7 +275,7 @@ impl ProfilerGuard {
             symbolizer_arena_bytes: l(&s.symbolizer_arena_bytes),
             symbolizer_bytes: l(&s.symbolizer_bytes),
             last_profile_bytes: l(&s.last_profile_bytes),
-            export_queue_bytes: crate::export::queued_bytes(),
+            export_queue_bytes: ferroprof_export::queued_bytes(),
             // The heap recorder's shard locks, briefly: inside the fork gate, as every lock a
             // fork must not catch.
             heap_tracked_objects: heap.as_ref().map_or(0, |h| h.num_object_records),
@@ -347,9 +347,11 @@ pub(super) fn flush_with(shared: &Shared, deliveries: &Deliveries) -> Result<(),
     let errors_after = shared.stats.export_errors.load(Ordering::SeqCst)
         + shared.stats.serialize_errors.load(Ordering::SeqCst);
     if errors_after > errors_before {
-        return Err(ProfilerError::Export(crate::export::ExportError::Config(
-            "the flushed profile could not be serialized or exported; see ProfilerStats".into(),
-        )));
+        return Err(ProfilerError::Export(
+            ferroprof_export::ExportError::Config(
+                "the flushed profile could not be serialized or exported; see ProfilerStats".into(),
+            ),
+        ));
     }
     Ok(())
 }

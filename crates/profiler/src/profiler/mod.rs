@@ -16,15 +16,15 @@ use ferroprof_recorder::{
 use crate::alloc;
 use crate::alloc::filter::FILTER;
 use crate::error::ProfilerError;
-use crate::export::dir::{check_writable, DirExporter};
-use crate::export::handoff::{Deliveries, Outbox};
-use crate::export::{ExportError, ExportedProfile, Exporter, ProfileSource};
 use crate::fork;
+use crate::handoff::{Deliveries, Outbox};
 use crate::sampler::{self, Sampler};
 use crate::settings::{Profiles, Settings};
 use crate::state::{self, Shared, Tap, TapKind};
 use crate::tls;
 use crate::unwind;
+use ferroprof_export::dir::{check_writable, DirExporter};
+use ferroprof_export::{ExportError, ExportedProfile, Exporter, ProfileSource};
 
 mod guard;
 mod run;
@@ -88,6 +88,9 @@ pub struct ProfilerBuilder {
 
 impl Default for ProfilerBuilder {
     fn default() -> Self {
+        // The exporters' background threads are the profiler's own (not sampled, allocations
+        // not profiled): set before the builder takes exporters built from the environment.
+        ferroprof_export::set_worker_thread_hook(crate::threads::enter_profiler_thread);
         ProfilerBuilder {
             service: None,
             tags: Vec::new(),
@@ -102,8 +105,8 @@ impl Default for ProfilerBuilder {
             signal: None,
             restart_after_fork: true,
             max_profile_bytes: DEFAULT_MAX_PROFILE_BYTES,
-            keep_files: crate::export::dir::DEFAULT_KEEP_FILES,
-            keep_bytes: crate::export::dir::DEFAULT_KEEP_BYTES,
+            keep_files: ferroprof_export::dir::DEFAULT_KEEP_FILES,
+            keep_bytes: ferroprof_export::dir::DEFAULT_KEEP_BYTES,
             flush_on_termination: false,
             debug_cache: None,
             deferred: None,

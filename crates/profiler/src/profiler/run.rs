@@ -127,7 +127,7 @@ pub(super) fn export_loop(sh: &Arc<Shared>) {
 }
 
 /// Serializes the main recorder and hands the profile to every exporter, never waiting for one
-/// (see `export::handoff`). Returns the export round of the profile, `None` when serializing
+/// (see `handoff`). Returns the export round of the profile, `None` when serializing
 /// failed (counted and logged).
 pub(super) fn export_once(sh: &Shared) -> Option<u64> {
     let exported = {
