@@ -674,4 +674,73 @@ mod tests {
         let zero = |k: &str| (k == "FERROPROF_EXPORT_QUEUE_CAPACITY").then(|| "0".to_owned());
         assert!(QueueConfig::from_lookup(&zero).is_err());
     }
+
+    /// Threads that ran the worker-thread hook, by name (the only test that sets the hook).
+    static HOOKED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+    fn hook() {
+        let name = std::thread::current().name().unwrap_or("").to_owned();
+        HOOKED.lock().unwrap().push(name);
+    }
+
+    /// Sends report, on the worker, the threads that ran the hook so far.
+    struct HookProbe(mpsc::Sender<Vec<String>>);
+
+    impl Backend for HookProbe {
+        fn name(&self) -> &str {
+            "probe"
+        }
+        fn target(&self) -> String {
+            "test".into()
+        }
+        fn send(&mut self, _p: &ExportedProfile, _t: Duration) -> Result<(), ExportError> {
+            let _ = self.0.send(HOOKED.lock().unwrap().clone());
+            Ok(())
+        }
+    }
+
+    fn profile() -> ExportedProfile {
+        use ferroprof_recorder::{Compression, EncodedProfile, ProfileStats};
+        ExportedProfile {
+            encoded: EncodedProfile {
+                start: UNIX_EPOCH,
+                end: UNIX_EPOCH + Duration::from_secs(1),
+                bytes: vec![7; 10],
+                compression: Compression::default(),
+                endpoint_counts: Vec::new(),
+            },
+            stats: ProfileStats::default(),
+            service: "svc".into(),
+            tags: Vec::new(),
+            sample_types: Vec::new(),
+            process_start: UNIX_EPOCH,
+        }
+    }
+
+    /// The hook runs on the worker thread, once, before its first delivery: at the thread's
+    /// start when set by then, else before the first delivery after it was set.
+    #[test]
+    fn worker_thread_hook_runs_once_on_the_worker() {
+        let (tx, rx) = mpsc::channel();
+        let wait = Duration::from_secs(10);
+        // A worker running, and delivering, before the hook is set.
+        let mut early = QueuedExporter::new(HookProbe(tx.clone()), QueueConfig::default()).unwrap();
+        early.export(&profile()).unwrap();
+        assert!(rx.recv_timeout(wait).unwrap().is_empty());
+        crate::set_worker_thread_hook(hook);
+        let mut late = QueuedExporter::new(HookProbe(tx), QueueConfig::default()).unwrap();
+        late.export(&profile()).unwrap();
+        assert_eq!(rx.recv_timeout(wait).unwrap(), ["ferroprof-probe-export"]);
+        early.export(&profile()).unwrap();
+        assert_eq!(
+            rx.recv_timeout(wait).unwrap(),
+            ["ferroprof-probe-export"; 2]
+        );
+        late.export(&profile()).unwrap();
+        early.export(&profile()).unwrap();
+        assert_eq!(rx.recv_timeout(wait).unwrap().len(), 2);
+        assert_eq!(rx.recv_timeout(wait).unwrap().len(), 2);
+        early.shutdown(wait);
+        late.shutdown(wait);
+    }
 }
