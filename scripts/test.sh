@@ -14,7 +14,8 @@ echo "== cargo doc (API docs; broken links and other rustdoc warnings are errors
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features ferroprof/opentelemetry
 echo "== cargo package (publishable crates: metadata, versions on workspace dependencies)"
 # --no-verify: building each package again takes minutes; `cargo package` without it passes too.
-cargo package -p ferroprof-recorder -p ferroprof-pprof -p ferroprof -p ferroprof-cli \
+cargo package -p ferroprof-recorder -p ferroprof-pprof -p ferroprof-export -p ferroprof \
+    -p ferroprof-cli \
     --allow-dirty --no-verify --offline --quiet
 echo "== cargo test (builds the examples too; tests/readme.rs checks the README against them)"
 cargo test --workspace
