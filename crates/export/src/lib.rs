@@ -204,11 +204,18 @@ thread_local! {
 
 /// For the profiler, not API: sets what every background thread of this crate runs first (the
 /// profiler marks the thread as its own, so it is neither sampled nor its allocations
-/// profiled). Set once; later calls are ignored. A thread started before the hook was set runs
-/// it before its next delivery.
+/// profiled). Set once; later calls are ignored. A thread started before the hook was set is
+/// woken to run it.
 #[doc(hidden)]
 pub fn set_worker_thread_hook(hook: fn()) {
-    let _ = WORKER_THREAD_HOOK.set(hook);
+    if WORKER_THREAD_HOOK.set(hook).is_ok() {
+        queue::wake_unhooked();
+    }
+}
+
+/// Whether [`set_worker_thread_hook`] was called.
+pub(crate) fn worker_thread_hook_set() -> bool {
+    WORKER_THREAD_HOOK.get().is_some()
 }
 
 /// Runs the worker-thread hook on this thread, once, if one is set. Called by this crate's

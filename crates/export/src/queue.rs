@@ -177,6 +177,21 @@ impl State {
     }
 }
 
+/// The queues whose worker started before the worker-thread hook was set, woken when it is
+/// so that an idle worker marks its thread at once, not at its first delivery.
+static UNHOOKED: Mutex<Vec<std::sync::Weak<Shared>>> = Mutex::new(Vec::new());
+
+/// Wakes the workers that started before the worker-thread hook was set (see `UNHOOKED`).
+pub(crate) fn wake_unhooked() {
+    for shared in UNHOOKED.lock().drain(..).filter_map(|w| w.upgrade()) {
+        if !shared.forked() {
+            // Taken so that a worker between its queue check and its wait sees the wake.
+            drop(shared.state.lock());
+            shared.wake.notify_all();
+        }
+    }
+}
+
 struct Shared {
     /// The process the worker runs in: a forked child's copy has no worker, and its `state`
     /// lock may have been held by a thread that did not survive the fork.
@@ -245,6 +260,9 @@ impl<B: Backend> QueuedExporter<B> {
             shared: shared.clone(),
             rng: Rng::new(),
         };
+        if !crate::worker_thread_hook_set() {
+            UNHOOKED.lock().push(Arc::downgrade(&shared));
+        }
         std::thread::Builder::new()
             .name(format!("ferroprof-{name}-export"))
             .spawn(move || {
@@ -402,10 +420,11 @@ impl<B: Backend> Worker<B> {
                         break p;
                     }
                     self.shared.wake.wait(&mut st);
+                    // A queue built before the profiler set the hook is woken when it is set
+                    // (see `wake_unhooked`), and marks its thread here.
+                    crate::enter_worker_thread();
                 }
             };
-            // A queue built before the profiler set the hook marks its thread here.
-            crate::enter_worker_thread();
             self.deliver(&profile);
         }
     }
@@ -717,8 +736,8 @@ mod tests {
         }
     }
 
-    /// The hook runs on the worker thread, once, before its first delivery: at the thread's
-    /// start when set by then, else before the first delivery after it was set.
+    /// The hook runs on the worker thread, once: at the thread's start when set by then, else
+    /// as soon as it is set, with no delivery needed (an idle worker is woken for it).
     #[test]
     fn worker_thread_hook_runs_once_on_the_worker() {
         let (tx, rx) = mpsc::channel();
@@ -728,9 +747,21 @@ mod tests {
         early.export(&profile()).unwrap();
         assert!(rx.recv_timeout(wait).unwrap().is_empty());
         crate::set_worker_thread_hook(hook);
+        // The idle early worker runs it without a profile to deliver.
+        let deadline = Instant::now() + wait;
+        while HOOKED.lock().unwrap().is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "the idle worker never ran the hook"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let mut late = QueuedExporter::new(HookProbe(tx), QueueConfig::default()).unwrap();
         late.export(&profile()).unwrap();
-        assert_eq!(rx.recv_timeout(wait).unwrap(), ["ferroprof-probe-export"]);
+        assert_eq!(
+            rx.recv_timeout(wait).unwrap(),
+            ["ferroprof-probe-export"; 2]
+        );
         early.export(&profile()).unwrap();
         assert_eq!(
             rx.recv_timeout(wait).unwrap(),
