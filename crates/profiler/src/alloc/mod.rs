@@ -732,7 +732,7 @@ impl Prefilter {
                 || has("__r")
                 || std::str::from_utf8(raw).is_ok_and(is_c_allocation_entry)
         } else {
-            // `__rdl_*`, `__rg_*`; `ferroprof::unwind::current_sp`; `memalign`.
+            // `__rdl_*`, `__rg_*`; `ferroprof::unwind::arch::current_sp`; `memalign`.
             self.rust_shim
                 .find(raw)
                 .is_some_and(|_| has("__rdl_") || has("__rg_"))
@@ -921,7 +921,7 @@ mod tests {
         for v0 in [
             "_RNvNtCs1234_9ferroprof5alloc13on_alloc_slow",
             "_RNvXs_NtCs1234_9ferroprof5allocINtB4_17SamplingAllocatorpENtNtNtCs5678_4core5alloc6global11GlobalAlloc5alloc",
-            "_RNvNtCs1234_9ferroprof6unwind10current_sp",
+            "_RNvNtNtCs1234_9ferroprof6unwind4arch10current_sp",
             "_RNvCs1234_7___rustc12___rust_alloc",
         ] {
             let name = format!("{:#}", rustc_demangle::demangle(v0));
