@@ -69,6 +69,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "sampler/capture",
             "sampler/clock",
             "sampler/engine",
+            "sampler/thread",
             "sampler/record",
             "sampler/tasks",
             "sampler/remote",

@@ -2,7 +2,13 @@
 //! capture slots the handler fills (async-signal-safe: no allocation, no lock). What raises the
 //! signal is the engine's (`engine.rs`).
 
-use super::*;
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+use super::clock::{monotonic_ns, stamp, stamps_are_wall_clock};
+use crate::labels;
+use crate::tls;
+use crate::unwind::{self, MAX_FRAMES};
 
 /// Marks our timers' payload: MAGIC (16 bits) | epoch (8) | generation (16) | thread index (24).
 pub(super) const MAGIC: u64 = 0xf3f2;

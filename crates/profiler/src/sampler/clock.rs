@@ -1,7 +1,10 @@
 //! The sampler's clocks: its period, the monotonic and stamp clocks, and its sleep between
 //! ticks (a futex wait that a stop ends early).
 
-use super::*;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::capture::Slot;
+use crate::threads::clock_ns;
 
 /// The sampling period: one tick of the sampler, one period of a thread's CPU timer.
 pub(super) fn period_ns(settings: &crate::settings::Settings) -> u64 {

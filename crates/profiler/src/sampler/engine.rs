@@ -7,6 +7,9 @@
 
 use super::clock::timespec;
 
+/// The CPU-time engine in use.
+pub(super) type Engine = TimerEngine;
+
 /// A source of CPU-time signals, armed per thread.
 pub(super) trait CpuEngine {
     /// What an armed thread holds until it is disarmed (a timer id, a file descriptor).

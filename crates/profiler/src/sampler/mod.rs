@@ -39,17 +39,15 @@
 
 pub(crate) mod remote;
 
-use std::cell::UnsafeCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use ferroprof_recorder::{Frame, Label, SampleValues};
+use ferroprof_recorder::Frame;
 
 use crate::labels::{self, Ctx};
-use crate::state::{Shared, TapKind};
-use crate::threads::{clock_ns, thread_cpu_ns, THREAD_ID_LABEL, THREAD_NAME_LABEL};
-use crate::tls;
+use crate::state::Shared;
+use crate::threads::{clock_ns, thread_cpu_ns};
 use crate::unwind::{self, MAX_FRAMES};
 use remote::{RemoteUnwinder, TaskSyscall};
 
@@ -58,16 +56,17 @@ mod clock;
 mod engine;
 mod record;
 mod tasks;
+mod thread;
 
 use capture::*;
 pub(crate) use capture::{
     after_fork_in_child, install_handler, lost_captures, pick_signal, valid_signal,
 };
 use clock::*;
-use engine::{CpuEngine, TimerEngine};
+use engine::{CpuEngine, Engine};
 use record::*;
-pub(crate) use tasks::read_task_file;
 use tasks::*;
+use thread::ThreadInfo;
 
 /// How long a thread that ran stays visited at every tick after it was last seen running.
 const HOT_LINGER_NS: u64 = 250_000_000;
@@ -93,9 +92,6 @@ const PROBATION_MAX_NS: u64 = 1_000_000_000;
 const OWN_NAME_PREFIX: &str = "ferroprof-";
 /// A listing of `/proc/self/task` may take this share of the time between two listings (1/N).
 const LIST_BUDGET: u64 = 1000;
-
-/// The CPU-time engine in use.
-type Engine = TimerEngine;
 
 /// Set by the sampler when threads exited since the last export.
 static THREADS_EXITED: AtomicBool = AtomicBool::new(false);
@@ -132,65 +128,6 @@ struct Cap {
     start: usize,
     len: usize,
     ctx: Ctx,
-}
-
-struct ThreadInfo {
-    tid: i32,
-    /// A thread of ferroprof: never sampled.
-    own: bool,
-    name: String,
-    /// A new thread names itself shortly after it starts (Rust does it in the new thread):
-    /// its name is re-read on its first visits until it changes.
-    name_checks_left: u8,
-    /// Its CPU engine's arming, while armed.
-    timer: Option<<Engine as CpuEngine>::Armed>,
-    /// The thread's CPU clock at its last visit, and the wall time accounted up to.
-    last_cpu: u64,
-    last_wall: u64,
-    /// CPU time used (by the clock) but not given to a capture yet; a capture takes its
-    /// periods from it (saturating: the clock lags a capture by less than a period).
-    cpu_carry: u64,
-    /// Wall time the captures took ahead of the visits (on-CPU time the visits had booked
-    /// off CPU already): paid back from the next off-CPU time, so totals stay exact.
-    wall_debt: u64,
-    /// Where the thread waits: its stack when last seen off CPU.
-    stack: Vec<u64>,
-    /// Where the stack pointer stood in each frame of `stack`, when it was read from the
-    /// thread's memory (else empty): what [`RemoteUnwinder::recent_calls`] starts from.
-    stack_sps: Vec<u64>,
-    /// Where its timer last caught it running, and its labels then.
-    ran: Vec<u64>,
-    ran_ctx: Ctx,
-    /// The labels `idle_wall` is booked under: those seen together with `stack` (read from the
-    /// thread's slot at the visit that read the stack, or `ran_ctx` when the stack is `ran`),
-    /// so a wall sample never pairs a stack with labels the thread did not have there.
-    wall_ctx: Ctx,
-    /// The thread's labels as read at its last visit (a change is a move).
-    seen_ctx: Ctx,
-    /// Off-CPU wall time on `stack` not recorded yet.
-    idle_wall: u64,
-    /// Wall time recorded but not yet counted as a whole tick in `cpu-samples`.
-    tick_rest: u64,
-    /// Visited at every tick until then (it ran recently).
-    hot_until: u64,
-    /// Listed in `Sampler::hot`.
-    in_hot: bool,
-    /// Not known yet not to be one of ferroprof's threads (see PROBATION_CPU_NS): its time
-    /// is accumulated, not recorded. Since when it was first seen.
-    probation: bool,
-    born: u64,
-    /// The listing it was last seen in, and the tick it was last visited.
-    listed: u64,
-    visited: u64,
-}
-
-impl ThreadInfo {
-    /// Whole ticks in `wall` ns plus what earlier records left over.
-    fn ticks_of(&mut self, wall: u64, period: u64) -> i64 {
-        let total = self.tick_rest + wall;
-        self.tick_rest = total % period;
-        (total / period) as i64
-    }
 }
 
 /// State of the sampler thread.

@@ -1,6 +1,14 @@
 //! One visit's sample into the recorder (and the taps), under the thread's labels.
 
-use super::*;
+use std::sync::atomic::Ordering;
+
+use ferroprof_recorder::{Frame, Label, SampleValues};
+
+use super::thread::ThreadInfo;
+use crate::labels::{self, Ctx};
+use crate::state::{Shared, TapKind};
+use crate::threads::{THREAD_ID_LABEL, THREAD_NAME_LABEL};
+use crate::tls;
 
 /// Records one sample of thread `t` on `stack` under labels `ctx` (nothing for an empty stack).
 #[allow(clippy::too_many_arguments)]

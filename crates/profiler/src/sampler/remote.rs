@@ -27,7 +27,7 @@ pub(crate) enum TaskSyscall {
 /// when given. Allocates nothing.
 pub(crate) fn task_syscall(task_dir: Option<libc::c_int>, tid: i32) -> TaskSyscall {
     let mut buf = [0u8; 256];
-    match crate::sampler::read_task_file(task_dir, tid, "syscall", &mut buf) {
+    match super::tasks::read_task_file(task_dir, tid, "syscall", &mut buf) {
         Some(n) => parse(&buf[..n]),
         None => TaskSyscall::Gone,
     }

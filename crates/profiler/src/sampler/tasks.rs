@@ -1,6 +1,7 @@
 //! The process's threads as `/proc/self/task` lists them: their ids, names and start times.
 
-use super::*;
+use super::clock::monotonic_ns;
+use crate::threads::clock_ns;
 
 /// Lists this process's thread ids with `getdents64` on an open `/proc/self/task`.
 pub(super) struct TaskLister {
