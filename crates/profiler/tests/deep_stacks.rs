@@ -111,7 +111,11 @@ fn samples_of(p: &Profile, name: &str, value: &str) -> Vec<(Vec<String>, i64)> {
         .iter()
         .filter(|s| s.value[i] != 0 && p.label_str(s, "thread name") == Some(name))
         .map(|s| (p.stack_names(s), s.value[i]))
-        .filter(|(names, _)| !names.iter().any(|n| n == "ferroprof::unwind::spare::Spare::run"))
+        .filter(|(names, _)| {
+            !names
+                .iter()
+                .any(|n| n == "ferroprof::unwind::spare::Spare::run")
+        })
         .collect()
 }
 

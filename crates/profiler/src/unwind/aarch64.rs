@@ -2,7 +2,7 @@
 //! and call instructions. No thread-pointer stack bound, no signal trampoline lookup and no
 //! prefetching here (they return "unknown" or do nothing).
 
-use super::*;
+use super::frames::{read_own_memory, StartRegs};
 
 /// Registers of the calling function's frame, for unwinding from normal (non-signal) code.
 #[inline(always)]

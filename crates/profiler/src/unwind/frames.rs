@@ -1,4 +1,5 @@
-//! The buffer a walk writes a stack into, and the marker of a stack cut for length.
+//! What a walk starts from, reads and writes: the registers it starts from, this process's
+//! memory read without faulting, the buffer it writes a stack into and its marker frames.
 
 /// Most frames one stack keeps. Deep recursion (parsers, tree walks, async state machines
 /// polled through many layers) runs to hundreds of frames; peers keep 512 to 2,048. 1,024 costs
@@ -262,4 +263,33 @@ impl<'b, 'a> Sink<'b, 'a> {
         self.buf.set(keep, truncation_marker(seen - keep));
         keep + 1
     }
+}
+
+/// Registers an unwind starts from.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StartRegs {
+    pub pc: u64,
+    pub sp: u64,
+    /// Frame pointer (rbp / x29).
+    pub fp: u64,
+    /// Link register (aarch64 only).
+    #[allow(dead_code)]
+    pub lr: u64,
+}
+
+/// Copies this process's memory from `addr` into `buf` as far as it is mapped; the bytes
+/// copied. `process_vm_readv` on ourselves: an unmapped page ends the copy (the kernel checks),
+/// where a plain read would fault. Async-signal-safe: one system call.
+pub(crate) fn read_own_memory(addr: u64, buf: &mut [u8]) -> usize {
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as usize as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: `local` describes our own buffer; the kernel checks `remote`.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    usize::try_from(n).unwrap_or(0)
 }

@@ -63,18 +63,6 @@ pub(crate) use frames::*;
 pub(crate) use snapshot::*;
 pub(crate) use spare::*;
 
-/// Registers an unwind starts from.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct StartRegs {
-    pub pc: u64,
-    pub sp: u64,
-    /// Frame pointer (rbp / x29).
-    pub fp: u64,
-    /// Link register (aarch64 only).
-    #[allow(dead_code)]
-    pub lr: u64,
-}
-
 /// Unwinds from `regs` into `out` (innermost first), returning the number of frames written.
 /// Entries are the instruction pointer, then return addresses minus one (the call instruction),
 /// ready for symbolization; a stack deeper than `out` is cut in the middle, at a truncation
@@ -663,23 +651,6 @@ fn guess_frame_pointer(
             Some(t) => (function_start(snap, callee) == Some(t)).then_some((at, true)),
         }
     })
-}
-
-/// Copies this process's memory from `addr` into `buf` as far as it is mapped; the bytes
-/// copied. `process_vm_readv` on ourselves: an unmapped page ends the copy (the kernel checks),
-/// where a plain read would fault. Async-signal-safe: one system call.
-pub(crate) fn read_own_memory(addr: u64, buf: &mut [u8]) -> usize {
-    let local = libc::iovec {
-        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    let remote = libc::iovec {
-        iov_base: addr as usize as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    // SAFETY: `local` describes our own buffer; the kernel checks `remote`.
-    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-    usize::try_from(n).unwrap_or(0)
 }
 
 /// Whether the calling thread is running a signal handler: its stack holds a return address

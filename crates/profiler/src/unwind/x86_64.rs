@@ -1,7 +1,7 @@
 //! x86_64 register and instruction access for the unwinder: the registers a walk starts from,
 //! the thread pointer's stack bound, the signal trampoline, call instructions and prefetching.
 
-use super::*;
+use super::frames::{read_own_memory, StartRegs};
 
 /// Registers of the calling function's frame, for unwinding from normal (non-signal) code.
 #[inline(always)]
