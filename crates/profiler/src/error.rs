@@ -67,6 +67,12 @@ pub enum ProfilerError {
         /// What was expected.
         reason: String,
     },
+    /// `CpuEngine::Perf` was asked for and the kernel refuses perf events to this process.
+    #[error("the perf CPU engine cannot run here: {source} (perf_event_paranoid, a seccomp filter or no perf support; CpuEngine::Auto or FERROPROF_CPU_ENGINE=auto falls back to timers)")]
+    CpuEngine {
+        /// The kernel's answer to `perf_event_open`.
+        source: std::io::Error,
+    },
     /// The sampling signal is neither `SIGPROF` nor a real-time signal.
     #[error("signal {value} cannot be used for sampling (use SIGPROF or a real-time signal)")]
     InvalidSignal {

@@ -107,6 +107,6 @@ pub use profiler::{
     after_fork, Profiler, ProfilerBuilder, ProfilerGuard, ProfilerStats, DEFAULT_CPU_HZ,
     DEFAULT_MAX_PROFILE_BYTES, DEFAULT_OUTPUT_DIR, DEFAULT_PERIOD, MAX_CPU_HZ, MIN_PERIOD,
 };
-pub use settings::Profiles;
+pub use settings::{CpuEngine, Profiles};
 pub use symbolize::ProcessSymbolizer;
 pub use unwind::MAX_FRAMES;

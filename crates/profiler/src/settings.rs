@@ -89,6 +89,39 @@ impl FromStr for Profiles {
     }
 }
 
+/// What raises the CPU sampling signal on each thread
+/// ([`ProfilerBuilder::cpu_engine`](crate::ProfilerBuilder::cpu_engine),
+/// `FERROPROF_CPU_ENGINE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum CpuEngine {
+    /// Perf events when this process may open them, else timers (logged once, with the
+    /// reason).
+    #[default]
+    Auto,
+    /// Perf task-clock events: each sample at the CPU instant its period ends. Start fails
+    /// when the kernel refuses them (`perf_event_paranoid` above 2, a seccomp filter).
+    Perf,
+    /// POSIX CPU-time timers: work everywhere; the kernel checks them at its scheduler tick,
+    /// so samples land at ticks.
+    Timer,
+}
+
+impl FromStr for CpuEngine {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(CpuEngine::Auto),
+            "perf" => Ok(CpuEngine::Perf),
+            "timer" => Ok(CpuEngine::Timer),
+            other => Err(format!(
+                "unknown CPU engine {other:?}: expected auto, perf or timer"
+            )),
+        }
+    }
+}
+
 /// Settings after validation, as the running profiler uses them.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
@@ -103,6 +136,8 @@ pub(crate) struct Settings {
     pub output_dir: Option<PathBuf>,
     pub compression: Compression,
     pub signal: i32,
+    /// The CPU engine is perf events (else timers), as decided at start.
+    pub cpu_engine_perf: bool,
     pub restart_after_fork: bool,
     /// The output directory's retention (0: no limit of that kind).
     pub keep_files: usize,

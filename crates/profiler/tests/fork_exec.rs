@@ -26,9 +26,15 @@ fn one_profiler_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     TURN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// CPU and wall profiling at 1 kHz, written to `dir`.
+/// CPU and wall profiling at 1 kHz, written to `dir`; the CPU engine from
+/// `FERROPROF_CPU_ENGINE` when set (`scripts/test.sh` runs these tests with each).
 fn start(dir: &std::path::Path) -> ferroprof::ProfilerGuard {
     Profiler::builder()
+        .from_vars(|k| {
+            (k == "FERROPROF_CPU_ENGINE")
+                .then(|| std::env::var(k).ok())
+                .flatten()
+        })
         .cpu_hz(1000)
         .profiles(Profiles {
             cpu: true,

@@ -69,6 +69,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "sampler/capture",
             "sampler/clock",
             "sampler/engine",
+            "sampler/perf",
             "sampler/thread",
             "sampler/record",
             "sampler/tasks",

@@ -114,6 +114,9 @@ pub struct ProfilerStats {
     /// the totals), kept out of the application's allocator; 0 when the sampling allocator is
     /// not the global allocator.
     pub private_heap_bytes: u64,
+    /// The CPU engine in use: `"perf"` (perf task-clock events), `"timer"` (POSIX CPU
+    /// timers), or `""` when no CPU or wall profile runs.
+    pub cpu_engine: &'static str,
     /// Encoded profiles waiting in the exporters' queues, in bytes (a profile waiting for two
     /// exporters counts twice); more than a few profiles' worth means an exporter falls behind.
     pub export_queue_bytes: u64,
@@ -276,6 +279,14 @@ impl ProfilerGuard {
             symbolizer_bytes: l(&s.symbolizer_bytes),
             last_profile_bytes: l(&s.last_profile_bytes),
             export_queue_bytes: ferroprof_export::queued_bytes(),
+            cpu_engine: match (
+                self.shared.settings.profiles.needs_sampler(),
+                self.shared.settings.cpu_engine_perf,
+            ) {
+                (false, _) => "",
+                (true, true) => "perf",
+                (true, false) => "timer",
+            },
             // The heap recorder's shard locks, briefly: inside the fork gate, as every lock a
             // fork must not catch.
             heap_tracked_objects: heap.as_ref().map_or(0, |h| h.num_object_records),

@@ -19,7 +19,7 @@ use crate::error::ProfilerError;
 use crate::fork;
 use crate::handoff::{Deliveries, Outbox};
 use crate::sampler::{self, Sampler};
-use crate::settings::{Profiles, Settings};
+use crate::settings::{CpuEngine, Profiles, Settings};
 use crate::state::{self, Shared, Tap, TapKind};
 use crate::tls;
 use crate::unwind;
@@ -77,6 +77,7 @@ pub struct ProfilerBuilder {
     exporters: Vec<Box<dyn Exporter>>,
     compression: Compression,
     signal: Option<i32>,
+    cpu_engine: CpuEngine,
     restart_after_fork: bool,
     max_profile_bytes: u64,
     keep_files: usize,
@@ -103,6 +104,7 @@ impl Default for ProfilerBuilder {
             exporters: Vec::new(),
             compression: Compression::Gzip,
             signal: None,
+            cpu_engine: CpuEngine::default(),
             restart_after_fork: true,
             max_profile_bytes: DEFAULT_MAX_PROFILE_BYTES,
             keep_files: ferroprof_export::dir::DEFAULT_KEEP_FILES,
@@ -235,6 +237,13 @@ impl ProfilerBuilder {
         self
     }
 
+    /// What raises the CPU sampling signal on each thread (default [`CpuEngine::Auto`]: perf
+    /// events where the kernel allows them, else timers).
+    pub fn cpu_engine(mut self, engine: CpuEngine) -> Self {
+        self.cpu_engine = engine;
+        self
+    }
+
     /// Whether a forked child restarts the sampler and export threads (default true). They
     /// start at the child's first sampled allocation or profiler call, never in the fork
     /// itself: a child that execs right away runs no profiler thread (see [`crate::after_fork`]).
@@ -261,7 +270,8 @@ impl ProfilerBuilder {
     /// directory's retention, see [`Self::keep_profiles`]), `FERROPROF_PROFILES` (`cpu,wall,alloc,heap`),
     /// `FERROPROF_MAX_PROFILE_MB` (MiB, 0: no cap), `FERROPROF_DEBUG_CACHE` (an absolute
     /// directory, or `off`: see [`Self::debug_cache`]), `FERROPROF_FLUSH_ON_SIGTERM` (`1`: see
-    /// [`Self::flush_on_termination`]) and `FERROPROF_SIGNAL` (signal number). Set variables
+    /// [`Self::flush_on_termination`]), `FERROPROF_SIGNAL` (signal number) and
+    /// `FERROPROF_CPU_ENGINE` (`auto`, `perf`, `timer`: see [`Self::cpu_engine`]). Set variables
     /// override what the builder was given before (`FERROPROF_ENV`, `FERROPROF_VERSION` and
     /// `FERROPROF_TAGS` add tags); unset ones keep it. A bad value is reported by `start()`
     /// ([`Self::start_or_log`] logs it and runs on unprofiled).
@@ -333,6 +343,14 @@ impl ProfilerBuilder {
                         &v,
                         "expected a signal number (SIGPROF or SIGRTMIN..SIGRTMAX)",
                     ));
+                }
+            }
+        }
+        if let Some(v) = get("FERROPROF_CPU_ENGINE") {
+            match v.parse::<CpuEngine>() {
+                Ok(e) => self.cpu_engine = e,
+                Err(reason) => {
+                    err.get_or_insert(bad("FERROPROF_CPU_ENGINE", &v, reason));
                 }
             }
         }
@@ -479,6 +497,23 @@ impl ProfilerBuilder {
             }
             None => 0,
         };
+        let cpu_engine_perf = profiles.needs_sampler()
+            && match self.cpu_engine {
+                CpuEngine::Timer => false,
+                CpuEngine::Perf => {
+                    sampler::probe_perf().map_err(|source| ProfilerError::CpuEngine { source })?;
+                    true
+                }
+                _ => match sampler::probe_perf() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        log::info!(
+                            "ferroprof: perf events refused ({e}); CPU samples come from timers"
+                        );
+                        false
+                    }
+                },
+            };
         let output_dir = match (&self.output_dir, self.exporters.is_empty()) {
             (Some(d), _) => Some(d.clone()),
             (None, true) => Some(PathBuf::from(DEFAULT_OUTPUT_DIR)),
@@ -504,6 +539,7 @@ impl ProfilerBuilder {
             output_dir,
             compression: self.compression,
             signal,
+            cpu_engine_perf,
             restart_after_fork: self.restart_after_fork,
             keep_files: self.keep_files,
             keep_bytes: self.keep_bytes,

@@ -115,7 +115,11 @@ pub(super) static EPOCH: AtomicU32 = AtomicU32::new(0);
 pub(super) static PREV_HANDLER: [AtomicUsize; 65] = [const { AtomicUsize::new(0) }; 65];
 pub(super) static PREV_FLAGS: [AtomicUsize; 65] = [const { AtomicUsize::new(0) }; 65];
 
-/// The kernel's siginfo layout for `SI_TIMER` signals (64-bit Linux).
+/// `si_code` of a signal a file descriptor's owner gets for input (`F_SETSIG`): perf events.
+const POLL_IN: i32 = 1;
+
+/// The kernel's siginfo layout for `SI_TIMER` signals (64-bit Linux); for `POLL_IN` ones,
+/// `si_band` overlays `timer_id` and `overrun`, and `si_fd` the low half of `value`.
 #[repr(C)]
 pub(super) struct KSigInfo {
     pub(super) signo: i32,
@@ -191,6 +195,7 @@ pub(crate) fn install_handler(sig: i32) -> std::io::Result<()> {
 /// In a forked child: timers are not inherited, and no handler of the parent's threads can
 /// still be writing a slot: the whole pool is free again.
 pub(crate) fn after_fork_in_child() {
+    super::perf::after_fork_in_child();
     for c in POOL.iter() {
         let p = c.load(Ordering::Acquire);
         if !p.is_null() {
@@ -237,7 +242,17 @@ pub(super) unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) 
     }
     // SAFETY: siginfo_t is 128 bytes on 64-bit Linux, matching KSigInfo.
     let ki = unsafe { &*(info as *const KSigInfo) };
-    if ki.code != libc::SI_TIMER || ki.value >> 48 != MAGIC {
+    // A timer's signal carries the token and its overrun count; a perf event's (`POLL_IN`)
+    // its descriptor (`si_fd`, the low half of the same word), whose token the engine keeps.
+    let (token, weight) = match ki.code {
+        libc::SI_TIMER => (ki.value, 1 + ki.overrun.max(0) as u32),
+        POLL_IN => match super::perf::token_of(ki.value as u32 as i32) {
+            Some(t) => (t, 1),
+            None => return false,
+        },
+        _ => return false,
+    };
+    if token >> 48 != MAGIC {
         return false;
     }
     let t0 = stamp();
@@ -248,7 +263,7 @@ pub(super) unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) 
         unwind::headroom(sp, bounds).or_else(|| unwind::probe_room(sp, unwind::HANDLER_STACK_NEED));
     // Each thread starts looking at a home slot of its own: its previous capture is likely
     // still there, warm in the cache and a hint for the walk (see `capture`).
-    let home = ((ki.value & 0xff_ffff) as usize).wrapping_mul(2);
+    let home = ((token & 0xff_ffff) as usize).wrapping_mul(2);
     let Some(slot) = claim_slot(home) else {
         return true;
     };
@@ -286,9 +301,8 @@ pub(super) unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) 
     for (w, &v) in slot.labels.iter().zip(&ctx.words) {
         w.store(v, Ordering::Relaxed);
     }
-    slot.payload.store(ki.value, Ordering::Relaxed);
-    slot.weight
-        .store(1 + ki.overrun.max(0) as u32, Ordering::Relaxed);
+    slot.payload.store(token, Ordering::Relaxed);
+    slot.weight.store(weight, Ordering::Relaxed);
     let end = stamp();
     slot.handler_stamps
         .store(end.wrapping_sub(t0), Ordering::Relaxed);

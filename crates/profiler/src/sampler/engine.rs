@@ -2,13 +2,13 @@
 //!
 //! The signal, its handler and the capture slots are shared (`capture.rs`): an engine only arms a
 //! thread, so that every period of its CPU time it gets the signal carrying the thread entry's
-//! token, and disarms it. The sampler holds one engine, chosen at start, and calls it through
-//! [`CpuEngine`] with static dispatch: a second engine is an implementation beside this one.
+//! token, and disarms it. The sampler holds one [`Engine`], chosen at start: POSIX CPU timers
+//! ([`TimerEngine`], everywhere) or perf task-clock events (`perf.rs`, where the kernel lets
+//! the process open them), called through [`CpuEngine`] with static dispatch (an enum).
 
 use super::clock::timespec;
 
-/// The CPU-time engine in use.
-pub(super) type Engine = TimerEngine;
+use super::perf::{PerfEngine, PerfEvent};
 
 /// A source of CPU-time signals, armed per thread.
 pub(super) trait CpuEngine {
@@ -16,7 +16,7 @@ pub(super) trait CpuEngine {
     type Armed;
 
     /// The engine's name, as statistics and logs show it.
-    const NAME: &'static str;
+    fn name(&self) -> &'static str;
 
     /// Arms thread `tid` of this process: every `period_ns` of its CPU time it gets signal `sig`
     /// carrying `token`. An error when the kernel refuses (the thread then gets wall samples
@@ -45,7 +45,9 @@ pub(super) struct Timer(libc::timer_t);
 impl CpuEngine for TimerEngine {
     type Armed = Timer;
 
-    const NAME: &'static str = "timer";
+    fn name(&self) -> &'static str {
+        "timer"
+    }
 
     fn arm(&mut self, tid: i32, sig: i32, token: u64, period_ns: u64) -> std::io::Result<Timer> {
         // SAFETY: sigevent is plain data; every field the kernel reads is set below.
@@ -81,5 +83,64 @@ impl CpuEngine for TimerEngine {
     fn disarm(&mut self, armed: Timer) {
         // SAFETY: a timer this engine created, deleted once (`Timer` is moved in).
         unsafe { libc::timer_delete(armed.0) };
+    }
+}
+
+/// The engine a sampler uses, chosen at start.
+pub(super) enum Engine {
+    Timer(TimerEngine),
+    Perf(PerfEngine),
+}
+
+/// What an [`Engine`] armed.
+pub(super) enum Armed {
+    Timer(Timer),
+    Perf(PerfEvent),
+}
+
+impl Engine {
+    pub(super) fn new(perf: bool) -> Engine {
+        if perf {
+            Engine::Perf(PerfEngine)
+        } else {
+            Engine::Timer(TimerEngine)
+        }
+    }
+}
+
+impl CpuEngine for Engine {
+    type Armed = Armed;
+
+    fn name(&self) -> &'static str {
+        match self {
+            Engine::Timer(e) => e.name(),
+            Engine::Perf(e) => e.name(),
+        }
+    }
+
+    /// A thread the perf engine cannot arm (past `RLIMIT_NOFILE`, or the table's descriptors)
+    /// gets a timer instead: its samples land at ticks, but it keeps its CPU samples.
+    fn arm(&mut self, tid: i32, sig: i32, token: u64, period_ns: u64) -> std::io::Result<Armed> {
+        match self {
+            Engine::Timer(e) => e.arm(tid, sig, token, period_ns).map(Armed::Timer),
+            Engine::Perf(e) => e
+                .arm(tid, sig, token, period_ns)
+                .map(Armed::Perf)
+                .or_else(|_| {
+                    TimerEngine
+                        .arm(tid, sig, token, period_ns)
+                        .map(Armed::Timer)
+                }),
+        }
+    }
+
+    fn disarm(&mut self, armed: Armed) {
+        match (self, armed) {
+            (Engine::Timer(e), Armed::Timer(a)) => e.disarm(a),
+            (Engine::Perf(e), Armed::Perf(a)) => e.disarm(a),
+            // Never armed by the other engine; released all the same.
+            (_, Armed::Timer(a)) => TimerEngine.disarm(a),
+            (_, Armed::Perf(a)) => PerfEngine.disarm(a),
+        }
     }
 }

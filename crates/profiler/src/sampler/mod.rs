@@ -54,6 +54,7 @@ use remote::{RemoteUnwinder, TaskSyscall};
 mod capture;
 mod clock;
 mod engine;
+mod perf;
 mod record;
 mod tasks;
 mod thread;
@@ -64,6 +65,7 @@ pub(crate) use capture::{
 };
 use clock::*;
 use engine::{CpuEngine, Engine};
+pub(crate) use perf::probe as probe_perf;
 use record::*;
 use tasks::*;
 use thread::ThreadInfo;
@@ -182,6 +184,7 @@ pub(crate) struct Sampler {
 
 impl Sampler {
     pub(crate) fn new(shared: Arc<Shared>) -> Sampler {
+        let engine = Engine::new(shared.settings.cpu_engine_perf);
         let signal = shared.settings.signal;
         let wall_enabled = shared.settings.profiles.wall;
         let period = period_ns(&shared.settings);
@@ -223,7 +226,7 @@ impl Sampler {
             maps_wanted: false,
             last_names: 0,
             timers_off: false,
-            engine: Engine::default(),
+            engine,
             timer_failure_logged: false,
             stamps: StampClock::new(),
             labels: labels::Finder::new(),
@@ -530,7 +533,7 @@ impl Sampler {
                              ({err}); threads without one get wall samples only (see \
                              ProfilerStats::threads_without_timer; RLIMIT_SIGPENDING bounds \
                              timers)",
-                            Engine::NAME
+                            self.engine.name()
                         );
                     }
                 }

@@ -1,6 +1,6 @@
 //! What the sampler keeps per thread of the process between its visits.
 
-use super::engine::{CpuEngine, Engine};
+use super::engine::Armed;
 use crate::labels::Ctx;
 
 pub(super) struct ThreadInfo {
@@ -12,7 +12,7 @@ pub(super) struct ThreadInfo {
     /// its name is re-read on its first visits until it changes.
     pub(super) name_checks_left: u8,
     /// Its CPU engine's arming, while armed.
-    pub(super) timer: Option<<Engine as CpuEngine>::Armed>,
+    pub(super) timer: Option<Armed>,
     /// The thread's CPU clock at its last visit, and the wall time accounted up to.
     pub(super) last_cpu: u64,
     pub(super) last_wall: u64,
