@@ -35,6 +35,11 @@ pub struct RecordArgs {
     /// [default: 512K].
     #[arg(long, value_name = "SIZE", value_parser = report::parse_size)]
     pub alloc_interval: Option<u64>,
+    /// What raises the CPU samples: perf (task-clock events, each sample where its CPU
+    /// period ends), timer (POSIX CPU timers, samples at the kernel's tick), or auto (perf
+    /// where the kernel allows it) [default: $FERROPROF_CPU_ENGINE, else auto].
+    #[arg(long, value_name = "auto|perf|timer")]
+    pub cpu_engine: Option<String>,
     /// Profiles to collect: a comma-separated list of cpu, wall, alloc, heap (or all).
     #[arg(long, value_name = "LIST", default_value = "all")]
     pub profiles: String,
@@ -86,6 +91,10 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
             .into());
         }
     }
+    if let Some(e) = &args.cpu_engine {
+        e.parse::<ferroprof::CpuEngine>()
+            .map_err(|reason| CliError(format!("--cpu-engine {e}: {reason}")))?;
+    }
     if let Some(p) = args.period {
         if !(p.is_finite() && p >= 1.0) {
             return Err(CliError(format!("--period {p}: at least 1 second")).into());
@@ -126,6 +135,9 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     }
     if let Some(b) = args.alloc_interval {
         command.env("FERROPROF_ALLOC_INTERVAL", b.to_string());
+    }
+    if let Some(e) = &args.cpu_engine {
+        command.env("FERROPROF_CPU_ENGINE", e);
     }
     if let Some(p) = args.period {
         command.env("FERROPROF_PERIOD_SECS", p.to_string());
