@@ -398,6 +398,10 @@ impl<B: Backend> Worker<B> {
             let profile = {
                 let mut st = self.shared.state.lock();
                 loop {
+                    // A queue built before the profiler set the hook marks its thread here:
+                    // checked under the lock `wake_unhooked` takes before it wakes the worker,
+                    // so a hook set while the worker was busy is seen before it waits again.
+                    crate::enter_worker_thread();
                     if let Some(deadline) = st.shutdown_deadline {
                         if Instant::now() >= deadline || st.queue.is_empty() {
                             let left = st.queue.len() as u64;
@@ -420,9 +424,6 @@ impl<B: Backend> Worker<B> {
                         break p;
                     }
                     self.shared.wake.wait(&mut st);
-                    // A queue built before the profiler set the hook is woken when it is set
-                    // (see `wake_unhooked`), and marks its thread here.
-                    crate::enter_worker_thread();
                 }
             };
             self.deliver(&profile);
@@ -714,6 +715,9 @@ mod tests {
         }
         fn send(&mut self, _p: &ExportedProfile, _t: Duration) -> Result<(), ExportError> {
             let _ = self.0.send(HOOKED.lock().unwrap().clone());
+            // Still delivering when the test sets the hook right after the report: a wake
+            // sent then finds no waiting worker, which must see the hook before it waits.
+            std::thread::sleep(Duration::from_millis(50));
             Ok(())
         }
     }
