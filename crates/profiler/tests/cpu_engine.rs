@@ -295,3 +295,73 @@ fn a_refused_perf_engine_falls_back_to_timers() {
     );
     println!("fallback_ok=1");
 }
+
+/// With few descriptors allowed (`RLIMIT_NOFILE` 64), perf events take at most a quarter of
+/// them: the other threads get timers, every thread keeps its CPU samples, and the
+/// application can still open its own files.
+#[test]
+fn perf_events_leave_the_applications_descriptors_alone() {
+    const TEST: &str = "perf_events_leave_the_applications_descriptors_alone";
+    if !is_child(TEST) {
+        let out = run_child(TEST, &[], Duration::from_secs(120));
+        assert!(out.status.success(), "{}", out.describe());
+        assert_eq!(out.value("descriptors_ok"), Some(1), "{}", out.describe());
+        return;
+    }
+    if !perf_allowed() {
+        println!("descriptors_ok=1");
+        return;
+    }
+    let lim = libc::rlimit {
+        rlim_cur: 64,
+        rlim_max: 64,
+    };
+    // SAFETY: lowers this (child) process's own descriptor limit.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    let c = Collect::default();
+    let guard = start(CpuEngine::Perf, 200, &c).expect("perf engine starts");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let threads: Vec<_> = (0..24)
+        .map(|i| {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name(format!("fd-{i}"))
+                .spawn(move || {
+                    burn_for(Duration::from_millis(150), || {
+                        black_box(engine_a(500));
+                    });
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                })
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let stats = guard.stats();
+    // The application's own descriptors: 64 less the profiler's events and what was open.
+    let files: Vec<_> = (0..20)
+        .map(|_| std::fs::File::open("/dev/null").expect("the application opens a file"))
+        .collect();
+    drop(files);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    guard.stop().expect("stops");
+    println!(
+        "perf events {}, without a CPU engine {}",
+        stats.perf_events, stats.threads_without_timer
+    );
+    assert!((1..=16).contains(&stats.perf_events), "{stats:?}");
+    assert_eq!(stats.threads_without_timer, 0, "{stats:?}");
+    let ps = c.decoded();
+    for i in 0..24 {
+        let name = format!("fd-{i}");
+        let cpu = sum_all(&ps, "cpu-time", |p, s| {
+            p.label_str(s, "thread name") == Some(name.as_str()) && has_fn(p, s, "engine_a")
+        });
+        assert!(cpu > 50_000_000, "{name}: {cpu} ns of CPU sampled");
+    }
+    println!("descriptors_ok=1");
+}

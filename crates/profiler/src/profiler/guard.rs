@@ -114,6 +114,9 @@ pub struct ProfilerStats {
     /// the totals), kept out of the application's allocator; 0 when the sampling allocator is
     /// not the global allocator.
     pub private_heap_bytes: u64,
+    /// Perf events open now (one per thread the perf engine armed; each a file descriptor,
+    /// at most a quarter of the soft `RLIMIT_NOFILE`: past that, threads get timers).
+    pub perf_events: u64,
     /// The CPU engine in use: `"perf"` (perf task-clock events), `"timer"` (POSIX CPU
     /// timers), or `""` when no CPU or wall profile runs.
     pub cpu_engine: &'static str,
@@ -279,6 +282,7 @@ impl ProfilerGuard {
             symbolizer_bytes: l(&s.symbolizer_bytes),
             last_profile_bytes: l(&s.last_profile_bytes),
             export_queue_bytes: ferroprof_export::queued_bytes(),
+            perf_events: crate::sampler::perf_events(),
             cpu_engine: match (
                 self.shared.settings.profiles.needs_sampler(),
                 self.shared.settings.cpu_engine_perf,

@@ -65,7 +65,7 @@ pub(crate) use capture::{
 };
 use clock::*;
 use engine::{CpuEngine, Engine};
-pub(crate) use perf::probe as probe_perf;
+pub(crate) use perf::{open_events as perf_events, probe as probe_perf};
 use record::*;
 use tasks::*;
 use thread::ThreadInfo;

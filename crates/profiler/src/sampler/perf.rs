@@ -56,6 +56,30 @@ const F_OWNER_TID: libc::c_int = 0;
 const F_SETOWN_EX: libc::c_int = 15;
 const F_SETSIG: libc::c_int = 10;
 
+/// Events open now (each holds a descriptor of the application's `RLIMIT_NOFILE`).
+static OPEN: AtomicUsize = AtomicUsize::new(0);
+
+/// Perf events open now: one per thread the perf engine armed.
+pub(crate) fn open_events() -> u64 {
+    OPEN.load(Ordering::Relaxed) as u64
+}
+
+/// Most events open at once: a quarter of the soft `RLIMIT_NOFILE` (the application's
+/// descriptors come first; past this, threads get timers), at most the table's size.
+fn budget() -> usize {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return 0;
+    }
+    usize::try_from(lim.rlim_cur / 4)
+        .unwrap_or(MAX_FDS)
+        .min(MAX_FDS)
+}
+
 /// Perf events, one per armed thread.
 #[derive(Default)]
 pub(super) struct PerfEngine;
@@ -119,21 +143,31 @@ impl CpuEngine for PerfEngine {
         token: u64,
         period_ns: u64,
     ) -> std::io::Result<PerfEvent> {
-        let fd = open(tid, period_ns)?;
+        // Counted before the open: two samplers never run at once, but a child's may start
+        // while the parent's events are being closed.
+        if OPEN.fetch_add(1, Ordering::AcqRel) >= budget() {
+            OPEN.fetch_sub(1, Ordering::AcqRel);
+            return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
+        }
+        let fd = match open(tid, period_ns) {
+            Ok(fd) => fd,
+            Err(e) => {
+                OPEN.fetch_sub(1, Ordering::AcqRel);
+                return Err(e);
+            }
+        };
         let event = PerfEvent {
             fd,
             pid: std::process::id(),
         };
-        let fail = |event: PerfEvent| {
-            let err = std::io::Error::last_os_error();
+        let fail = |event: PerfEvent, err: std::io::Error| {
             // SAFETY: our own descriptor, never enabled.
             unsafe { libc::close(event.fd) };
+            OPEN.fetch_sub(1, Ordering::AcqRel);
             Err(err)
         };
         let Some(slot) = usize::try_from(fd).ok().and_then(|i| TOKENS.get(i)) else {
-            // SAFETY: as above.
-            unsafe { libc::close(fd) };
-            return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
+            return fail(event, std::io::Error::from_raw_os_error(libc::EMFILE));
         };
         slot.store(token, Ordering::Release);
         HIGH.fetch_max(fd as usize + 1, Ordering::AcqRel);
@@ -149,8 +183,9 @@ impl CpuEngine for PerfEngine {
                 && libc::ioctl(fd, PERF_EVENT_IOC_ENABLE, 0) == 0
         };
         if !ok {
+            let err = std::io::Error::last_os_error();
             slot.store(0, Ordering::Release);
-            return fail(event);
+            return fail(event, err);
         }
         Ok(event)
     }
@@ -165,6 +200,7 @@ impl CpuEngine for PerfEngine {
         }
         // SAFETY: the descriptor this event owns, closed once (`PerfEvent` is moved in).
         unsafe { libc::close(event.fd) };
+        OPEN.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -187,4 +223,5 @@ pub(crate) fn after_fork_in_child() {
             unsafe { libc::close(fd as libc::c_int) };
         }
     }
+    OPEN.store(0, Ordering::Release);
 }
