@@ -324,6 +324,12 @@ fn a_services_profile_splits_by_route_span_and_endpoint() {
         .exporter(Box::new(c.clone()))
         .exporter(Box::new(dd))
         .exporter(Box::new(py))
+        // The CPU engine from FERROPROF_CPU_ENGINE when set (scripts/engine_routes.sh).
+        .from_vars(|k| {
+            (k == "FERROPROF_CPU_ENGINE")
+                .then(|| std::env::var(k).ok())
+                .flatten()
+        })
         .start()
         .expect("profiler starts");
 
@@ -346,6 +352,7 @@ fn a_services_profile_splits_by_route_span_and_endpoint() {
     // which the kernel checks at its scheduler tick: at CONFIG_HZ=250 a sample covers 4 ms of
     // a thread's CPU time at best, whatever `cpu_hz` asks. The samples in requests are
     // estimated from the process's captures and the handlers' share of its CPU time.
+    eprintln!("cpu engine: {}", guard.stats().cpu_engine);
     let started = Instant::now();
     let mut requests = 0;
     loop {
