@@ -2,22 +2,23 @@
 //!
 //! Two sources, neither of which ever interrupts a thread that is not running:
 //!
-//! * **CPU: a CPU-time timer per thread.** Every thread of the process (but ferroprof's own) gets
-//!   a POSIX timer on its own CPU clock (`timer_create` with `SIGEV_THREAD_ID`): each time the
-//!   thread has used another sampling period of CPU, the kernel signals that thread, at its own
-//!   scheduler tick, on its way back to user mode. The handler (async-signal-safe: no
+//! * **CPU: a CPU engine per thread.** Every thread of the process (but ferroprof's own) is
+//!   armed by the CPU engine (`engine.rs`): a perf task-clock event (`perf.rs`), which signals
+//!   the thread at the CPU instant each sampling period of its CPU ends, or else a POSIX timer
+//!   on its own CPU clock (`timer_create` with `SIGEV_THREAD_ID`), which the kernel signals at
+//!   the thread's scheduler tick, on its way back to user mode. The handler (async-signal-safe: no
 //!   allocation, no lock) unwinds the interrupted context into a capture slot taken from a
 //!   shared pool and publishes it. The stack is therefore taken where the CPU was spent, for
 //!   every thread that uses CPU, whatever the load (a thread waiting for a CPU uses none and is
 //!   not signalled). A real-time signal, picked at start among those nobody handles, queues one
-//!   signal per timer: nothing coalesces, and a program's own `SIGPROF` user is left alone.
+//!   signal per expiry: nothing coalesces, and a program's own `SIGPROF` user is left alone.
 //!   On kernels that run CPU timers as task work on the way to user mode (x86_64 and arm64
 //!   since Linux 5.11) the signal is raised only there, so it cannot interrupt a system call:
 //!   a blocking call of the application never sees `EINTR` from us.
 //! * **Wall: a visit per thread, without signals.** The sampler thread wakes `cpu_hz` times a
 //!   second and visits threads. A thread whose CPU clock did not move since its stack was read
 //!   is where it was: the elapsed wall time goes to that stack. One that ran is looked at
-//!   again: its timer captures of the interval carry its on-CPU time; for the rest, where it
+//!   again: its captures of the interval carry its on-CPU time; for the rest, where it
 //!   is now: blocked in a system call, its stack pointer and program counter are read from
 //!   `/proc/self/task/<tid>/syscall` and its stack is unwound from a copy
 //!   ([`crate::sampler::remote`]), kept only if its CPU clock did not move while the copy was
@@ -31,9 +32,10 @@
 //!   their samples weighted by the time since their last visit. Threads are listed from
 //!   `/proc/self/task` at a rate bounded by what a listing costs.
 //!
-//! A thread the kernel gives no timer (out of `RLIMIT_SIGPENDING`) still has wall samples; it is
-//! counted ([`crate::ProfilerStats::threads_without_timer`]) and logged once. When another
-//! library replaces our signal's handler, the timers are deleted (nobody would handle their
+//! A thread the perf engine cannot arm gets a timer; one the kernel gives no timer either (out
+//! of `RLIMIT_SIGPENDING`) still has wall samples; it is counted
+//! ([`crate::ProfilerStats::threads_without_timer`]) and logged once. When another library
+//! replaces our signal's handler, every thread is disarmed (nobody would handle their
 //! signals), a warning is logged and counted; wall sampling goes on. Signals that are not
 //! ours are passed on to the handler installed before ours.
 
@@ -122,7 +124,7 @@ pub(crate) fn trim_after_export() {
     }
 }
 
-/// A timer capture taken out of the pool, waiting for its thread's visit in this tick.
+/// A capture taken out of the pool, waiting for its thread's visit in this tick.
 struct Cap {
     idx: usize,
     weight: u32,
