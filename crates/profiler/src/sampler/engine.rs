@@ -138,7 +138,7 @@ impl CpuEngine for Engine {
         match (self, armed) {
             (Engine::Timer(e), Armed::Timer(a)) => e.disarm(a),
             (Engine::Perf(e), Armed::Perf(a)) => e.disarm(a),
-            // Never armed by the other engine; released all the same.
+            // A thread the perf engine could not arm holds a timer.
             (_, Armed::Timer(a)) => TimerEngine.disarm(a),
             (_, Armed::Perf(a)) => PerfEngine.disarm(a),
         }

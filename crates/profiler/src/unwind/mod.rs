@@ -481,7 +481,9 @@ pub(crate) fn unwind_copied(
     if let Some(k) = unproven_from {
         let checks_out = outcome == Outcome::Root
             && match (sink.frame(k), sink.frame(k + 1)) {
-                (Some(caller), Some(next)) => calls_into(snap, next.wrapping_add(1), caller),
+                (Some(caller), Some(next)) => {
+                    check_call(snap, next.wrapping_add(1), caller) != CallCheck::Refuted
+                }
                 _ => true,
             };
         if !checks_out && sink.keep_first(k) {
@@ -541,21 +543,30 @@ enum Outcome {
     Unknown,
 }
 
-/// Whether the call before return address `ret` may go into the function holding `callee` (a
-/// lookup address): true for an indirect call (nothing to check) and where the function is
-/// unknown; for a direct call, its target (followed through a bound PLT stub) is that function.
-fn calls_into(snap: &Snapshot, ret: u64, callee: u64) -> bool {
+/// What the code before return address `ret` says of a call into the function holding
+/// `callee` (a lookup address).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CallCheck {
+    /// A call whose target is fixed (direct, a bound PLT stub, the GOT) goes into it.
+    Proven,
+    /// An indirect call: nothing to check.
+    Unknown,
+    /// A fixed call goes elsewhere (or into code no unwind table knows).
+    Refuted,
+}
+
+fn check_call(snap: &Snapshot, ret: u64, callee: u64) -> CallCheck {
     #[cfg(target_arch = "x86_64")]
-    {
-        match (direct_call_target(snap, ret), function_start(snap, callee)) {
-            (Some(target), Some(start)) => target == start,
-            _ => true,
-        }
-    }
+    let target = direct_call_target(snap, ret);
     #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (snap, ret, callee);
-        true
+    let target: Option<u64> = {
+        let _ = ret;
+        None
+    };
+    match target {
+        None => CallCheck::Unknown,
+        Some(t) if function_start(snap, callee) == Some(t) => CallCheck::Proven,
+        Some(_) => CallCheck::Refuted,
     }
 }
 
@@ -590,10 +601,8 @@ pub(crate) fn returns_into(
         }
         // A direct call from the caller says which function this frame must be in (a tail
         // call from it would fail this: the walk then stops one frame short, never wrong).
-        if let Some(target) = direct_call_target(snap, caller_ret) {
-            if function_start(snap, ret - 1) != Some(target) {
-                return false;
-            }
+        if check_call(snap, caller_ret, ret - 1) == CallCheck::Refuted {
+            return false;
         }
         let Some(frame) = FrameAddress::from_return_address(ret) else {
             return false;
@@ -642,13 +651,10 @@ fn guess_frame_pointer(
         {
             return None;
         }
-        #[cfg(target_arch = "x86_64")]
-        let target = direct_call_target(snap, ret);
-        #[cfg(not(target_arch = "x86_64"))]
-        let target: Option<u64> = None;
-        match target {
-            None => Some((at, false)),
-            Some(t) => (function_start(snap, callee) == Some(t)).then_some((at, true)),
+        match check_call(snap, ret, callee) {
+            CallCheck::Proven => Some((at, true)),
+            CallCheck::Unknown => Some((at, false)),
+            CallCheck::Refuted => None,
         }
     })
 }
