@@ -5,10 +5,10 @@
 //! profiler's part alone, the allocator under ferroprof's here *is* async-signal-safe: lock-free
 //! free lists over one `mmap`ed region, so only the profiler can block. A worker allocates and
 //! frees in a loop (keeping a live set, so tracked blocks are freed too), another thread sends
-//! it `SIGUSR1` every ~20 µs, and the handler allocates and frees. At a 64-byte and a 4 KiB
-//! sampling interval the handler lands, again and again, inside the recording of a sample
-//! (the recorder's tables, kept blocks, the unwinder) on the same thread. The worker must keep
-//! making progress; a stall of [`STALL`] fails the test.
+//! it `SIGUSR1` ~20 µs after the previous one was handled, and the handler allocates and frees.
+//! At a 64-byte and a 4 KiB sampling interval the handler lands, again and again, inside the
+//! recording of a sample (the recorder's tables, kept blocks, the unwinder) on the same thread.
+//! The worker must keep making progress; a stall of [`STALL`] fails the test.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::os::unix::thread::JoinHandleExt;
@@ -223,37 +223,69 @@ fn run(interval: u64) {
         std::thread::spawn(move || worker(&stop, &rounds))
     };
     let target = w.as_pthread_t();
+    // A shorter gap (even 0) makes a harsher run by hand.
+    let gap_us = std::env::var("FERROPROF_SIGNAL_ALLOC_GAP_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
     let kill_stop = Arc::new(AtomicBool::new(false));
     let killer = {
         let s = kill_stop.clone();
         std::thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
+                let before = HANDLED.load(Ordering::Relaxed);
                 // SAFETY: the worker runs until `stop` is set and joined after this thread.
                 unsafe { libc::pthread_kill(target, libc::SIGUSR1) };
-                std::thread::sleep(Duration::from_micros(20));
+                // The next signal only once this one was handled (or a while passed): on a
+                // machine slow enough that a handler outlasts the gap, signals sent blindly
+                // keep the worker in its handler for good, a stall of the test's own making.
+                let sent = Instant::now();
+                while HANDLED.load(Ordering::Relaxed) == before
+                    && sent.elapsed() < Duration::from_millis(100)
+                    && !s.load(Ordering::Relaxed)
+                {
+                    std::thread::yield_now();
+                }
+                std::thread::sleep(Duration::from_micros(gap_us));
             }
         })
     };
     let handled_before = HANDLED.load(Ordering::Relaxed);
     let end = Instant::now() + Duration::from_secs(run_secs());
     let (mut last, mut last_change) = (0, Instant::now());
+    let mut handled_at_change = handled_before;
     let mut stalled = None;
     while Instant::now() < end {
         std::thread::sleep(Duration::from_millis(50));
         let now = rounds.load(Ordering::Relaxed);
         if now != last {
             (last, last_change) = (now, Instant::now());
+            handled_at_change = HANDLED.load(Ordering::Relaxed);
         } else if last_change.elapsed() > STALL {
-            stalled = Some(now);
+            stalled = Some((now, HANDLED.load(Ordering::Relaxed) - handled_at_change));
             break;
         }
     }
     kill_stop.store(true, Ordering::Relaxed);
     killer.join().expect("signalling thread");
-    if let Some(at) = stalled {
+    if let Some((at, handlers)) = stalled {
         // The worker (and maybe the profiler) is stuck for good, and so would be any allocation
-        // of the panic machinery: say so and leave at once.
-        eprintln!("interval {interval}: the worker stalled for {STALL:?} after {at} rounds");
+        // of the panic machinery: say so and leave at once. Handlers that kept completing mean
+        // the worker ran only its handler; none, that it is stuck in one.
+        eprintln!(
+            "interval {interval}: the worker stalled for {STALL:?} after {at} rounds; \
+             {handlers} handlers completed meanwhile"
+        );
+        if std::env::var_os("FERROPROF_SIGNAL_ALLOC_GDB").is_some() {
+            // Where it hangs, for whoever debugs a failure (this allocates: debugging only).
+            let pid = std::process::id().to_string();
+            let bt = std::process::Command::new("gdb")
+                .args(["-p", &pid, "-batch", "-ex", "thread apply all bt 40"])
+                .output();
+            if let Ok(o) = bt {
+                eprintln!("{}", String::from_utf8_lossy(&o.stdout));
+            }
+        }
         // SAFETY: ends the process without running anything that could wait on the stuck thread.
         unsafe { libc::_exit(101) };
     }
