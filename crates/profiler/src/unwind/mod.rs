@@ -749,6 +749,59 @@ mod tests {
         unsafe { libc::munmap(r, 3 * page) };
     }
 
+    /// One checked window spans pages: a stack read through the kernel costs one call for
+    /// several pages, and a page it cannot read ends the window there, keeping the pages
+    /// before it; the page after the hole is read by a window of its own.
+    #[test]
+    fn a_checked_window_reads_across_pages_and_stops_at_a_hole() {
+        let page = 4096u64;
+        // SAFETY: a fresh anonymous mapping of our own.
+        let r = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                4 * page as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(r, libc::MAP_FAILED);
+        let base = r as u64;
+        for i in 0..4 {
+            // SAFETY: the first word of each of our four pages.
+            unsafe { *((base + i * page) as *mut u64) = 100 + i };
+        }
+        // SAFETY: the third page of our mapping; nothing uses it.
+        let rc = unsafe {
+            libc::mprotect(
+                (base + 2 * page) as *mut libc::c_void,
+                page as usize,
+                libc::PROT_NONE,
+            )
+        };
+        assert_eq!(rc, 0);
+        let hi = base + 4 * page;
+        let mut w = CheckedWindow::new();
+        assert_eq!(w.read(base, hi), Ok(100));
+        let (start, len) = (w.start, w.len);
+        assert_eq!(
+            (start, len),
+            (base, 2 * page as usize),
+            "two pages, up to the hole"
+        );
+        assert_eq!(w.read(base + page, hi), Ok(101));
+        assert_eq!(
+            (w.start, w.len),
+            (start, len),
+            "served from the same window"
+        );
+        assert_eq!(w.read(base + 2 * page, hi), Err(()));
+        assert_eq!(w.read(base + 3 * page, hi), Ok(103));
+        // SAFETY: our own mapping, no longer used.
+        unsafe { libc::munmap(r, 4 * page as usize) };
+    }
+
     use super::*;
 
     #[inline(never)]

@@ -17,23 +17,29 @@ unsafe impl Sync for PoolEntry {}
 /// recording use a few KiB; debug builds several times more), so the reserve is generous.
 pub(super) const SPARE_STACK_BYTES: usize = 256 << 10;
 
-/// Stack words read through the kernel (`process_vm_readv`), a small aligned window at a time:
-/// a walk reads upward through a few frames, so one call serves several reads.
-/// Async-signal-safe.
+/// Stack words read through the kernel (`process_vm_readv`) for a stack whose bounds are not
+/// the thread's own: a window of up to [`CheckedWindow::SIZE`] bytes at a time, page by page,
+/// so that a missing page ends the window there and keeps the pages before it. A walk reads
+/// upward through the frames, which most stacks hold in one window: one system call per walk
+/// (a window per 256 bytes cost a dozen calls, most of a handler's time). The bytes are only
+/// read where the kernel wrote them. Async-signal-safe.
 pub(super) struct CheckedWindow {
     pub(super) start: u64,
     pub(super) len: usize,
-    pub(super) bytes: [u8; CheckedWindow::SIZE],
+    pub(super) bytes: std::mem::MaybeUninit<[u8; CheckedWindow::SIZE]>,
 }
 
 impl CheckedWindow {
-    const SIZE: usize = 256;
+    /// Sized for a whole stack of a few dozen frames; walks run on a spare stack or with at
+    /// least [`IN_PLACE_STACK_NEED`] of room, where this fits.
+    const SIZE: usize = 16 << 10;
+    const PAGE: u64 = 4096;
 
     pub(super) fn new() -> Self {
         CheckedWindow {
             start: 0,
             len: 0,
-            bytes: [0; Self::SIZE],
+            bytes: std::mem::MaybeUninit::uninit(),
         }
     }
 
@@ -42,22 +48,42 @@ impl CheckedWindow {
         let inside = |w: &Self| addr >= w.start && addr + 8 <= w.start + w.len as u64;
         if !inside(self) {
             let start = addr & !7;
-            let mut len = Self::SIZE.min((hi - start) as usize);
-            // Never across a page boundary past the one `addr` needs: the next page may be
-            // the one that is missing, and a failed read would lose this one too.
-            let page_end = (addr + 8 + 4095) & !4095;
-            len = len.min((page_end - start) as usize);
-            let n = read_own_memory(start, &mut self.bytes[..len]);
+            let len = Self::SIZE.min(hi.saturating_sub(start) as usize);
+            // One remote piece per page: the kernel stops at the first piece it cannot read
+            // and reports the pieces before it.
+            let mut remote = [libc::iovec {
+                iov_base: ptr::null_mut(),
+                iov_len: 0,
+            }; Self::SIZE / Self::PAGE as usize + 1];
+            let (mut at, end, mut n) = (start, start + len as u64, 0);
+            while at < end && n < remote.len() {
+                let piece_end = ((at + Self::PAGE) & !(Self::PAGE - 1)).min(end);
+                remote[n] = libc::iovec {
+                    iov_base: at as usize as *mut libc::c_void,
+                    iov_len: (piece_end - at) as usize,
+                };
+                (at, n) = (piece_end, n + 1);
+            }
+            let local = libc::iovec {
+                iov_base: self.bytes.as_mut_ptr() as *mut libc::c_void,
+                iov_len: (at - start) as usize,
+            };
+            // SAFETY: `local` is our own buffer of at least that many bytes; the kernel checks
+            // every remote piece.
+            let got = unsafe {
+                libc::process_vm_readv(libc::getpid(), &local, 1, remote.as_ptr(), n as _, 0)
+            };
             self.start = start;
-            self.len = n;
+            self.len = usize::try_from(got).unwrap_or(0);
             if !inside(self) {
                 return Err(());
             }
         }
         let at = (addr - self.start) as usize;
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&self.bytes[at..at + 8]);
-        Ok(u64::from_ne_bytes(w))
+        // SAFETY: `at + 8 <= len`, and the kernel wrote the first `len` bytes.
+        let w =
+            unsafe { ptr::read_unaligned(self.bytes.as_ptr().cast::<u8>().add(at).cast::<u64>()) };
+        Ok(w)
     }
 }
 
