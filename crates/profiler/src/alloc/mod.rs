@@ -585,12 +585,16 @@ impl Job {
     #[inline(never)]
     fn run(self, spare: Option<&mut unwind::Spare>) {
         let bounds = tls::current_stack_bounds();
-        let mut addrs = [0u64; MAX_FRAMES];
-        let n = match spare {
-            Some(s) => unwind::unwind_with(s, self.regs, bounds, self.entry_sp, &mut addrs, 0),
-            None => unwind::unwind(self.regs, bounds, self.entry_sp, &mut addrs, 0),
+        let mut local;
+        let addrs: &[u64] = match spare {
+            // The spare's own buffer: no 8 KiB to clear per sample.
+            Some(s) => unwind::unwind_into_spare_buffer(s, self.regs, bounds, self.entry_sp),
+            None => {
+                local = [0u64; MAX_FRAMES];
+                let n = unwind::unwind(self.regs, bounds, self.entry_sp, &mut local, 0);
+                &local[..n]
+            }
         };
-        let addrs = &addrs[..n];
         // Teaches the unwinder's fast path these frames (a few probes once they are known).
         unwind::learn(addrs);
         let addrs = &addrs[allocator_frames(addrs)..];

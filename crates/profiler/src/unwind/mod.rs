@@ -121,6 +121,28 @@ pub(crate) fn unwind_with(
     )
 }
 
+/// [`unwind_with`] into the frame buffer of `spare` itself: the frames, innermost first, valid
+/// while the spare is held (a caller saves clearing a buffer of its own at every walk).
+pub(crate) fn unwind_into_spare_buffer(
+    spare: &mut Spare,
+    regs: StartRegs,
+    bounds: Option<(usize, usize)>,
+    skip_to_sp: u64,
+) -> &[u64] {
+    let (cache, frames) = spare.cache_and_frames();
+    let n = unwind_counted(
+        regs,
+        bounds,
+        skip_to_sp,
+        &mut FrameBuf::from(&mut frames[..]),
+        true,
+        0,
+        Some(cache),
+    )
+    .0;
+    &frames[..n]
+}
+
 /// [`unwind`], also returning how many frames the compact rules handled; `fast` off
 /// leaves every frame to framehop (tests compare the two). `own_cache`: a cache the caller
 /// holds; without one, a pool entry is borrowed the first time a frame needs framehop.

@@ -7,6 +7,9 @@ pub(super) struct PoolEntry {
     pub(super) cache: UnsafeCell<NativeCache>,
     /// Top (16-byte aligned) of this entry's spare stack; 0 when it could not be mapped.
     pub(super) stack_top: usize,
+    /// A frame buffer for the holder's walk: cleared once, not at every sampled allocation
+    /// (8 KiB of `memset` each time when it lived on the walk's stack).
+    pub(super) frames: UnsafeCell<[u64; MAX_FRAMES]>,
 }
 
 // SAFETY: `cache` and the spare stack are only used by the holder of `busy`, acquired with a
@@ -143,6 +146,7 @@ pub(crate) fn init_pool() {
             busy: AtomicBool::new(false),
             cache: UnsafeCell::new(NativeCache::new_in()),
             stack_top: map_spare_stack(),
+            frames: UnsafeCell::new([0; MAX_FRAMES]),
         })
         .collect();
     let raw = Box::into_raw(Box::new(entries));
@@ -280,6 +284,13 @@ impl Spare {
         // SAFETY: we hold the entry's `busy` flag until drop; `&mut self` makes the borrow
         // exclusive within this holder.
         unsafe { &mut *self.entry.cache.get() }
+    }
+
+    /// The unwinder cache and the frame buffer, both the holder's until drop.
+    pub(super) fn cache_and_frames(&mut self) -> (&mut NativeCache, &mut [u64; MAX_FRAMES]) {
+        // SAFETY: as in `cache`; the two cells are distinct fields, so the borrows do not
+        // overlap.
+        unsafe { (&mut *self.entry.cache.get(), &mut *self.entry.frames.get()) }
     }
 
     /// Runs `f` on this entry's spare stack (x86_64; in place elsewhere), so that what `f`
