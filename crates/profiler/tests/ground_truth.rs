@@ -686,6 +686,26 @@ fn check(r: &Report, share_bound: f64, site_bounds: [f64; 3], cover_bound: f64) 
             ok: err.abs() <= site_bound,
         });
     }
+    // No wrong caller: a blocking thread's wall sample at a site is whole (the site, its
+    // caller, the root) or says it is not (`[stack unknown]`); anything else shows a caller
+    // the thread was not in, or no path to its root.
+    let at_site = |p: &Profile, s: &Sample| is_blocking(p, s) && innermost(p, s, &SITES).is_some();
+    let at_sites = sum_all(&r.profile, "wall-time", at_site) as f64;
+    let wrong = sum_all(&r.profile, "wall-time", |p, s| {
+        at_site(p, s)
+            && !innermost(p, s, &SITES)
+                .is_some_and(|site| whole_from(p, s, site, "blocking_thread"))
+            && !p.stack_names(s).iter().any(|f| f == "[stack unknown]")
+    }) as f64;
+    let wrong_pct = wrong / at_sites.max(1.0) * 100.0;
+    out.push(Check {
+        what: "blocked wall samples with a wrong caller or no root (%)".into(),
+        truth: 0.0,
+        found: wrong_pct,
+        error: wrong_pct,
+        bound: 0.0,
+        ok: wrong == 0.0,
+    });
     // Not a check: where the blocking threads' other wall time went (work, or no site).
     if std::env::var_os("FERROPROF_GT_DEBUG").is_some() {
         let mut other: HashMap<String, i64> = HashMap::new();
