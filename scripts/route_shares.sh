@@ -5,26 +5,29 @@
 # `debug = "line-tables-only"`, as services are built. Prints each run's worst route error in
 # points and, per engine, the median, the worst, and the runs within 3 points.
 #
-#   scripts/route_shares.sh [RUNS] [SECS]      default 20 runs of 20 s per engine
+#   scripts/route_shares.sh [RUNS] [SECS] [HZ]   default 20 runs of 20 s per engine, 100 Hz
+#   ENGINES="perf" to run one engine only; VERBOSE=1 to print every route of every run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-20}
 SECS=${2:-20}
+HZ=${3:-100}
+ENGINES=${ENGINES:-perf timer}
 CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
     cargo build -q --release -p ferroprof --features tracing --example route_shares
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/route-shares.XXXXXX")
 trap 'rm -rf "$OUT"' EXIT
 for i in $(seq 1 "$RUNS"); do
-    for engine in perf timer; do
+    for engine in $ENGINES; do
         log="$OUT/$engine.$i"
-        FERROPROF_CPU_ENGINE=$engine target/release/examples/route_shares "$SECS" > "$log"
+        FERROPROF_CPU_ENGINE=$engine target/release/examples/route_shares "$SECS" "$HZ" > "$log"
         worst=$(sed -n 's/^RESULT .*worst_points=//p' "$log")
         echo "run $i $engine: worst route error $worst points ($(head -1 "$log"))"
         [ -n "${VERBOSE:-}" ] && sed '1d;$d' "$log"
         echo "$worst" >> "$OUT/$engine.worst"
     done
 done
-for engine in perf timer; do
+for engine in $ENGINES; do
     sort -n "$OUT/$engine.worst" | awk -v e="$engine" '{ v[NR] = $1; if ($1 <= 3) ok++ } END {
         printf "%s: worst route error per run, median %.2f points, worst %.2f; %d of %d runs within 3 points\n",
                e, v[int((NR + 1) / 2)], v[NR], ok, NR }'

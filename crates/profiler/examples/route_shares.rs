@@ -1,11 +1,12 @@
 //! The CPU split by route of an axum service against the routes' own thread CPU clocks: six
 //! routes, among them short work after a timer wake-up (the case a CPU timer checked at the
-//! kernel's tick mis-weighs), loaded by keep-alive clients for a number of seconds at 100 Hz.
+//! kernel's tick mis-weighs), loaded by keep-alive clients for a number of seconds (default 20)
+//! at a CPU sampling rate (default 100 Hz).
 //! Prints each route's share of the profile's `cpu-time` (by `trace endpoint`) next to its
 //! share of the CPU its handlers measured, and a `RESULT` line with the worst error in points.
 //!
 //! ```text
-//! cargo run --release -p ferroprof --features tracing --example route_shares -- [SECONDS]
+//! cargo run --release -p ferroprof --features tracing --example route_shares -- [SECONDS [HZ]]
 //! ```
 //!
 //! `FERROPROF_CPU_ENGINE` picks the CPU engine; `scripts/route_shares.sh` runs it many times per
@@ -172,10 +173,7 @@ impl Exporter for Keep {
     }
 
     fn export(&mut self, p: &ExportedProfile) -> Result<(), ExportError> {
-        self.0
-            .lock()
-            .expect("keep")
-            .push(p.encoded.bytes.to_vec());
+        self.0.lock().expect("keep").push(p.encoded.bytes.to_vec());
         Ok(())
     }
 }
@@ -185,12 +183,16 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(20);
+    let hz: u32 = std::env::args()
+        .nth(2)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(100);
     let subscriber = tracing_subscriber::registry().with(FerroprofLayer::new());
     tracing::subscriber::set_global_default(subscriber).expect("subscriber");
     let keep = Keep::default();
     let guard = Profiler::builder()
         .service("route-shares")
-        .cpu_hz(100)
+        .cpu_hz(hz)
         .profiles(Profiles {
             cpu: true,
             wall: true,
@@ -255,7 +257,7 @@ fn main() {
     }
     let truth: u64 = CPU_NS.iter().map(|c| c.load(Ordering::Relaxed)).sum();
     println!(
-        "cpu engine {engine}, {secs} s, {} CPU samples, profile {:.2} s in requests, handlers {:.2} s",
+        "cpu engine {engine}, {hz} Hz, {secs} s, {} CPU samples, profile {:.2} s in requests, handlers {:.2} s",
         stats.cpu_samples,
         in_requests as f64 / 1e9,
         truth as f64 / 1e9
