@@ -116,6 +116,36 @@ pub fn clock_ns(clock: libc::clockid_t) -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// The `main` of the allocation benchmarks under `SamplingAllocator` (whatever allocator is
+/// under it): `[ops]` from the command line, the interval from `FERROPROF_BENCH_INTERVAL`
+/// (default 512 KiB), live-heap tracking unless `FERROPROF_BENCH_HEAP=0`; prints the `RESULT`
+/// line.
+pub fn run_sampled_alloc_benchmark() {
+    let ops = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(5_000_000u64);
+    let interval = std::env::var("FERROPROF_BENCH_INTERVAL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(512 * 1024u64);
+    let dir = std::env::temp_dir().join(format!("ferroprof-bench-{}", std::process::id()));
+    let heap = std::env::var("FERROPROF_BENCH_HEAP").map_or(true, |v| v != "0");
+    let guard = start_alloc_profiler(&dir, interval, heap);
+    let cpu0 = process_cpu_ns();
+    let d = alloc_workload(ops);
+    let cpu = process_cpu_ns() - cpu0;
+    let stats = guard.stats();
+    println!(
+        "RESULT ns_per_op={:.3} cpu_ns_per_op={:.3} samples={}",
+        d.as_nanos() as f64 / ops as f64,
+        cpu as f64 / (ops * ALLOC_THREADS as u64) as f64,
+        stats.alloc_samples
+    );
+    guard.stop().expect("stop");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Starts the profiler as the allocation benchmarks run it: allocation samples every
 /// `interval` bytes on average, live-heap tracking when `heap`, CPU and wall off, no periodic
 /// export during the run, the final profile written under `dir`.
