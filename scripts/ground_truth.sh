@@ -3,6 +3,7 @@
 # `debug = "line-tables-only"` (as services are built; whole stacks are checked by name):
 #   scripts/ground_truth.sh [RUNS] [SECS] [HZ]   full harness: RUNS runs (20) of SECS s (20)
 #   scripts/ground_truth.sh idle                 sampler cost with 2,000 idle threads
+# FERROPROF_CPU_ENGINE=timer (or perf) picks the CPU engine; by default perf where allowed.
 # Prints a table per run and the worst error per target; fails when any target is missed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

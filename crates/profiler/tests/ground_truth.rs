@@ -479,8 +479,8 @@ fn run_once(secs: f64, hz: u32) -> Report {
     }
     let st = guard.stats();
     eprintln!(
-        "  wall stacks: {} read blocked, {} reads retried, {} from recent calls",
-        st.wall_remote_stacks, st.wall_remote_retries, st.wall_recent_calls
+        "  cpu engine {}; wall stacks: {} read blocked, {} reads retried, {} from recent calls",
+        st.cpu_engine, st.wall_remote_stacks, st.wall_remote_retries, st.wall_recent_calls
     );
     guard.stop().expect("profiler stops");
     Report {

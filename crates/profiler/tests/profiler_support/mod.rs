@@ -45,7 +45,8 @@ pub fn cpu_wall() -> Profiles {
     }
 }
 
-/// A CPU and wall profiler at `hz` exporting into `c` (one profile, at stop).
+/// A CPU and wall profiler at `hz` exporting into `c` (one profile, at stop); the CPU engine
+/// from `FERROPROF_CPU_ENGINE` when set (e.g. `scripts/ground_truth.sh` with timers).
 pub fn start_cpu_wall(service: &str, hz: u32, c: &Collect) -> ProfilerGuard {
     Profiler::builder()
         .service(service)
@@ -53,6 +54,11 @@ pub fn start_cpu_wall(service: &str, hz: u32, c: &Collect) -> ProfilerGuard {
         .profiles(cpu_wall())
         .period(std::time::Duration::from_secs(3600))
         .exporter(Box::new(c.clone()))
+        .from_vars(|k| {
+            (k == "FERROPROF_CPU_ENGINE")
+                .then(|| std::env::var(k).ok())
+                .flatten()
+        })
         .start()
         .expect("profiler starts")
 }
