@@ -19,11 +19,11 @@ if [ "${1:-}" = "ci" ]; then
     # The default test run's short version: bounds that catch a return of the memory exports
     # used to take (+85 MB steady, +110 MB at the peak before the arena and the unit walk; now
     # within the unprofiled run's own run-to-run spread of about 15 MB, and +10-20 MB at the
-    # peak), with room for that spread on a busy CI machine. On a loaded machine (one process
-    # spinning beside it on 2 cores) the unprofiled run settles at about 150 MB instead of
-    # 185-195 MB and the differences grow to +11..+32 MB steady, +29..+35 MB at the peak: three
-    # pairs, judged by the median of their differences, against bounds that still catch the
-    # regression.
+    # peak), with room for that spread on a busy CI machine. In some full test runs every
+    # unprofiled run settles at about 150 MB of RSS instead of its usual 185-195 MB (not yet
+    # explained), and the differences grow to +11..+32 MB steady, +29..+35 MB at the peak:
+    # three pairs, judged by the median of their differences, against bounds that still catch
+    # the regression.
     set -- 20 1000
     PAIRS=3
     ALLOCS="system"
