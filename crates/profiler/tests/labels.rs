@@ -139,8 +139,10 @@ fn cpu_wall_and_allocation_samples_carry_their_threads_labels() {
             );
             between += usize::from(tenant_here.is_some() != ids.0.is_some());
         }
+        // A rate near 2.5% over 75-100 samples exceeds 4% in about one run in eight (a CI run
+        // read 4 of 75): the bound is 10%, still far under what labels that lag would show.
         assert!(
-            between * 25 <= mine,
+            between * 10 <= mine,
             "{thread}: {between} of {mine} samples with a tenant and no span, or the reverse"
         );
     }
