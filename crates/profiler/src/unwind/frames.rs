@@ -293,3 +293,37 @@ pub(crate) fn read_own_memory(addr: u64, buf: &mut [u8]) -> usize {
     let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
     usize::try_from(n).unwrap_or(0)
 }
+
+/// [`read_own_memory`] into a buffer that need not be initialised, with one remote piece per
+/// page: the kernel never splits a piece, so an unmapped page ends the copy there and keeps the
+/// pages before it (one piece for the whole range would keep nothing). Reads at most
+/// [`PAGED_READ_PAGES`] pages' worth; the bytes written at the start of `buf`.
+/// Async-signal-safe: one system call.
+pub(crate) fn read_own_memory_paged(addr: u64, buf: &mut [std::mem::MaybeUninit<u8>]) -> usize {
+    const PAGE: u64 = 4096;
+    let mut remote = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; PAGED_READ_PAGES];
+    let (mut at, end, mut n) = (addr, addr.saturating_add(buf.len() as u64), 0);
+    while at < end && n < remote.len() {
+        let piece_end = ((at + PAGE) & !(PAGE - 1)).min(end);
+        remote[n] = libc::iovec {
+            iov_base: at as usize as *mut libc::c_void,
+            iov_len: (piece_end - at) as usize,
+        };
+        (at, n) = (piece_end, n + 1);
+    }
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast::<libc::c_void>(),
+        iov_len: (at - addr) as usize,
+    };
+    // SAFETY: `local` is within our own buffer (`at - addr <= buf.len()`); the kernel checks
+    // every remote piece and only writes bytes it could read.
+    let got =
+        unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, remote.as_ptr(), n as _, 0) };
+    usize::try_from(got).unwrap_or(0)
+}
+
+/// Remote pieces one [`read_own_memory_paged`] call can take: 16 KiB from any start, and more.
+pub(crate) const PAGED_READ_PAGES: usize = 17;

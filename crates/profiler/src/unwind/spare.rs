@@ -1,6 +1,8 @@
 //! The pool of unwinder caches and spare stacks a walk borrows, and the stack headroom checks.
 
+use super::frames::read_own_memory_paged;
 use super::*;
+use std::mem::MaybeUninit;
 
 pub(super) struct PoolEntry {
     pub(super) busy: AtomicBool,
@@ -29,20 +31,19 @@ pub(super) const SPARE_STACK_BYTES: usize = 256 << 10;
 pub(super) struct CheckedWindow {
     pub(super) start: u64,
     pub(super) len: usize,
-    pub(super) bytes: std::mem::MaybeUninit<[u8; CheckedWindow::SIZE]>,
+    pub(super) bytes: [MaybeUninit<u8>; CheckedWindow::SIZE],
 }
 
 impl CheckedWindow {
     /// Sized for a whole stack of a few dozen frames; walks run on a spare stack or with at
     /// least [`IN_PLACE_STACK_NEED`] of room, where this fits.
     const SIZE: usize = 16 << 10;
-    const PAGE: u64 = 4096;
 
     pub(super) fn new() -> Self {
         CheckedWindow {
             start: 0,
             len: 0,
-            bytes: std::mem::MaybeUninit::uninit(),
+            bytes: [MaybeUninit::uninit(); CheckedWindow::SIZE],
         }
     }
 
@@ -52,40 +53,15 @@ impl CheckedWindow {
         if !inside(self) {
             let start = addr & !7;
             let len = Self::SIZE.min(hi.saturating_sub(start) as usize);
-            // One remote piece per page: the kernel stops at the first piece it cannot read
-            // and reports the pieces before it.
-            let mut remote = [libc::iovec {
-                iov_base: ptr::null_mut(),
-                iov_len: 0,
-            }; Self::SIZE / Self::PAGE as usize + 1];
-            let (mut at, end, mut n) = (start, start + len as u64, 0);
-            while at < end && n < remote.len() {
-                let piece_end = ((at + Self::PAGE) & !(Self::PAGE - 1)).min(end);
-                remote[n] = libc::iovec {
-                    iov_base: at as usize as *mut libc::c_void,
-                    iov_len: (piece_end - at) as usize,
-                };
-                (at, n) = (piece_end, n + 1);
-            }
-            let local = libc::iovec {
-                iov_base: self.bytes.as_mut_ptr() as *mut libc::c_void,
-                iov_len: (at - start) as usize,
-            };
-            // SAFETY: `local` is our own buffer of at least that many bytes; the kernel checks
-            // every remote piece.
-            let got = unsafe {
-                libc::process_vm_readv(libc::getpid(), &local, 1, remote.as_ptr(), n as _, 0)
-            };
+            self.len = read_own_memory_paged(start, &mut self.bytes[..len]);
             self.start = start;
-            self.len = usize::try_from(got).unwrap_or(0);
             if !inside(self) {
                 return Err(());
             }
         }
         let at = (addr - self.start) as usize;
         // SAFETY: `at + 8 <= len`, and the kernel wrote the first `len` bytes.
-        let w =
-            unsafe { ptr::read_unaligned(self.bytes.as_ptr().cast::<u8>().add(at).cast::<u64>()) };
+        let w = unsafe { ptr::read_unaligned(self.bytes.as_ptr().add(at).cast::<u64>()) };
         Ok(w)
     }
 }
