@@ -12,8 +12,9 @@
 //! `FERROPROF_CPU_ENGINE` picks the CPU engine; `scripts/route_shares.sh` runs it many times per
 //! engine.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+mod support;
+
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,6 +28,8 @@ use ferroprof::tracing::FerroprofLayer;
 use ferroprof::{Profiler, Profiles};
 use tower_http::trace::TraceLayer;
 use tracing_subscriber::layer::SubscriberExt;
+
+use support::{thread_cpu_ns, KeepAlive};
 
 /// A route: its path, the timer waits and CPU bursts of one request (in order, microseconds;
 /// a wait of 0 means none), and how often clients ask for it (relative weight).
@@ -74,16 +77,6 @@ const ROUTES: [Route; 6] = [
 static CPU_NS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 static SERVED: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid out pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// Spins until this thread has spent `us` more microseconds of CPU; the CPU spent.
 #[inline(never)]
 fn burn(us: u64) -> u64 {
@@ -125,12 +118,9 @@ fn app() -> Router {
 
 /// A keep-alive client asking for routes at random (by weight) until `until`.
 fn client(addr: SocketAddr, until: Instant, seed: u64) {
-    let stream = TcpStream::connect(addr).expect("connect");
-    stream.set_nodelay(true).expect("nodelay");
-    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
-    let mut writer = stream;
+    let mut conn = KeepAlive::connect(addr);
     let total: u64 = ROUTES.iter().map(|r| r.weight).sum();
-    let (mut x, mut line) = (seed | 1, String::new());
+    let mut x = seed | 1;
     while Instant::now() < until {
         x ^= x << 13;
         x ^= x >> 7;
@@ -144,22 +134,7 @@ fn client(addr: SocketAddr, until: Instant, seed: u64) {
                 hit
             })
             .expect("a route");
-        write!(writer, "GET {} HTTP/1.1\r\nHost: t\r\n\r\n", route.path).expect("send");
-        let mut len = 0usize;
-        loop {
-            line.clear();
-            reader.read_line(&mut line).expect("read");
-            if line == "\r\n" {
-                break;
-            }
-            if let Some((k, v)) = line.split_once(':') {
-                if k.eq_ignore_ascii_case("content-length") {
-                    len = v.trim().parse().expect("length");
-                }
-            }
-        }
-        let mut body = vec![0; len];
-        reader.read_exact(&mut body).expect("body");
+        conn.get(route.path);
     }
 }
 

@@ -14,12 +14,13 @@
 //! One test in its own binary: the profiler and the tracing subscriber are process-wide.
 #![cfg(feature = "tracing")]
 
+#[path = "../examples/support/mod.rs"]
+mod example_support;
 mod export_support;
 mod profiler_support;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -27,6 +28,7 @@ use std::time::{Duration, Instant};
 use axum::extract::{MatchedPath, Request};
 use axum::routing::get;
 use axum::Router;
+use example_support::{thread_cpu_ns, KeepAlive};
 use export_support::{parse_multipart, Behavior, Receiver};
 use ferroprof::export::datadog::DatadogConfig;
 use ferroprof::export::pyroscope::PyroscopeConfig;
@@ -62,17 +64,6 @@ static ROOTS: Mutex<Option<HashMap<u64, String>>> = Mutex::new(None);
 static CHILDREN: Mutex<Option<HashMap<u64, u64>>> = Mutex::new(None);
 /// What `/medium` keeps alive.
 static KEPT: Mutex<Vec<Box<[u8]>>> = Mutex::new(Vec::new());
-
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid out pointer.
-    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    assert_eq!(r, 0);
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
 
 #[inline(never)]
 fn spin(iters: u64) -> u64 {
@@ -176,37 +167,16 @@ fn app() -> Router {
 
 /// A keep-alive loopback client: requests a random route at a time until `until`.
 fn client(addr: SocketAddr, until: Instant, seed: u64) -> u64 {
-    let stream = TcpStream::connect(addr).expect("connect");
-    stream.set_nodelay(true).unwrap();
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut writer = stream;
+    let mut conn = KeepAlive::connect(addr);
     let mut r = seed | 1;
     let mut done = 0;
-    let mut line = String::new();
     while Instant::now() < until {
         r ^= r << 13;
         r ^= r >> 7;
         r ^= r << 17;
         let path = ROUTES[(r % 3) as usize].0;
-        write!(writer, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
-        let mut len = 0usize;
-        line.clear();
-        reader.read_line(&mut line).unwrap();
-        assert!(line.starts_with("HTTP/1.1 200"), "{path}: {line}");
-        loop {
-            line.clear();
-            reader.read_line(&mut line).unwrap();
-            if line == "\r\n" {
-                break;
-            }
-            if let Some((k, v)) = line.split_once(':') {
-                if k.eq_ignore_ascii_case("content-length") {
-                    len = v.trim().parse().unwrap();
-                }
-            }
-        }
-        let mut body = vec![0; len];
-        reader.read_exact(&mut body).unwrap();
+        let (status, _) = conn.get(path);
+        assert!(status.starts_with("HTTP/1.1 200"), "{path}: {status}");
         done += 1;
     }
     done
