@@ -21,6 +21,9 @@ echo "== cargo test (builds the examples too; tests/readme.rs checks the README 
 cargo test --workspace
 echo "== cargo test: fork and exec with the perf CPU engine (timers where perf is refused)"
 FERROPROF_CPU_ENGINE=auto cargo test -p ferroprof --test fork_exec
+echo "== cargo test: allocation stacks of a release build at debug = \"line-tables-only\" (short inlined names)"
+CARGO_TARGET_DIR=target/line-tables CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
+    cargo test --release -p ferroprof --test alloc_leaf
 echo "== cargo test: the tracing layer (feature tracing)"
 cargo clippy -p ferroprof --all-targets --features tracing -- -D warnings
 cargo clippy -p ferroprof --all-targets --features opentelemetry -- -D warnings

@@ -10,7 +10,9 @@
 //! is inlined), which the capture drops by address. Under `cargo test --release` the
 //! allocator entry is inlined into `__rust_alloc` or into the caller and the leaf location's
 //! inlined frames are stripped at symbolization: run both (`cargo test -p ferroprof --test
-//! alloc_leaf` and the same with `--release`).
+//! alloc_leaf` and the same with `--release`), and at the level services build with
+//! (`CARGO_PROFILE_RELEASE_DEBUG=line-tables-only` and `--release`: inlined frames then have
+//! short names, told apart by their files).
 //!
 //! One test in its own binary: the profiler is process-wide.
 
@@ -100,10 +102,13 @@ const TEST_FNS: &[&str] = &[
 
 /// A frame of the allocator path: ferroprof's allocator, the global-allocator shims and
 /// `alloc::alloc`'s plumbing to them. (Other ferroprof frames are the caller's own: the test
-/// calls `ferroprof::http::serve`, which allocates.)
-fn is_allocator_frame(name: &str) -> bool {
+/// calls `ferroprof::http::serve`, which allocates.) By file as well as by name: at
+/// `debug = "line-tables-only"` inlined frames have short names (`alloc`, `allocate`).
+fn is_allocator_frame(name: &str, file: &str) -> bool {
     let path = name.strip_prefix('<').unwrap_or(name);
-    path.starts_with("ferroprof::alloc::")
+    file.ends_with("/library/alloc/src/alloc.rs")
+        || file.starts_with(concat!(env!("CARGO_MANIFEST_DIR"), "/src/alloc/"))
+        || path.starts_with("ferroprof::alloc::")
         || name.contains("SamplingAllocator")
         || name.contains("__rust_alloc")
         || name.contains("__rust_realloc")
@@ -113,10 +118,12 @@ fn is_allocator_frame(name: &str) -> bool {
 }
 
 /// What may stand at the leaf of one of the test's allocations: the test function itself, or
-/// `Vec`'s code called by it.
-fn acceptable_leaf(name: &str) -> bool {
+/// `Vec`'s code called by it (by file too: short names at `line-tables-only`).
+fn acceptable_leaf(name: &str, file: &str) -> bool {
     let path = name.strip_prefix('<').unwrap_or(name);
     TEST_FNS.iter().any(|f| name.ends_with(f))
+        || file.contains("/library/alloc/src/raw_vec/")
+        || file.contains("/library/alloc/src/vec/")
         || path.starts_with("alloc::raw_vec::")
         || path.starts_with("alloc::vec::")
         || name.contains(" as alloc::vec::")
@@ -130,10 +137,17 @@ fn check(what: &str, p: &Profile, value: &str) -> usize {
         .unwrap_or_else(|| panic!("{what}: no {value}"));
     let mut ours = 0;
     for s in p.sample.iter().filter(|s| s.value[i] != 0) {
+        let lines = p.stack(s);
         let names = p.stack_names(s);
         assert!(!names.is_empty(), "{what}: a sample without frames");
-        if let Some(bad) = names.iter().find(|n| is_allocator_frame(n)) {
-            panic!("{what}: allocator frame {bad:?} in a written stack:\n  {names:#?}");
+        if let Some(bad) = lines
+            .iter()
+            .find(|l| is_allocator_frame(&l.function, &l.filename))
+        {
+            panic!(
+                "{what}: allocator frame {} ({}) in a written stack:\n  {names:#?}",
+                bad.function, bad.filename
+            );
         }
         if let Some(pos) = names
             .iter()
@@ -141,13 +155,15 @@ fn check(what: &str, p: &Profile, value: &str) -> usize {
         {
             ours += 1;
             assert!(
-                acceptable_leaf(&names[0]),
+                acceptable_leaf(&lines[0].function, &lines[0].filename),
                 "{what}: leaf {:?} is neither the allocating function nor Vec's code:\n  {names:#?}",
                 names[0]
             );
             // Only `Vec`'s code stands between the leaf and the test function.
             assert!(
-                names[..pos].iter().all(|n| acceptable_leaf(n)),
+                lines[..pos]
+                    .iter()
+                    .all(|l| acceptable_leaf(&l.function, &l.filename)),
                 "{what}: unexpected frames above the allocating function:\n  {names:#?}"
             );
         }
