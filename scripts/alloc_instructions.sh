@@ -17,7 +17,7 @@
 #                                heap profiling on: the sampled allocations' cost (stack walk,
 #                                recording, live tracking and its untracking at free) amortized;
 #   ferroprof(System), 1 PB      the same with FERROPROF_BENCH_INTERVAL=2^50: the unsampled path
-#                                only (interval load, countdown, tracked-address filter);
+#                                only (the countdown, the free filter);
 #   jemalloc                     examples/alloc_jemalloc, jemalloc's own profiler off;
 #   ferroprof(jemalloc), 512 KiB examples/alloc_jemalloc_ferroprof: SamplingAllocator<Jemalloc>;
 #   libdd heap allocator         only if libdd-profiling-heap-allocator is in Cargo.lock (it is

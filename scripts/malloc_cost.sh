@@ -11,7 +11,7 @@
 #   bare                 glibc's malloc and free;
 #   preload, no samples  LD_PRELOAD of libferroprof_preload.so as `ferroprof record` sets it, with
 #                        an allocation interval of 1 PB: every pair takes the unsampled path (the
-#                        interval load, the countdown, the tracked-address filter), never a sample;
+#                        countdown, the free filter), never a sample;
 #   preload, default     the default 512 KiB interval: the sampled allocations' cost (stack walk,
 #                        recording, live tracking and its untracking at free) amortized in.
 # CPU and wall sampling are off in the preloaded runs (FERROPROF_PROFILES=alloc,heap): with the

@@ -173,7 +173,10 @@ pub(crate) fn thread_cpu_ns(tid: i32) -> Option<u64> {
 /// Marks the calling thread as a profiler thread for the rest of its life.
 /// (Also keeps the sampler away from it.)
 pub(crate) fn enter_profiler_thread() {
-    crate::tls::STATE.with(|s| s.guard.set(s.guard.get() + 1));
+    crate::tls::STATE.with(|s| {
+        s.guard.set(s.guard.get() + 1);
+        s.countdown.set(crate::tls::COUNTDOWN_HELD);
+    });
     register_own_thread();
 }
 

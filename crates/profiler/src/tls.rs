@@ -71,16 +71,29 @@ thread_local! {
     };
 }
 
-/// Runs `f` with allocation sampling suppressed on this thread.
+/// A countdown held this far below zero sends every allocation of the thread to the sampling
+/// allocator's slow path (profiler code, arena and keep modes), where the thread's state is
+/// looked at; the fast path itself reads nothing else. Far enough from `i64::MIN` that no
+/// thread allocates its way back up.
+pub(crate) const COUNTDOWN_HELD: i64 = i64::MIN / 4;
+
+/// Runs `f` with allocation sampling suppressed on this thread (its allocations take the slow
+/// path, where the profiler's large blocks are served: see `crate::alloc::bigblock`).
 pub(crate) fn with_guard<R>(f: impl FnOnce() -> R) -> R {
-    struct Reset;
+    struct Reset(i64);
     impl Drop for Reset {
         fn drop(&mut self) {
-            STATE.with(|s| s.guard.set(s.guard.get().saturating_sub(1)));
+            STATE.with(|s| {
+                s.guard.set(s.guard.get().saturating_sub(1));
+                s.countdown.set(self.0);
+            });
         }
     }
-    STATE.with(|s| s.guard.set(s.guard.get() + 1));
-    let _reset = Reset;
+    let countdown = STATE.with(|s| {
+        s.guard.set(s.guard.get() + 1);
+        s.countdown.replace(COUNTDOWN_HELD)
+    });
+    let _reset = Reset(countdown);
     f()
 }
 

@@ -21,11 +21,12 @@
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use crate::tls::STATE;
+use super::filter::FILTER;
+use crate::tls::{COUNTDOWN_HELD, STATE};
 
 /// Address space reserved once (only touched pages cost memory): the arena's below
-/// [`ARENA_LEN`], the kept blocks' ([`super::keep`]) above it, so that one range compare on
-/// every free finds both.
+/// [`ARENA_LEN`], the kept blocks' ([`super::keep`]) above it, so that one range compare finds
+/// both (on the free path's cold side: their pages are counted in the free filter).
 const RESERVE: usize = 2 << 30;
 /// The arena's part of the reservation.
 const ARENA_LEN: usize = 1 << 30;
@@ -40,6 +41,8 @@ static BASE: AtomicUsize = AtomicUsize::new(0);
 static LEN: AtomicUsize = AtomicUsize::new(0);
 /// Bump offset from BASE: everything below was handed out at some point of this pass.
 static USED: AtomicUsize = AtomicUsize::new(0);
+/// Bytes from BASE whose pages are counted in the free filter (page-aligned, only grows).
+static MARKED: AtomicUsize = AtomicUsize::new(0);
 /// Highest USED of the last pass (for stats).
 static LAST_PASS_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// Heads of the free lists (addresses; 0 = empty). The first word of a free block is the next.
@@ -86,36 +89,9 @@ pub(crate) fn with<R>(owner: u64, f: impl FnOnce() -> R) -> R {
         return f();
     }
     // Every allocation of this thread then takes the sampling allocator's slow path, where
-    // arena mode is looked at (the fast path stays one countdown check for everyone). With
-    // allocation sampling off the countdown is not looked at: `ACTIVE` says to look.
-    let _mode = Mode::set(true, i64::MIN / 4);
-    let _active = Active::enter();
+    // arena mode is looked at (the fast path stays one countdown check for everyone).
+    let _mode = Mode::set(true, COUNTDOWN_HELD);
     f()
-}
-
-/// Threads in arena mode now.
-static ACTIVE: AtomicUsize = AtomicUsize::new(0);
-
-/// Whether some thread is in arena mode (one load: the allocation fast path asks it when
-/// allocation sampling is off).
-#[inline(always)]
-pub(crate) fn active_anywhere() -> bool {
-    ACTIVE.load(Ordering::Relaxed) != 0
-}
-
-struct Active;
-
-impl Active {
-    fn enter() -> Active {
-        ACTIVE.fetch_add(1, Ordering::Relaxed);
-        Active
-    }
-}
-
-impl Drop for Active {
-    fn drop(&mut self) {
-        ACTIVE.fetch_sub(1, Ordering::Relaxed);
-    }
 }
 
 /// Runs `f` on the heap when called in arena mode (for what must outlive the pass).
@@ -123,8 +99,9 @@ pub(crate) fn outside<R>(f: impl FnOnce() -> R) -> R {
     if !in_mode() {
         return f();
     }
-    // The fast path (the heap) for what `f` allocates.
-    let _mode = Mode::set(false, i64::MAX / 4);
+    // The heap for what `f` allocates, through the slow path still (profiler code: its large
+    // blocks are mappings of their own, see `super::bigblock`).
+    let _mode = Mode::set(false, COUNTDOWN_HELD);
     f()
 }
 
@@ -244,6 +221,16 @@ pub(crate) fn alloc(layout: Layout, zeroed: bool) -> Option<*mut u8> {
         return None;
     }
     USED.store(end, Ordering::Relaxed);
+    // Pages no pass reached before are counted as the profiler's own in the free filter, before
+    // a block on them is handed out (every free of one must take the allocator's slow path).
+    // They stay counted after the pass: a block freed late still finds its way here, as it did
+    // by address alone, and the counts never saturate from pass after pass. One owner at a
+    // time: no other thread moves USED or MARKED meanwhile.
+    let marked = MARKED.load(Ordering::Relaxed);
+    if end > marked {
+        FILTER.insert_own_range(base + marked, base + end);
+        MARKED.store(end.next_multiple_of(PAGE), Ordering::Relaxed);
+    }
     // Never handed out since the last release: the kernel's zero pages.
     Some((base + start) as *mut u8)
 }

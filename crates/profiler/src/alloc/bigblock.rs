@@ -20,6 +20,8 @@
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::filter::FILTER;
+
 /// Blocks at least this large are the profiler's own mappings (glibc's initial mmap threshold).
 pub(crate) const BIG: usize = 128 * 1024;
 /// Most blocks mapped at once.
@@ -74,6 +76,8 @@ pub(crate) fn alloc(layout: Layout) -> Option<*mut u8> {
     };
     LENS[i].store(len, Ordering::Release);
     LIVE.fetch_add(1, Ordering::Relaxed);
+    // Its free must take the allocator's slow path, which finds it here.
+    FILTER.insert_own(addr);
     Some(p as *mut u8)
 }
 
@@ -95,6 +99,7 @@ pub(crate) fn free(ptr: *mut u8) -> bool {
     // Out of the table before the address can be mapped again for another block.
     ADDRS[i].store(0, Ordering::Release);
     LIVE.fetch_sub(1, Ordering::Relaxed);
+    FILTER.remove_own(ptr as usize);
     // SAFETY: the block's whole mapping; its owner is freeing it, nobody uses it any more.
     unsafe { libc::munmap(ptr.cast(), len) };
     true
@@ -127,6 +132,10 @@ pub(crate) fn resize(ptr: *mut u8, new_size: usize) -> *mut u8 {
     }
     LENS[i].store(len, Ordering::Release);
     ADDRS[i].store(p as usize, Ordering::Release);
+    if !std::ptr::eq(p.cast::<u8>(), ptr) {
+        FILTER.insert_own(p as usize);
+        FILTER.remove_own(ptr as usize);
+    }
     p as *mut u8
 }
 

@@ -1,122 +1,156 @@
-//! The filter every free goes through before any heap-tracking lookup.
+//! The filter every free goes through: one load says "certainly none of ours" or "maybe".
 //!
-//! The address space is cut into 256-byte granules, taken modulo 2^22 (1 GiB). Each granule has
-//! a *bit* (read by every free) and a *counter* of the tracked addresses in it (touched only when
-//! an address is tracked or untracked). Invariant: a granule's bit is set whenever its counter is
-//! non-zero. A clear bit therefore proves the address is not tracked, so a free of untracked
-//! memory costs one load from the bit array.
+//! The address space is cut into 4 KiB granules, taken modulo 4 GiB (2^20 of them). Each has a
+//! 32-bit word: its low half counts the *tracked* addresses in it (sampled live objects of the
+//! heap profile), its high half counts the *profiler's own* memory there (pages of the arena and
+//! kept blocks, the first page of each large block of [`super::bigblock`]). A free whose word is
+//! zero goes straight to the inner allocator; any other free takes the allocator's cold path,
+//! which tells the profiler's blocks, tracked objects and collisions apart exactly. So the free
+//! fast path is one load of shared state and a branch.
 //!
-//! Why bits apart from counters: the bit array is what the program's frees keep in cache, and it
-//! is 8x denser than byte counters: a heap of H bytes reads at most H/2048 filter bytes (1 KiB
-//! for a 2 MiB live set, where byte counters took 8 KiB and missed the L1 cache on most frees in
-//! the allocation benchmark). The granule is coarse for the same reason; finer granules spread
-//! the reads further. The counters (4 MiB of `.bss`, of which only pages holding tracked
-//! granules are ever touched) stay out of the free path.
+//! Why a word per page rather than a bit per 256 bytes (the filter before): the test is a load
+//! and a compare, with no bit to pick out of the word; the filter stays small against the heap
+//! it covers (4 KiB of filter for 4 MiB of heap); and the counts need no busy protocol between a
+//! bit and its counter. Every update is one compare-and-swap loop on the word, never a wait on
+//! another thread: a signal handler that allocates on a thread interrupted half-way through an
+//! update simply does its own, and a fork never finds anything half done.
 //!
-//! A set bit only means "maybe" (another block in the same granule is tracked, or an address
-//! 1 GiB away aliases): the recorder is then asked, and answers exactly. Collisions never lose a
-//! free; they only cost a lookup. A counter that reaches [`SATURATED`] sticks there (forever
-//! "maybe"), still correct.
-//!
-//! Concurrency: a counter's 0 -> 1 and 1 -> 0 transitions and the matching bit update must
-//! look atomic to other inserts and removes of the same granule (else an insert could return
-//! before "its" bit is set, or a remove could clear the bit of a newer insert). The thread making
-//! such a transition marks the counter [`BUSY`] until the bit is updated; others wait those few
-//! instructions. Both run inside `crate::forkgate::outside_fork`, so no fork ever sees a
-//! counter left busy.
+//! A non-zero word only means "maybe" (a neighbour in the page is tracked, or an address a
+//! multiple of 4 GiB away aliases): the cold path then asks exactly. A count that reaches 65,535
+//! sticks there (forever "maybe"), still correct. The 4 MiB of words are `.bss`: a page of them
+//! is touched only where something was counted; reads of the rest map the kernel's zero page.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
-const BITS: u32 = 22;
-const GRANULES: usize = 1 << BITS;
-/// 256-byte granules (see the module docs for why this coarse).
-const GRANULE_SHIFT: u32 = 8;
-/// Set while a counter moves between 0 and 1 and its bit is updated.
-const BUSY: u8 = 0x80;
-/// A counter that went this high no longer knows how many addresses it stands for.
-const SATURATED: u8 = 0x7f;
+/// The low 32 bits of an address pick its word: 2^20 granules of 4 KiB, a span of 4 GiB.
+const GRANULES: usize = 1 << (32 - GRANULE_SHIFT);
+/// 4 KiB granules: a page, the unit the profiler's private memory is marked in.
+pub(crate) const GRANULE_SHIFT: u32 = 12;
+const GRANULE: usize = 1 << GRANULE_SHIFT;
+const SATURATED: u32 = 0xffff;
 
 #[repr(C, align(4096))]
 pub(crate) struct FreeFilter {
-    bits: [AtomicU64; GRANULES / 64],
-    counters: [AtomicU8; GRANULES],
+    words: [AtomicU32; GRANULES],
 }
 
 pub(crate) static FILTER: FreeFilter = FreeFilter {
-    bits: [const { AtomicU64::new(0) }; GRANULES / 64],
-    counters: [const { AtomicU8::new(0) }; GRANULES],
+    words: [const { AtomicU32::new(0) }; GRANULES],
 };
 
+/// Truncated to 32 bits before the shift: the compiler's copy of the address into a 32-bit
+/// register is the mask (one instruction fewer on every free than a shift and an `and`).
 #[inline(always)]
 fn index(addr: usize) -> usize {
-    (addr >> GRANULE_SHIFT) & (GRANULES - 1)
+    ((addr as u32) >> GRANULE_SHIFT) as usize
+}
+
+/// Which half of a granule's word an update counts in.
+#[derive(Clone, Copy)]
+enum Part {
+    Tracked = 0,
+    Own = 16,
 }
 
 impl FreeFilter {
-    /// False means `addr` is certainly not tracked.
+    /// False means `addr` is certainly neither tracked nor the profiler's own memory.
+    ///
+    /// Relaxed suffices: an address is counted before its block is handed out, so any free of
+    /// it happens after the count (coherence order).
     #[inline(always)]
+    pub fn maybe(&self, addr: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: reads one aligned word of `self.words` (the index is below `GRANULES`), as
+        // a relaxed atomic load does on x86-64; writes nothing. A compare with memory: the
+        // compiler does not fold an atomic load into one, and this is every free's path.
+        unsafe {
+            std::arch::asm!(
+                "cmp dword ptr [{words} + {i} * 4], 0",
+                "jne {maybe}",
+                words = in(reg) self.words.as_ptr(),
+                i = in(reg) index(addr),
+                maybe = label { return true; },
+                options(nostack, readonly),
+            );
+            false
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self.words[index(addr)].load(Ordering::Relaxed) != 0
+        }
+    }
+
+    /// Whether `addr`'s granule counts a tracked address (the cold path's second question).
+    #[inline]
     pub fn maybe_tracked(&self, addr: usize) -> bool {
-        let i = index(addr);
-        // Relaxed suffices: an address is inserted before the allocation is handed to the
-        // program, so any free of it happens after the bit was set (coherence order).
-        self.bits[i / 64].load(Ordering::Relaxed) & (1 << (i % 64)) != 0
+        self.words[index(addr)].load(Ordering::Relaxed) & 0xffff != 0
     }
 
     /// Counts one more tracked address at `addr`'s granule.
     pub fn insert(&self, addr: usize) {
-        let i = index(addr);
-        let c = &self.counters[i];
-        let prev = transition(c, |v| {
-            (v != SATURATED).then(|| if v == 0 { BUSY } else { v + 1 })
-        });
-        if prev == Some(0) {
-            // Busy until the bit is set: an insert that sees the count at 1 must find the bit
-            // set too (its address may be freed as soon as it returns).
-            self.bits[i / 64].fetch_or(1 << (i % 64), Ordering::Release);
-            c.store(1, Ordering::Release);
-        }
+        self.add(addr, Part::Tracked);
     }
 
     /// Counts one tracked address fewer (after the recorder confirmed it was tracked).
     pub fn remove(&self, addr: usize) {
-        let i = index(addr);
-        let c = &self.counters[i];
-        let prev = transition(c, |v| {
-            (v != 0 && v != SATURATED).then(|| if v == 1 { BUSY } else { v - 1 })
-        });
-        if prev == Some(1) {
-            self.bits[i / 64].fetch_and(!(1 << (i % 64)), Ordering::Release);
-            c.store(0, Ordering::Release);
+        self.sub(addr, Part::Tracked);
+    }
+
+    /// Counts the profiler's own memory at `addr`'s granule.
+    pub fn insert_own(&self, addr: usize) {
+        self.add(addr, Part::Own);
+    }
+
+    /// Counts the profiler's own memory at `addr`'s granule one fewer.
+    pub fn remove_own(&self, addr: usize) {
+        self.sub(addr, Part::Own);
+    }
+
+    /// [`Self::insert_own`] for every granule of `[start, end)`.
+    pub fn insert_own_range(&self, start: usize, end: usize) {
+        let mut g = start & !(GRANULE - 1);
+        while g < end {
+            self.insert_own(g);
+            g += GRANULE;
         }
     }
 
-    /// Forgets everything (when no recorder holds tracked addresses any more). Visits only the
-    /// set bits, so the untouched counter pages stay untouched.
-    pub fn clear(&self) {
-        for (w, word) in self.bits.iter().enumerate() {
-            let mut set = word.swap(0, Ordering::Relaxed);
-            while set != 0 {
-                let b = set.trailing_zeros() as usize;
-                self.counters[w * 64 + b].store(0, Ordering::Relaxed);
-                set &= set - 1;
+    fn add(&self, addr: usize, part: Part) {
+        update(&self.words[index(addr)], part, |n| {
+            (n != SATURATED).then_some(n + 1)
+        });
+    }
+
+    fn sub(&self, addr: usize, part: Part) {
+        update(&self.words[index(addr)], part, |n| {
+            (n != 0 && n != SATURATED).then(|| n - 1)
+        });
+    }
+
+    /// Forgets every tracked address (when no recorder holds any); the profiler's own memory
+    /// stays counted. Reads the whole table once (4 MiB; untouched pages read as zeros).
+    pub fn clear_tracked(&self) {
+        for w in &self.words {
+            if w.load(Ordering::Relaxed) & 0xffff != 0 {
+                w.fetch_and(0xffff_0000, Ordering::Relaxed);
             }
         }
     }
 }
 
-/// Replaces counter `c`'s value `v` by `next(v)` (compare-and-swap), waiting while another
-/// thread holds it [`BUSY`]; returns the value replaced, or `None` when `next` declined.
+/// Replaces the count `part` of word `w` by `next(count)` (compare-and-swap; never waits on
+/// another thread); leaves it when `next` declines.
 #[inline]
-fn transition(c: &AtomicU8, next: impl Fn(u8) -> Option<u8>) -> Option<u8> {
-    let mut cur = c.load(Ordering::Relaxed);
+fn update(w: &AtomicU32, part: Part, next: impl Fn(u32) -> Option<u32>) {
+    let shift = part as u32;
+    let mut cur = w.load(Ordering::Relaxed);
     loop {
-        if cur & BUSY != 0 {
-            std::hint::spin_loop();
-            cur = c.load(Ordering::Relaxed);
-            continue;
-        }
-        match c.compare_exchange_weak(cur, next(cur)?, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => return Some(cur),
+        let Some(n) = next((cur >> shift) & 0xffff) else {
+            return;
+        };
+        let new = (cur & !(0xffff << shift)) | (n << shift);
+        match w.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return,
             Err(v) => cur = v,
         }
     }
@@ -142,23 +176,46 @@ mod tests {
         let f = fresh();
         let a = 0x7000_0000_1000usize;
         let b = a + (GRANULES << GRANULE_SHIFT); // same granule modulo the span
-        let neighbour = a + (1 << GRANULE_SHIFT); // next granule, same bit word
-        assert!(!f.maybe_tracked(a));
+        let neighbour = a + GRANULE; // next granule
+        assert!(!f.maybe(a));
         f.insert(a);
         f.insert(b);
-        assert!(f.maybe_tracked(a) && f.maybe_tracked(b));
-        assert!(!f.maybe_tracked(neighbour));
+        assert!(f.maybe(a) && f.maybe(b) && f.maybe_tracked(a));
+        assert!(!f.maybe(neighbour));
         f.remove(a);
-        assert!(f.maybe_tracked(b), "b is still tracked");
+        assert!(f.maybe(b), "b is still tracked");
         f.remove(b);
-        assert!(!f.maybe_tracked(a) && !f.maybe_tracked(b));
+        assert!(!f.maybe(a) && !f.maybe(b));
         // Removing what is not counted changes nothing.
         f.remove(a);
-        assert!(!f.maybe_tracked(a));
+        assert!(!f.maybe(a));
     }
 
     #[test]
-    fn saturated_counter_stays_maybe() {
+    fn own_memory_and_tracked_addresses_count_apart() {
+        let f = fresh();
+        let a = 0x7000_0010_0000usize;
+        f.insert_own_range(a + 100, a + 3 * GRANULE);
+        for g in 0..3 {
+            assert!(f.maybe(a + g * GRANULE), "own granule {g}");
+        }
+        assert!(!f.maybe(a + 3 * GRANULE));
+        assert!(!f.maybe_tracked(a), "own memory is not tracked");
+        f.insert(a + 8);
+        f.clear_tracked();
+        assert!(f.maybe(a) && !f.maybe_tracked(a), "clear keeps own memory");
+        for g in 0..3 {
+            f.remove_own(a + g * GRANULE);
+        }
+        assert!(!f.maybe(a) && !f.maybe(a + 2 * GRANULE));
+        // Removing the own count of a granule that has none leaves tracked counts alone.
+        f.insert(a);
+        f.remove_own(a);
+        assert!(f.maybe_tracked(a));
+    }
+
+    #[test]
+    fn saturated_count_stays_maybe() {
         let f = fresh();
         let a = 0x7000_0000_2000usize;
         for _ in 0..SATURATED as usize + 10 {
@@ -167,25 +224,31 @@ mod tests {
         for _ in 0..SATURATED as usize + 10 {
             f.remove(a);
         }
-        assert!(f.maybe_tracked(a));
-        f.clear();
-        assert!(!f.maybe_tracked(a));
+        assert!(f.maybe(a));
+        f.clear_tracked();
+        assert!(!f.maybe(a));
         f.insert(a);
-        assert!(f.maybe_tracked(a), "counter reset by clear");
+        assert!(f.maybe(a), "count reset by clear");
     }
 
-    /// Threads insert and remove addresses that share granules and bit words; whatever the
-    /// interleaving, an address a thread holds inserted is always seen as maybe tracked.
+    /// Threads insert and remove addresses that share granules; whatever the interleaving, an
+    /// address a thread holds inserted is always seen as maybe tracked, and own counts
+    /// updated meanwhile on the same words are kept.
     #[test]
-    fn concurrent_inserts_and_removes_never_hide_a_tracked_address() {
+    fn concurrent_updates_never_hide_a_tracked_address() {
         let f: &'static FreeFilter = Box::leak(fresh());
         let base = 0x7100_0000_0000usize;
         let threads: Vec<_> = (0..4usize)
             .map(|t| {
                 std::thread::spawn(move || {
                     for round in 0..20_000usize {
-                        // Four granules in one bit word, shared by all threads.
                         let a = base + (((round + t) % 4) << GRANULE_SHIFT) + t * 8;
+                        if t == 3 {
+                            f.insert_own(a);
+                            assert!(f.maybe(a));
+                            f.remove_own(a);
+                            continue;
+                        }
                         f.insert(a);
                         assert!(f.maybe_tracked(a), "thread {t} round {round}");
                         f.remove(a);
@@ -197,7 +260,7 @@ mod tests {
             h.join().unwrap();
         }
         for g in 0..4 {
-            assert!(!f.maybe_tracked(base + (g << GRANULE_SHIFT)), "granule {g}");
+            assert!(!f.maybe(base + (g << GRANULE_SHIFT)), "granule {g}");
         }
     }
 }

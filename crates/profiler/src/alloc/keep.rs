@@ -20,7 +20,8 @@ use std::alloc::Layout;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::arena::{self, CLASSES, MIN_SHIFT, PAGE};
-use crate::tls::STATE;
+use super::filter::FILTER;
+use crate::tls::{COUNTDOWN_HELD, STATE};
 
 /// Bump offset from the kept part's base; everything below was handed out once.
 static USED: AtomicUsize = AtomicUsize::new(0);
@@ -76,7 +77,7 @@ impl Mode {
         ACTIVE.fetch_add(1, Ordering::Relaxed);
         STATE.with(|s| Mode {
             keep: s.keep.replace(true),
-            countdown: s.countdown.replace(i64::MIN / 4),
+            countdown: s.countdown.replace(COUNTDOWN_HELD),
         })
     }
 }
@@ -159,7 +160,15 @@ fn fresh_block(size: usize) -> Option<usize> {
             return None;
         }
         match USED.compare_exchange_weak(used, end, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => return Some(start),
+            Ok(_) => {
+                // Every page the block touches is counted as the profiler's own in the free
+                // filter before it is handed out, also a page a racing thread's block shares
+                // (that thread may not have counted it yet). Kept pages stay counted for good:
+                // counting one twice costs nothing.
+                let base = arena::keep_base();
+                FILTER.insert_own_range(base + start, base + end);
+                return Some(start);
+            }
             Err(now) => used = now,
         }
     }

@@ -5,7 +5,9 @@
 //! sampling interval (512 KiB by default). Each thread keeps a countdown of the bytes left to its
 //! next point, drawn from an exponential distribution; an allocation that crosses the point is
 //! sampled and the countdown is redrawn from the end of that allocation. The unsampled path is a
-//! relaxed load of the global interval, a thread-local subtraction and a branch.
+//! thread-local subtraction and a branch; everything else (sampling off, profiler code, arena
+//! and keep modes) holds the countdown negative or looks again after a few KiB, in the slow
+//! path.
 //!
 //! ## The estimator
 //! Because the exponential distribution is memoryless, an allocation of `size` bytes is sampled
@@ -25,10 +27,11 @@
 //!
 //! ## Heap tracking and frees
 //! With heap profiling on, a sampled allocation is tracked by the recorder under its address,
-//! and its address is counted in a [`crate::alloc::filter`]. Every free checks that filter first: a
-//! clear bit (the overwhelmingly common case) ends the check after one load. Otherwise the
-//! recorder removes the record, and this happens *before* the memory goes back to the inner
-//! allocator, so an address reused by a new allocation can never meet a stale record. `realloc`
+//! and its address is counted in a [`crate::alloc::filter`], as are the pages of the profiler's own
+//! memory. Every free checks that filter first: a zero word (the overwhelmingly common case)
+//! ends the check after one load. Otherwise the cold path tells the profiler's blocks from the
+//! rest, and the recorder removes a tracked block's record *before* the memory goes back to the
+//! inner allocator, so an address reused by a new allocation can never meet a stale record. `realloc`
 //! is a free of the old block followed by an allocation of the new size, whether or not the
 //! block moved. If the inner `realloc` fails the old block stays allocated but untracked.
 //!
@@ -111,8 +114,9 @@ pub(crate) fn seen() -> bool {
 /// static GLOBAL: SamplingAllocator<System> = SamplingAllocator::new(System);
 /// ```
 ///
-/// Until a profiler with allocation profiling is started it costs one relaxed load per
-/// allocation.
+/// Until a profiler with allocation profiling is started it costs a thread-local subtraction
+/// per allocation, one load per free, and a visit to the slow path per 32 KiB a thread
+/// allocates.
 pub struct SamplingAllocator<A> {
     inner: A,
 }
@@ -132,21 +136,21 @@ impl<A> SamplingAllocator<A> {
 // SAFETY: every method forwards to the inner allocator with the caller's arguments unchanged
 // and returns its result; the bookkeeping around it never touches the memory handed out.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
-    // The fast paths decide before calling the inner allocator and end in a tail call to it:
-    // nothing stays live across a call, so they save no registers. Sampled and maybe-tracked
-    // cases leave through cold out-of-line functions. `current_sp()` is taken in the allocator
-    // entry itself: frames deeper than it are the sampling path's own and are left off the
-    // sampled stack.
+    // The fast paths are one test each, then a tail call to the inner allocator: an allocation
+    // subtracts its size from the thread's countdown, a free reads its granule's word of the
+    // filter. Nothing stays live across a call, so they save no registers. Everything else
+    // (sampling, the profiler's own memory, tracked objects, sampling off) is behind those two
+    // tests, in cold out-of-line functions: a thread in profiler code holds its countdown
+    // negative, and the profiler's own blocks are counted in the filter. `current_sp()` is
+    // taken in the allocator entry itself: frames deeper than it are the sampling path's own
+    // and are left off the sampled stack.
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if layout.size() >= bigblock::BIG {
-            if let Some(p) = profiler_big_block(layout) {
-                return p;
-            }
-        }
-        if let Some(interval) = crosses_sampling_point(layout.size()) {
+        if crosses_sampling_point(layout.size()) {
             // SAFETY: forwarded contract.
-            return unsafe { self.alloc_sampled(layout, false, interval, unwind::current_sp()) };
+            return unsafe {
+                self.alloc_slow(layout.size(), layout.align(), false, unwind::current_sp())
+            };
         }
         // SAFETY: forwarded contract.
         unsafe { self.inner.alloc(layout) }
@@ -154,15 +158,11 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if layout.size() >= bigblock::BIG {
-            // Fresh mappings are zeroed.
-            if let Some(p) = profiler_big_block(layout) {
-                return p;
-            }
-        }
-        if let Some(interval) = crosses_sampling_point(layout.size()) {
+        if crosses_sampling_point(layout.size()) {
             // SAFETY: forwarded contract.
-            return unsafe { self.alloc_sampled(layout, true, interval, unwind::current_sp()) };
+            return unsafe {
+                self.alloc_slow(layout.size(), layout.align(), true, unwind::current_sp())
+            };
         }
         // SAFETY: forwarded contract.
         unsafe { self.inner.alloc_zeroed(layout) }
@@ -170,15 +170,9 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        if arena::owns(ptr) {
-            return arena::free(ptr, layout);
-        }
-        if layout.size() >= bigblock::BIG && bigblock::free(ptr) {
-            return;
-        }
-        if FILTER.maybe_tracked(ptr as usize) {
+        if FILTER.maybe(ptr as usize) {
             // SAFETY: forwarded contract.
-            return unsafe { self.dealloc_tracked(ptr, layout) };
+            return unsafe { self.dealloc_slow(ptr, layout.size(), layout.align()) };
         }
         // SAFETY: forwarded contract.
         unsafe { self.inner.dealloc(ptr, layout) }
@@ -186,55 +180,34 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
 
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if arena::owns(ptr) {
-            // SAFETY: forwarded contract (a block of ours, moved by hand).
-            return unsafe { self.realloc_arena(ptr, layout, new_size) };
-        }
-        if layout.size() >= bigblock::BIG && bigblock::owns(ptr) {
-            // SAFETY: forwarded contract (a block of ours).
-            return unsafe { self.realloc_big_block(ptr, layout, new_size) };
-        }
-        if new_size >= bigblock::BIG && layout.size() < bigblock::BIG {
+        if FILTER.maybe(ptr as usize) {
             // SAFETY: forwarded contract.
-            if let Some(p) = unsafe { self.realloc_to_big_block(ptr, layout, new_size) } {
-                return p;
-            }
-        }
-        if keep::active_anywhere() && keep::in_mode() {
-            // A heap block grown while a sample is recorded: moved to a kept block (the inner
-            // realloc would move it into this application thread's arena).
-            // SAFETY: forwarded contract.
-            return unsafe { self.realloc_arena(ptr, layout, new_size) };
-        }
-        // The old block may be freed by the inner realloc: untrack it first.
-        if FILTER.maybe_tracked(ptr as usize) {
-            on_free_slow(ptr);
+            return unsafe { self.realloc_slow(ptr, layout, new_size) };
         }
         // SAFETY: forwarded contract.
-        let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            if let Some(interval) = crosses_sampling_point(new_size) {
-                on_alloc_slow(p, new_size, interval, unwind::current_sp());
-            }
-        }
-        p
+        unsafe { self.realloc_heap(ptr, layout, new_size) }
     }
 }
 
 impl<A: GlobalAlloc> SamplingAllocator<A> {
-    /// An allocation that crossed this thread's sampling point.
+    /// An allocation that crossed this thread's sampling point, or made while the countdown is
+    /// held negative (profiler code, arena or keep mode) or with sampling off. The layout comes
+    /// as size and alignment, in the registers the entry received them in, so that the fast
+    /// path moves nothing before its tail call either way.
     ///
     /// # Safety
-    /// As `GlobalAlloc::alloc`.
+    /// As `GlobalAlloc::alloc`, for the layout of `size` and `align`.
     #[cold]
     #[inline(never)]
-    unsafe fn alloc_sampled(
-        &self,
-        layout: Layout,
-        zeroed: bool,
-        interval: u64,
-        entry_sp: u64,
-    ) -> *mut u8 {
+    unsafe fn alloc_slow(&self, size: usize, align: usize, zeroed: bool, entry_sp: u64) -> *mut u8 {
+        // SAFETY: the parts of a valid layout (the caller's contract).
+        let layout = unsafe { Layout::from_size_align_unchecked(size, align) };
+        if layout.size() >= bigblock::BIG {
+            // Fresh mappings are zeroed.
+            if let Some(p) = profiler_big_block(layout) {
+                return p;
+            }
+        }
         // Arena mode (symbolizing) or keep mode (recording a sample): the profiler's own block,
         // never sampled; out of it, the heap, the countdown staying as the mode set it.
         let private = if arena::in_mode() {
@@ -252,8 +225,80 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         }
         // SAFETY: forwarded contract.
         let p = unsafe { self.inner_alloc(layout, zeroed) };
-        if !p.is_null() && interval != 0 {
-            on_alloc_slow(p, layout.size(), interval, entry_sp);
+        if !p.is_null() {
+            on_alloc_slow(p, layout.size(), entry_sp);
+        }
+        p
+    }
+
+    /// The free of a block the filter says may be the profiler's own or tracked (the layout
+    /// as size and alignment, as in [`Self::alloc_slow`]).
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::dealloc`, for the layout of `size` and `align`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn dealloc_slow(&self, ptr: *mut u8, size: usize, align: usize) {
+        // SAFETY: the parts of the block's valid layout (the caller's contract).
+        let layout = unsafe { Layout::from_size_align_unchecked(size, align) };
+        if arena::owns(ptr) {
+            return arena::free(ptr, layout);
+        }
+        if layout.size() >= bigblock::BIG && bigblock::free(ptr) {
+            return;
+        }
+        if FILTER.maybe_tracked(ptr as usize) {
+            on_free_slow(ptr);
+        }
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.dealloc(ptr, layout) }
+    }
+
+    /// The realloc of a block the filter says may be the profiler's own or tracked.
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::realloc`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn realloc_slow(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if arena::owns(ptr) {
+            // SAFETY: forwarded contract (a block of ours, moved by hand).
+            return unsafe { self.realloc_arena(ptr, layout, new_size) };
+        }
+        if layout.size() >= bigblock::BIG && bigblock::owns(ptr) {
+            // SAFETY: forwarded contract (a block of ours).
+            return unsafe { self.realloc_big_block(ptr, layout, new_size) };
+        }
+        // The old block may be freed by the inner realloc: untrack it first.
+        if FILTER.maybe_tracked(ptr as usize) {
+            on_free_slow(ptr);
+        }
+        // SAFETY: forwarded contract.
+        unsafe { self.realloc_heap(ptr, layout, new_size) }
+    }
+
+    /// The realloc of a heap block (the inner allocator's, not tracked).
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::realloc`.
+    #[inline(always)]
+    unsafe fn realloc_heap(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size >= bigblock::BIG && layout.size() < bigblock::BIG {
+            // SAFETY: forwarded contract.
+            if let Some(p) = unsafe { self.realloc_to_big_block(ptr, layout, new_size) } {
+                return p;
+            }
+        }
+        if keep::active_anywhere() && keep::in_mode() {
+            // A heap block grown while a sample is recorded: moved to a kept block (the inner
+            // realloc would move it into this application thread's arena).
+            // SAFETY: forwarded contract.
+            return unsafe { self.realloc_arena(ptr, layout, new_size) };
+        }
+        // SAFETY: forwarded contract.
+        let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
+        if !p.is_null() && crosses_sampling_point(new_size) {
+            on_alloc_slow(p, new_size, unwind::current_sp());
         }
         p
     }
@@ -343,18 +388,6 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         unsafe { self.dealloc(ptr, layout) };
         Some(p)
     }
-
-    /// The free of a block the filter says may be tracked.
-    ///
-    /// # Safety
-    /// As `GlobalAlloc::dealloc`.
-    #[cold]
-    #[inline(never)]
-    unsafe fn dealloc_tracked(&self, ptr: *mut u8, layout: Layout) {
-        on_free_slow(ptr);
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.dealloc(ptr, layout) }
-    }
 }
 
 /// For an interposed C allocator (the preload library): `p`, a block of `size` bytes the C
@@ -368,8 +401,8 @@ pub fn __raw_allocated(p: *mut u8, size: usize) {
     if p.is_null() {
         return;
     }
-    if let Some(interval) = crosses_sampling_point(size) {
-        on_alloc_slow(p, size, interval, unwind::current_sp());
+    if crosses_sampling_point(size) {
+        on_alloc_slow(p, size, unwind::current_sp());
     }
 }
 
@@ -379,7 +412,7 @@ pub fn __raw_allocated(p: *mut u8, size: usize) {
 #[doc(hidden)]
 #[inline(always)]
 pub fn __raw_freeing(p: *mut u8) {
-    if FILTER.maybe_tracked(p as usize) {
+    if FILTER.maybe(p as usize) {
         on_free_slow(p);
     }
 }
@@ -412,43 +445,43 @@ fn profiler_big_block(layout: Layout) -> Option<*mut u8> {
     bigblock::alloc(layout)
 }
 
-/// Counts `size` bytes against this thread's countdown; the sampling interval when the
-/// allocation crosses the sampling point (it is to be sampled, or the countdown drawn).
+/// Counts `size` bytes against this thread's countdown; true when the allocation is to take
+/// the slow path: it crosses the sampling point, or the countdown is held negative (profiler
+/// code, arena and keep modes), or sampling is off and the thread is due to look again.
 #[inline(always)]
-fn crosses_sampling_point(size: usize) -> Option<u64> {
-    let interval = INTERVAL.load(Ordering::Relaxed);
-    if interval == 0 {
-        // Sampling off: the slow path still serves a thread in arena mode (a symbolization
-        // pass of a CPU-only profiler), with interval 0 (nothing sampled).
-        return (arena::active_anywhere() && arena::in_mode()).then_some(0);
-    }
-    let crossed = STATE.with(|s| {
+fn crosses_sampling_point(size: usize) -> bool {
+    STATE.with(|s| {
         let c = s.countdown.get().wrapping_sub(size as i64);
         s.countdown.set(c);
         c < 0
-    });
-    crossed.then_some(interval)
+    })
 }
+
+/// With allocation sampling off, a thread looks at the interval again after this many bytes:
+/// the price of a fast path that reads no global state (a profiler started later begins
+/// sampling a thread within this many of its bytes).
+const OFF_RECHECK_BYTES: i64 = 32 * 1024;
 
 #[cold]
 #[inline(never)]
-fn on_alloc_slow(p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
-    if interval == 0 {
-        // Here for arena mode only (sampling is off): nothing to sample.
-        return;
-    }
+fn on_alloc_slow(p: *mut u8, size: usize, entry_sp: u64) {
+    let interval = INTERVAL.load(Ordering::Relaxed);
     STATE.with(|s| alloc_slow(s, p, size, interval, entry_sp));
 }
 
 fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
-    if s.arena.get() || s.keep.get() {
-        // A realloc in arena or keep mode that stayed on the heap: the countdown stays as the
-        // mode holds it (negative), and nothing of the profiler's own is sampled.
-        return;
-    }
     // Looked at first: a store on every sample would pull the line from other cores each time.
     if !SEEN.load(Ordering::Relaxed) {
         SEEN.store(true, Ordering::Relaxed);
+    }
+    if s.arena.get() || s.keep.get() || s.guard.get() > 0 {
+        // The profiler's own allocation (or one in arena or keep mode that stayed on the heap):
+        // never sampled, and the countdown stays as the mode or the guard holds it (negative).
+        return;
+    }
+    if interval == 0 {
+        s.countdown.set(OFF_RECHECK_BYTES);
+        return;
     }
     if s.rng.get() == 0 {
         // First allocation on this thread since sampling started: draw the first countdown and
@@ -462,9 +495,6 @@ fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp:
         }
     }
     s.countdown.set(draw_countdown(s, interval));
-    if s.guard.get() > 0 {
-        return;
-    }
     // A forked child that allocates lives on: its profiler threads start now (see `fork`).
     crate::forkgate::resume_if_pending();
     let w = sample_weight(size as u64, interval);
@@ -770,7 +800,7 @@ fn is_c_allocation_entry(name: &str) -> bool {
 /// from their ELF symbol tables. Empty for a stripped binary (the symbolizer's cut remains).
 fn allocator_ranges() -> Box<[(u64, u64)]> {
     use object::{Object, ObjectSymbol};
-    let ours = on_alloc_slow as fn(*mut u8, usize, u64, u64) as usize as u64;
+    let ours = on_alloc_slow as fn(*mut u8, usize, u64) as usize as u64;
     let mut out = Vec::new();
     let filter = Prefilter::new();
     let objects = crate::modules::loaded_objects();
@@ -932,6 +962,44 @@ mod tests {
             assert!(is_allocator_path(&name), "{name}");
             assert!(filter.may_be_allocator_path(v0.as_bytes()), "{v0}");
         }
+    }
+
+    /// The free fast path reads the filter alone: every block of the profiler's own memory
+    /// (kept blocks, arena blocks, large blocks) must make it say "maybe", and go back through
+    /// the cold path to where it came from (not to the inner allocator).
+    #[test]
+    fn the_profilers_own_blocks_are_seen_by_the_free_filter() {
+        use std::alloc::System;
+        static A: SamplingAllocator<System> = SamplingAllocator::new(System);
+        let small = Layout::from_size_align(48, 8).unwrap();
+        let big = Layout::from_size_align(bigblock::BIG + 100, 16).unwrap();
+        // SAFETY (all three blocks): allocated and freed through `A` with their layouts.
+        let kept = keep::with(|| unsafe { A.alloc(small) });
+        assert!(arena::owns(kept), "a kept block");
+        assert!(
+            FILTER.maybe(kept as usize),
+            "a kept block's page is counted"
+        );
+        unsafe { A.dealloc(kept, small) };
+        let large = tls::with_guard(|| unsafe { A.alloc(big) });
+        assert!(
+            bigblock::owns(large),
+            "a large block of profiler code is a mapping"
+        );
+        assert!(FILTER.maybe(large as usize));
+        unsafe { A.dealloc(large, big) };
+        assert!(!bigblock::owns(large), "unmapped through the cold path");
+        let owner = arena::new_owner();
+        let mut in_arena = None;
+        arena::with(owner, || {
+            // SAFETY: as above; freed before the pass ends.
+            let p = unsafe { A.alloc(small) };
+            in_arena = arena::owns(p).then(|| FILTER.maybe(p as usize));
+            unsafe { A.dealloc(p, small) };
+        });
+        arena::release(owner);
+        // Another test's symbolizer may hold the arena: then the block came from the heap.
+        assert_ne!(in_arena, Some(false), "an arena block's page is counted");
     }
 
     #[test]

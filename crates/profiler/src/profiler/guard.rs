@@ -196,7 +196,7 @@ impl ProfilerGuard {
                 state::deactivate(sh);
                 if sh.settings.profiles.heap {
                     // No recorder holds tracked addresses any more.
-                    FILTER.clear();
+                    FILTER.clear_tracked();
                 }
                 let stuck = std::mem::take(&mut *self.deliveries.abandoned_names.lock());
                 if stuck.is_empty() {
