@@ -737,15 +737,18 @@ impl Sampler {
             let periods: u64 = caps.iter().map(|c| c.weight as u64).sum();
             t.last_cpu + periods * self.period
         });
-        // Re-read until the thread renamed itself (it starts with its creator's name): at
-        // every visit after it ran at first, then every tenth. Only a thread that ran can have
-        // renamed itself; counting visits it spent unscheduled (a new thread on a loaded
-        // machine) used the checks up, and its whole life went under its creator's name.
+        // Re-read a new thread's name (it starts with its creator's): at every visit after it
+        // ran at first, then every tenth, whether or not it renamed itself already (std names
+        // a thread as it starts, and the application may name it again later: stopping at the
+        // first change kept a late name unseen until the thread was busy at a once-a-second
+        // refresh). Only a thread that ran can have renamed itself; counting visits it spent
+        // unscheduled (a new thread on a loaded machine) used the checks up, and its whole
+        // life went under its creator's name.
         let ran_since = !caps.is_empty() || clock.is_some_and(|c| c != t.last_cpu);
         if t.name_checks_left > 0 && ran_since {
             t.name_checks_left -= 1;
-            if (t.name_checks_left > 90 || t.name_checks_left % 10 == 0) && self.rename(&mut t) {
-                t.name_checks_left = 0;
+            if t.name_checks_left > 90 || t.name_checks_left % 10 == 0 {
+                self.rename(&mut t);
             }
         }
         if t.probation {
