@@ -35,7 +35,7 @@ pub(crate) fn is_allocator_path(name: &str) -> bool {
 /// built with `debug = "line-tables-only"`, whose DWARF names are short (`alloc`, `allocate`,
 /// `alloc<std::alloc::System>`): their file says what their name cannot. Paths as the compiler
 /// wrote them, so a build that remaps its source paths keeps the names' verdict only.
-pub(crate) fn is_allocator_source(file: &str) -> bool {
+fn is_allocator_source(file: &str) -> bool {
     file.ends_with("/library/alloc/src/alloc.rs") || file.starts_with(OWN_ALLOC_SOURCES)
 }
 

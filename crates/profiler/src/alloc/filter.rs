@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// The low 32 bits of an address pick its word: 2^20 granules of 4 KiB, a span of 4 GiB.
 const GRANULES: usize = 1 << (32 - GRANULE_SHIFT);
 /// 4 KiB granules: a page, the unit the profiler's private memory is marked in.
-pub(crate) const GRANULE_SHIFT: u32 = 12;
+const GRANULE_SHIFT: u32 = 12;
 const GRANULE: usize = 1 << GRANULE_SHIFT;
 const SATURATED: u32 = 0xffff;
 

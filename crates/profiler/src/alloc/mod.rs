@@ -149,7 +149,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
         if crosses_sampling_point(layout.size()) {
             // SAFETY: forwarded contract.
             return unsafe {
-                self.alloc_slow(layout.size(), layout.align(), false, unwind::current_sp())
+                self.alloc_cold(layout.size(), layout.align(), false, unwind::current_sp())
             };
         }
         // SAFETY: forwarded contract.
@@ -161,7 +161,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
         if crosses_sampling_point(layout.size()) {
             // SAFETY: forwarded contract.
             return unsafe {
-                self.alloc_slow(layout.size(), layout.align(), true, unwind::current_sp())
+                self.alloc_cold(layout.size(), layout.align(), true, unwind::current_sp())
             };
         }
         // SAFETY: forwarded contract.
@@ -172,7 +172,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if FILTER.maybe(ptr as usize) {
             // SAFETY: forwarded contract.
-            return unsafe { self.dealloc_slow(ptr, layout.size(), layout.align()) };
+            return unsafe { self.dealloc_cold(ptr, layout.size(), layout.align()) };
         }
         // SAFETY: forwarded contract.
         unsafe { self.inner.dealloc(ptr, layout) }
@@ -182,7 +182,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SamplingAllocator<A> {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         if FILTER.maybe(ptr as usize) {
             // SAFETY: forwarded contract.
-            return unsafe { self.realloc_slow(ptr, layout, new_size) };
+            return unsafe { self.realloc_cold(ptr, layout, new_size) };
         }
         // SAFETY: forwarded contract.
         unsafe { self.realloc_heap(ptr, layout, new_size) }
@@ -199,7 +199,7 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
     /// As `GlobalAlloc::alloc`, for the layout of `size` and `align`.
     #[cold]
     #[inline(never)]
-    unsafe fn alloc_slow(&self, size: usize, align: usize, zeroed: bool, entry_sp: u64) -> *mut u8 {
+    unsafe fn alloc_cold(&self, size: usize, align: usize, zeroed: bool, entry_sp: u64) -> *mut u8 {
         // SAFETY: the parts of a valid layout (the caller's contract).
         let layout = unsafe { Layout::from_size_align_unchecked(size, align) };
         if layout.size() >= bigblock::BIG {
@@ -232,13 +232,13 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
     }
 
     /// The free of a block the filter says may be the profiler's own or tracked (the layout
-    /// as size and alignment, as in [`Self::alloc_slow`]).
+    /// as size and alignment, as in [`Self::alloc_cold`]).
     ///
     /// # Safety
     /// As `GlobalAlloc::dealloc`, for the layout of `size` and `align`.
     #[cold]
     #[inline(never)]
-    unsafe fn dealloc_slow(&self, ptr: *mut u8, size: usize, align: usize) {
+    unsafe fn dealloc_cold(&self, ptr: *mut u8, size: usize, align: usize) {
         // SAFETY: the parts of the block's valid layout (the caller's contract).
         let layout = unsafe { Layout::from_size_align_unchecked(size, align) };
         if arena::owns(ptr) {
@@ -260,7 +260,7 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
     /// As `GlobalAlloc::realloc`.
     #[cold]
     #[inline(never)]
-    unsafe fn realloc_slow(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+    unsafe fn realloc_cold(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         if arena::owns(ptr) {
             // SAFETY: forwarded contract (a block of ours, moved by hand).
             return unsafe { self.realloc_arena(ptr, layout, new_size) };

@@ -1006,20 +1006,19 @@ impl Sampler {
         Ok(Where::Read(n))
     }
 
-    /// Re-reads thread `t`'s name; whether it changed. The wall time it kept from before its
+    /// Re-reads thread `t`'s name. When it changed, the wall time it kept from before its
     /// last visit goes under the old name first; the interval since, in which it renamed
     /// itself, under the new one.
-    fn rename(&mut self, t: &mut ThreadInfo) -> bool {
+    fn rename(&mut self, t: &mut ThreadInfo) {
         let mut buf = [0u8; 64];
         let fresh = read_comm(self.task_dir(), t.tid, &mut buf);
         if fresh.is_empty() || fresh == t.name {
-            return false;
+            return;
         }
         if !t.probation {
             self.flush_idle(t);
         }
         fresh.clone_into(&mut t.name);
-        true
     }
 
     /// Records the off-CPU wall time `t` accumulated, on its stack (or where it ran, when its
