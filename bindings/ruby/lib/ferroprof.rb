@@ -18,6 +18,8 @@ module Ferroprof
 
   class StackRecorder
     # Keywords of the seed's recorder. cpu-samples and wall-time are always recorded.
+    # `cpu_period_ns` (ferroprof's): the CPU time one sample stands for, written as the
+    # profile's period (nil: none).
     def self.new(
       cpu_time_enabled: true,
       alloc_samples_enabled: true,
@@ -25,10 +27,14 @@ module Ferroprof
       heap_size_enabled: false,
       heap_sample_every: 1,
       timeline_enabled: true,
-      heap_clean_after_gc_enabled: true
+      heap_clean_after_gc_enabled: true,
+      cpu_period_ns: nil
     )
       unless heap_sample_every.is_a?(Integer)
         raise ArgumentError, "heap_sample_every must be an Integer, got #{heap_sample_every.inspect}"
+      end
+      unless cpu_period_ns.nil? || (cpu_period_ns.is_a?(Integer) && cpu_period_ns.positive?)
+        raise ArgumentError, "cpu_period_ns must be a positive Integer or nil, got #{cpu_period_ns.inspect}"
       end
 
       _native_new(
@@ -39,6 +45,7 @@ module Ferroprof
         heap_sample_every,
         timeline_enabled ? true : false,
         heap_clean_after_gc_enabled ? true : false,
+        cpu_period_ns || 0,
       )
     end
 

@@ -4,6 +4,7 @@
 //! Every entry point runs with the GVL held (Ruby calls it) and is wrapped by [`guard`], so a
 //! panic becomes a Ruby exception instead of unwinding into the VM.
 
+mod capture;
 mod heap;
 mod profiler;
 mod recorder;

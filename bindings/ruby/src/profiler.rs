@@ -3,11 +3,15 @@
 //! Only public C API, the approach of stackprof:
 //!
 //! * **CPU.** A process CPU-time timer (`timer_create`) raises `SIGPROF` each time the process
-//!   used another interval of CPU. The handler only counts the signal and registers a postponed job
-//!   (`rb_postponed_job_register_one`, made to be called from a signal handler); it does nothing
-//!   on a thread Ruby does not know. The job runs at the VM's next safe point on the thread that
-//!   holds the GVL, reads its stack with `rb_profile_frames` and records `cpu-time` (the
-//!   intervals counted since the last job) and `cpu-samples`.
+//!   used another interval of CPU; the kernel delivers it to a thread that is running. The
+//!   handler reads that thread's stack there and then (`rb_profile_frames`, safe at any point
+//!   since Ruby 3.0, as stackprof relies on) into one of a few capture slots, with the thread's
+//!   id and the intervals the signal stands for, and registers a postponed job
+//!   (`rb_postponed_job_register_one`, made to be called from a signal handler). The job, at
+//!   the VM's next safe point on whichever thread runs it, names and records every filled slot
+//!   as `cpu-time` and `cpu-samples` of the thread that spent the CPU. Reading the stack where
+//!   the signal lands books time inside a C function to that function (a job runs only after
+//!   it returns) and time of a thread running without the GVL to that thread.
 //! * **Allocations.** A `NEWOBJ` internal event hook counts allocations; about every
 //!   `alloc_every`-th (a random gap, so no allocation pattern lines up with it) it reads the
 //!   stack and queues the object and its frames. The hook allocates no Ruby object: names,
@@ -35,11 +39,10 @@ use magnus::value::ReprValue;
 use magnus::{function, gc, prelude::*, Error, RHash, RModule, RString, Ruby, Value};
 use rb_sys::VALUE;
 
+use crate::capture;
 use crate::recorder::RbRecorder;
 use crate::{arg_error, guard};
 
-/// Frames read per sample; deeper stacks keep their innermost frames.
-const MAX_FRAMES: usize = 400;
 /// Frames kept per queued allocation sample.
 const ALLOC_FRAMES: usize = 128;
 /// Allocation samples waiting for the job; more are dropped (counted).
@@ -49,8 +52,6 @@ const MAX_CACHED_FRAMES: usize = 20_000;
 
 /// Set while the profiler runs: the handler, hooks and jobs do nothing otherwise.
 static RUNNING: AtomicBool = AtomicBool::new(false);
-/// `SIGPROF`s counted since the last CPU job.
-static CPU_SIGNALS: AtomicU64 = AtomicU64::new(0);
 /// The timer's interval.
 static INTERVAL_NS: AtomicU64 = AtomicU64::new(10_000_000);
 /// Inside one of our jobs: the allocations they make are not sampled.
@@ -63,6 +64,12 @@ static OWN_THREADS: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)
 struct Counters {
     signals: AtomicU64,
     signals_outside_ruby: AtomicU64,
+    /// Signals on the profiler's own threads (not counted as intervals).
+    signals_own: AtomicU64,
+    /// CPU intervals the handler counted on the program's threads: all of them are recorded
+    /// but those still unattributed when the profiler stops (`cpu_intervals_at_stop`).
+    cpu_intervals: AtomicU64,
+    cpu_intervals_at_stop: AtomicU64,
     cpu_samples: AtomicU64,
     alloc_events: AtomicU64,
     alloc_samples: AtomicU64,
@@ -75,6 +82,9 @@ struct Counters {
 static COUNTERS: Counters = Counters {
     signals: AtomicU64::new(0),
     signals_outside_ruby: AtomicU64::new(0),
+    signals_own: AtomicU64::new(0),
+    cpu_intervals: AtomicU64::new(0),
+    cpu_intervals_at_stop: AtomicU64::new(0),
     cpu_samples: AtomicU64::new(0),
     alloc_events: AtomicU64::new(0),
     alloc_samples: AtomicU64::new(0),
@@ -83,6 +93,32 @@ static COUNTERS: Counters = Counters {
     gc_steps: AtomicU64::new(0),
     record_errors: AtomicU64::new(0),
 };
+
+impl Counters {
+    fn all(&self) -> [(&'static str, &AtomicU64); 12] {
+        [
+            ("signals", &self.signals),
+            ("signals_outside_ruby", &self.signals_outside_ruby),
+            ("signals_own", &self.signals_own),
+            ("cpu_intervals", &self.cpu_intervals),
+            ("cpu_intervals_at_stop", &self.cpu_intervals_at_stop),
+            ("cpu_samples", &self.cpu_samples),
+            ("alloc_events", &self.alloc_events),
+            ("alloc_samples", &self.alloc_samples),
+            ("alloc_dropped", &self.alloc_dropped),
+            ("alloc_windows", &self.alloc_windows),
+            ("gc_steps", &self.gc_steps),
+            ("record_errors", &self.record_errors),
+        ]
+    }
+
+    /// Counts start over at each start (`Ferroprof.stats` reads one run).
+    fn reset(&self) {
+        for (_, c) in self.all() {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+}
 
 /// The allocation sampler's state. The hook runs with the GVL held, one at a time; atomics only
 /// make the statics `Sync`.
@@ -134,6 +170,9 @@ static ALLOC: AllocSampling = AllocSampling {
 #[derive(Clone, Copy)]
 struct AllocSample {
     obj: VALUE,
+    /// The allocating thread, and the object's class then.
+    thread: ThreadOf,
+    class: VALUE,
     weight: u64,
     len: usize,
     frames: [VALUE; ALLOC_FRAMES],
@@ -185,10 +224,14 @@ impl DataTypeFunctions for Roots {
         // been marked by every GC since; cached frames likewise. rb_gc_mark also pins them.
         for s in lock(&PENDING).iter() {
             unsafe { rb_sys::rb_gc_mark(s.obj) };
+            unsafe { rb_sys::rb_gc_mark(s.thread.thread) };
+            unsafe { rb_sys::rb_gc_mark(s.class) };
             for &f in &s.frames[..s.len] {
                 unsafe { rb_sys::rb_gc_mark(f) };
             }
         }
+        // SAFETY: as above: full capture slots hold frames read from live stacks.
+        capture::each_held(|v| unsafe { rb_sys::rb_gc_mark(v) });
         if let Some(names) = lock(&NAMES).as_ref() {
             for &f in names.keys() {
                 unsafe { rb_sys::rb_gc_mark(f) };
@@ -206,37 +249,94 @@ impl DataTypeFunctions for Roots {
 
 // --- the signal handler ---------------------------------------------------------------------
 
-/// `SIGPROF`: counts the interval and asks the VM for a CPU job. Async-signal-safe: atomics,
-/// `ruby_native_thread_p` (a thread-local read) and `rb_postponed_job_register_one`, which Ruby
-/// documents as callable from a signal handler.
+/// `SIGPROF`: reads the running thread's stack into a capture slot and asks the VM for a CPU
+/// job. Async-signal-safe: atomics, `ruby_native_thread_p` and `rb_thread_current`
+/// (thread-local reads), `timer_getoverrun`, [`capture::capture_in_handler`] and
+/// `rb_postponed_job_register_one`, which Ruby documents as callable from a signal handler.
 extern "C" fn on_sigprof(_sig: libc::c_int, _info: *mut libc::siginfo_t, _ctx: *mut c_void) {
     // SAFETY: __errno_location returns this thread's errno; restored before returning so the
     // interrupted code sees its own.
     let errno = unsafe { *libc::__errno_location() };
     if RUNNING.load(Ordering::Relaxed) {
         COUNTERS.signals.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: both are async-signal-safe (see above). A thread Ruby does not know has no
-        // execution context, which registering a job would dereference.
+        // SAFETY: all async-signal-safe (see above). A thread Ruby does not know has no
+        // execution context, which reading frames or registering a job would dereference.
         unsafe {
-            if rb_sys::ruby_native_thread_p() != 0 {
-                // timer_getoverrun is async-signal-safe: the intervals this signal stands for.
+            if rb_sys::ruby_native_thread_p() == 0 {
+                COUNTERS
+                    .signals_outside_ruby
+                    .fetch_add(1, Ordering::Relaxed);
+            } else if is_own_thread(rb_sys::rb_thread_current()) {
+                COUNTERS.signals_own.fetch_add(1, Ordering::Relaxed);
+            } else {
+                // The intervals this signal stands for (the kernel checks CPU timers at its
+                // tick, so at high rates one signal often stands for several).
                 let timer = TIMER.load(Ordering::Relaxed);
                 let over = if timer.is_null() {
                     0
                 } else {
                     libc::timer_getoverrun(timer).max(0) as u64
                 };
-                CPU_SIGNALS.fetch_add(1 + over, Ordering::Relaxed);
-                rb_sys::rb_postponed_job_register_one(0, Some(cpu_job), std::ptr::null_mut());
-            } else {
                 COUNTERS
-                    .signals_outside_ruby
-                    .fetch_add(1, Ordering::Relaxed);
+                    .cpu_intervals
+                    .fetch_add(1 + over, Ordering::Relaxed);
+                capture::capture_in_handler(
+                    1 + over,
+                    INTERVAL_NS.load(Ordering::Relaxed),
+                    gc_in_progress(),
+                );
+                rb_sys::rb_postponed_job_register_one(0, Some(cpu_job), std::ptr::null_mut());
             }
         }
     }
     // SAFETY: as above.
     unsafe { *libc::__errno_location() = errno };
+}
+
+extern "C" {
+    /// Ruby's (`ruby/thread.h`): whether the calling thread holds the GVL; reads the thread's
+    /// own state.
+    fn ruby_thread_has_gvl_p() -> libc::c_int;
+}
+
+/// The keys `major_by` and `gc_by` of `GC.latest_gc_info` (Symbols; 0: not made yet).
+static GC_KEYS: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+
+/// Under the GVL, before the handler may need them: the GC info keys, and one call that makes
+/// the VM build its own table of GC info symbols (it interns them on the first call, which
+/// must not happen inside the handler).
+fn prepare_gc_info() {
+    for (slot, name) in GC_KEYS.iter().zip([c"major_by", c"gc_by"]) {
+        // SAFETY: rb_intern and rb_id2sym under the GVL; the Symbols are static (never freed).
+        let key = unsafe { rb_sys::rb_id2sym(rb_sys::rb_intern(name.as_ptr())) };
+        // SAFETY: with a Symbol key, rb_gc_latest_gc_info returns one value.
+        unsafe { rb_sys::rb_gc_latest_gc_info(key) };
+        slot.store(key as usize, Ordering::Relaxed);
+    }
+}
+
+/// In the handler: when this thread is the one running the garbage collector, the current
+/// collection's `major_by` and `gc_by`. Async-signal-safe as stackprof relies on: flag reads,
+/// and `rb_gc_latest_gc_info` with a Symbol key (reads the collector's state; its symbols
+/// were made by [`prepare_gc_info`]).
+fn gc_in_progress() -> Option<(VALUE, VALUE)> {
+    // SAFETY: both read flags (the VM's GC state, this thread's own GVL state). Another
+    // thread may be collecting while this one runs without the GVL: its time is its own.
+    let collecting = unsafe { rb_sys::rb_during_gc() != 0 && ruby_thread_has_gvl_p() != 0 };
+    if !collecting {
+        return None;
+    }
+    let [major, by] = [&GC_KEYS[0], &GC_KEYS[1]].map(|k| k.load(Ordering::Relaxed) as VALUE);
+    if major == 0 || by == 0 {
+        return Some((rb_sys::Qnil as VALUE, rb_sys::Qnil as VALUE));
+    }
+    // SAFETY: Symbol keys, prepared; see above.
+    unsafe {
+        Some((
+            rb_sys::rb_gc_latest_gc_info(major),
+            rb_sys::rb_gc_latest_gc_info(by),
+        ))
+    }
 }
 
 fn install_handler() -> std::io::Result<()> {
@@ -347,42 +447,133 @@ fn names_of(frame: VALUE) -> FrameNames {
     names
 }
 
+/// The thread a sample belongs to: its native id and its `Thread` object.
+#[derive(Clone, Copy)]
+struct ThreadOf {
+    tid: i64,
+    thread: VALUE,
+}
+
+impl ThreadOf {
+    /// The running thread (under the GVL, or in the handler).
+    fn current() -> Self {
+        // SAFETY: gettid has no preconditions; rb_thread_current reads the running thread.
+        unsafe {
+            ThreadOf {
+                tid: libc::gettid() as i64,
+                thread: rb_sys::rb_thread_current(),
+            }
+        }
+    }
+}
+
+/// Where a CPU interval with no Ruby frame on its thread (a thread starting or ending) goes.
+const NO_RUBY_FRAMES: &str = "[no Ruby frames]";
+/// The leaf of a sample taken while its thread ran the garbage collector.
+const GC_FRAME: &str = "Garbage Collection";
+
+/// A collection's labels: `gc type` (major or minor) and `gc cause` (`GC.latest_gc_info`'s
+/// `gc_by`: newobj, malloc, method, capi, stress).
+struct GcLabels {
+    kind: &'static str,
+    cause: Option<String>,
+}
+
+impl GcLabels {
+    fn of(major_by: VALUE, gc_by: VALUE) -> Self {
+        GcLabels {
+            kind: if major_by == rb_sys::Qnil as VALUE {
+                "minor"
+            } else {
+                "major"
+            },
+            cause: symbol_name(gc_by),
+        }
+    }
+}
+
+/// The name of Symbol `v` (`None` for anything else).
+fn symbol_name(v: VALUE) -> Option<String> {
+    // SAFETY: v came from the VM (a static Symbol or nil); from_raw only wraps it.
+    let v = unsafe { Value::from_raw(v) };
+    magnus::Symbol::from_value(v).and_then(|s| s.name().ok().map(|n| n.into_owned()))
+}
+
+/// What a sample says besides its stack and thread.
+struct Extra<'a> {
+    /// An allocation's class.
+    class: Option<&'a str>,
+    /// Taken inside the garbage collector: a `Garbage Collection` leaf and its labels.
+    gc: Option<GcLabels>,
+}
+
 /// Records one sample of the frames `frames`/`lines` (innermost first) with `values`, labelled
-/// with the current thread.
-fn record(rec: &StackRecorder, frames: &[VALUE], lines: &[i32], values: &SampleValues) {
+/// with `thread` and what `extra` says.
+fn record(
+    rec: &StackRecorder,
+    frames: &[VALUE],
+    lines: &[i32],
+    values: &SampleValues,
+    thread: ThreadOf,
+    extra: &Extra<'_>,
+) {
     let names: Vec<FrameNames> = frames.iter().map(|&f| names_of(f)).collect();
-    let refs: Vec<Frame<'_>> = names
-        .iter()
-        .zip(lines)
-        .map(|(n, &l)| Frame::sym(&n.name, &n.path, l as i64))
-        .collect();
-    // SAFETY: gettid has no preconditions.
-    let tid = unsafe { libc::gettid() } as i64;
-    let thread_name = current_thread_name();
-    let mut labels = vec![Label::num("thread id", tid)];
+    let mut refs: Vec<Frame<'_>> = Vec::with_capacity(names.len() + 1);
+    if extra.gc.is_some() {
+        refs.push(Frame::sym(GC_FRAME, "", 0));
+    }
+    refs.extend(
+        names
+            .iter()
+            .zip(lines)
+            .map(|(n, &l)| Frame::sym(&n.name, &n.path, l as i64)),
+    );
+    if refs.is_empty() {
+        refs.push(Frame::sym(NO_RUBY_FRAMES, "", 0));
+    }
+    let thread_name = thread_name(thread.thread);
+    let mut labels = vec![Label::num("thread id", thread.tid)];
     if let Some(n) = &thread_name {
         labels.push(Label::str("thread name", n));
+    }
+    if let Some(c) = extra.class {
+        labels.push(Label::str("allocation class", c));
+    }
+    if let Some(gc) = &extra.gc {
+        labels.push(Label::str("gc type", gc.kind));
+        if let Some(cause) = &gc.cause {
+            labels.push(Label::str("gc cause", cause));
+        }
     }
     if rec.record_sample(&refs, values, &labels, 0).is_err() {
         COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-fn current_thread_name() -> Option<String> {
-    // SAFETY: both read the VM's thread objects under the GVL, allocating nothing.
-    let (current, main) = unsafe { (rb_sys::rb_thread_current(), rb_sys::rb_thread_main()) };
-    // SAFETY: a live Thread object.
-    let thread = unsafe { Value::from_raw(current) };
-    let name: Option<String> = thread.funcall("name", ()).ok()?;
-    name.or_else(|| (current == main).then(|| "main".to_owned()))
+/// `Thread#name` of `thread` (`main` for the unnamed main thread).
+fn thread_name(thread: VALUE) -> Option<String> {
+    if thread == 0 {
+        return None;
+    }
+    // SAFETY: reads the VM's main thread under the GVL, allocating nothing.
+    let main = unsafe { rb_sys::rb_thread_main() };
+    // SAFETY: a live Thread object (marked in its slot or queue until now, on the caller's
+    // stack since).
+    let t = unsafe { Value::from_raw(thread) };
+    let name: Option<String> = t.funcall("name", ()).ok()?;
+    name.or_else(|| (thread == main).then(|| "main".to_owned()))
 }
 
 fn on_own_thread() -> bool {
-    // SAFETY: rb_thread_current reads the running thread under the GVL; allocates nothing.
-    let current = unsafe { rb_sys::rb_thread_current() } as usize;
+    // SAFETY: rb_thread_current reads the running thread's object; allocates nothing.
+    is_own_thread(unsafe { rb_sys::rb_thread_current() })
+}
+
+/// Whether `thread` is one of the profiler's own (atomics only: called in the handler too).
+fn is_own_thread(thread: VALUE) -> bool {
     OWN_THREADS
         .iter()
-        .any(|t| t.load(Ordering::Relaxed) == current)
+        .any(|t| t.load(Ordering::Relaxed) == thread as usize)
 }
 
 /// Runs `f` as one of our jobs: allocations it makes are not sampled; a panic is contained
@@ -399,35 +590,16 @@ fn as_job(f: impl FnOnce()) {
 
 // --- jobs -----------------------------------------------------------------------------------
 
-/// The CPU job: the current thread's stack gets the intervals counted since the last one.
+/// The CPU job: records every captured sample, each as the thread that spent the CPU.
 extern "C" fn cpu_job(_data: *mut c_void) {
-    let n = CPU_SIGNALS.swap(0, Ordering::Relaxed);
-    if n == 0 || !RUNNING.load(Ordering::Relaxed) || on_own_thread() {
+    if !RUNNING.load(Ordering::Relaxed) {
         return;
     }
+    // Another job mid-flight (it may have handed the GVL over): the slots stay full for the
+    // next job.
     as_job(|| {
         let Some(rec) = recorder() else { return };
-        // On this thread's machine stack, which the GC scans: the frames stay alive.
-        let mut frames = [0 as VALUE; MAX_FRAMES];
-        let mut lines = [0i32; MAX_FRAMES];
-        // SAFETY: the buffers hold MAX_FRAMES entries; called with the GVL from a safe point.
-        let len = unsafe {
-            rb_sys::rb_profile_frames(
-                0,
-                MAX_FRAMES as i32,
-                frames.as_mut_ptr(),
-                lines.as_mut_ptr(),
-            )
-        }
-        .max(0) as usize;
-        let values = SampleValues {
-            cpu_time_ns: (n * INTERVAL_NS.load(Ordering::Relaxed)) as i64,
-            cpu_or_wall_samples: n as i64,
-            ..SampleValues::default()
-        };
-        record(&rec, &frames[..len], &lines[..len], &values);
-        COUNTERS.cpu_samples.fetch_add(1, Ordering::Relaxed);
-        std::hint::black_box(&frames);
+        record_captured(&rec);
         choose_alloc_window();
         // Collections that ended while the GC hook was off: the young update from here.
         // SAFETY: rb_gc_count reads a counter under the GVL.
@@ -437,6 +609,43 @@ extern "C" fn cpu_job(_data: *mut c_void) {
             COUNTERS.gc_steps.fetch_add(1, Ordering::Relaxed);
         }
     });
+}
+
+/// Records the full capture slots; the intervals held over go to the first of them.
+fn record_captured(rec: &StackRecorder) {
+    // On this thread's machine stack, which the GC scans: the frames and the thread stay alive
+    // once out of the slot.
+    let mut c = capture::Captured::empty();
+    let (mut held, mut held_ns) = capture::take_held_over();
+    while let Some(n) = capture::take(&mut c) {
+        let values = SampleValues {
+            cpu_time_ns: (c.cpu_ns + std::mem::take(&mut held_ns)) as i64,
+            cpu_or_wall_samples: (n + std::mem::take(&mut held)) as i64,
+            ..SampleValues::default()
+        };
+        let thread = ThreadOf {
+            tid: c.tid,
+            thread: c.thread,
+        };
+        let extra = Extra {
+            class: None,
+            gc: c.gc.map(|(major_by, gc_by)| GcLabels::of(major_by, gc_by)),
+        };
+        record(
+            rec,
+            &c.frames[..c.len],
+            &c.lines[..c.len],
+            &values,
+            thread,
+            &extra,
+        );
+        COUNTERS.cpu_samples.fetch_add(1, Ordering::Relaxed);
+        std::hint::black_box(&c);
+    }
+    if held > 0 || held_ns > 0 {
+        // None recorded this time: kept for the next sample.
+        capture::hold_over(held, held_ns);
+    }
 }
 
 /// The GC count the CPU job saw last.
@@ -490,12 +699,12 @@ extern "C" fn alloc_job(_data: *mut c_void) {
             let obj = unsafe { Value::from_raw(s.obj) };
             let weight = u32::try_from(s.weight).unwrap_or(u32::MAX);
             // The VM may have hidden it since (e.g. a buffer it keeps for itself): still an
-            // allocation, but neither named nor tracked.
+            // allocation, named by its class when allocated, but not tracked.
             // SAFETY: alive, as above.
-            let tracked = unsafe { visible(s.obj) }.then(|| {
-                let class = class_name(obj);
-                rec.track_object(crate::heap::handle_of(obj), weight, class.as_deref())
-            });
+            let visible = unsafe { visible(s.obj) };
+            let class = class_name(s.class);
+            let tracked = visible
+                .then(|| rec.track_object(crate::heap::handle_of(obj), weight, class.as_deref()));
             let values = SampleValues {
                 alloc_samples: s.weight as i64,
                 alloc_samples_unscaled: 1,
@@ -506,7 +715,17 @@ extern "C" fn alloc_job(_data: *mut c_void) {
             if matches!(tracked, Some(Err(_))) {
                 COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
             }
-            record(rec, &s.frames[..s.len], &s.lines[..s.len], &values);
+            record(
+                rec,
+                &s.frames[..s.len],
+                &s.lines[..s.len],
+                &values,
+                s.thread,
+                &Extra {
+                    class: class.as_deref(),
+                    gc: None,
+                },
+            );
             COUNTERS.alloc_samples.fetch_add(1, Ordering::Relaxed);
             std::hint::black_box(&s);
         }
@@ -554,12 +773,22 @@ fn next_pending() -> Option<AllocSample> {
     (!q.is_empty()).then(|| q.remove(0))
 }
 
-/// The class name of `obj` (`None` for an anonymous class).
-fn class_name(obj: Value) -> Option<String> {
-    // SAFETY: obj is a live object with a class (hidden objects are not queued).
-    let class = unsafe { Value::from_raw(rb_sys::rb_obj_class(obj.as_raw())) };
-    let name: Option<String> = class.funcall("name", ()).ok()?;
-    name
+/// The name of `class`; an anonymous class is named after its nearest named ancestor
+/// (`(anonymous subclass of Struct)`), so labels stay few.
+fn class_name(class: VALUE) -> Option<String> {
+    // SAFETY: a live class (marked in the queue until now, on the caller's stack since).
+    let mut c = unsafe { Value::from_raw(class) };
+    for depth in 0..64 {
+        if let Ok(Some(name)) = c.funcall::<_, _, Option<String>>("name", ()) {
+            return Some(if depth == 0 {
+                name
+            } else {
+                format!("(anonymous subclass of {name})")
+            });
+        }
+        c = c.funcall::<_, _, Option<Value>>("superclass", ()).ok()??;
+    }
+    None
 }
 
 /// After a GC: the heap recorder's young update, out of the GC.
@@ -585,6 +814,27 @@ fn random() -> u64 {
     x ^= x << 17;
     ALLOC.rng.store(x, Ordering::Relaxed);
     x
+}
+
+/// A new seed for [`random`]: at each start and in each forked child, so no two processes (and
+/// no parent and child) draw the same samples.
+fn seed_random() {
+    let mut seed = 0u64;
+    // SAFETY: getrandom writes at most 8 bytes into `seed`.
+    let got = unsafe { libc::getrandom((&mut seed as *mut u64).cast(), 8, libc::GRND_NONBLOCK) };
+    if got != 8 {
+        // No entropy yet (early boot): the clock and the process id differ enough.
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes into `ts`; getpid has no preconditions.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        let pid = unsafe { libc::getpid() } as u64;
+        seed = (ts.tv_sec as u64) << 32 ^ ts.tv_nsec as u64 ^ pid.rotate_left(17);
+    }
+    // xorshift never leaves 0.
+    ALLOC.rng.store(seed | 1, Ordering::Relaxed);
 }
 
 fn next_gap(every: u64) -> u64 {
@@ -644,6 +894,10 @@ unsafe extern "C" fn on_newobj(tpval: VALUE, _data: *mut c_void) {
     }
     let mut s = AllocSample {
         obj,
+        thread: ThreadOf::current(),
+        // SAFETY: a visible object has a class; rb_obj_class reads it (skipping singleton and
+        // include classes) and allocates nothing.
+        class: unsafe { rb_sys::rb_obj_class(obj) },
         weight: seen,
         len: 0,
         frames: [0; ALLOC_FRAMES],
@@ -728,7 +982,10 @@ fn start(
         };
         // The hook pushes without growing the queue (no malloc inside an allocation).
         lock(&PENDING).reserve_exact(MAX_PENDING);
-        CPU_SIGNALS.store(0, Ordering::Relaxed);
+        COUNTERS.reset();
+        capture::clear();
+        seed_random();
+        prepare_gc_info();
         INTERVAL_NS.store(cpu_interval_ns.max(1), Ordering::Relaxed);
         DUTY_PPM.store(duty_ppm, Ordering::Relaxed);
         WATCHED_ALL.store(0, Ordering::Relaxed);
@@ -778,6 +1035,14 @@ fn stop_inner() -> bool {
     let was = RUNNING.swap(false, Ordering::Relaxed);
     let _ = set_timer(0);
     HOOK_ON.store(false, Ordering::Relaxed);
+    // The samples captured since the last CPU job go into this run's last profile.
+    capture::settle();
+    if let Some(rec) = recorder() {
+        as_job(|| record_captured(&rec));
+    }
+    COUNTERS
+        .cpu_intervals_at_stop
+        .fetch_add(capture::take_held_over().0, Ordering::Relaxed);
     let active = lock(&ACTIVE).take();
     if let Some(a) = active {
         for tp in [a.newobj_tp, a.gc_tp] {
@@ -799,7 +1064,8 @@ fn stop(ruby: &Ruby) -> Result<bool, Error> {
 /// In a forked child: the CPU timer is not inherited; arm a new one.
 fn after_fork(ruby: &Ruby) -> Result<(), Error> {
     guard(ruby, || {
-        CPU_SIGNALS.store(0, Ordering::Relaxed);
+        capture::clear();
+        seed_random();
         forget_timer();
         if RUNNING.load(Ordering::Relaxed) {
             let interval = INTERVAL_NS.load(Ordering::Relaxed);
@@ -826,17 +1092,7 @@ fn stats(ruby: &Ruby) -> Result<RHash, Error> {
     guard(ruby, || {
         let h = ruby.hash_new();
         let c = &COUNTERS;
-        for (k, v) in [
-            ("signals", &c.signals),
-            ("signals_outside_ruby", &c.signals_outside_ruby),
-            ("cpu_samples", &c.cpu_samples),
-            ("alloc_events", &c.alloc_events),
-            ("alloc_samples", &c.alloc_samples),
-            ("alloc_dropped", &c.alloc_dropped),
-            ("alloc_windows", &c.alloc_windows),
-            ("gc_steps", &c.gc_steps),
-            ("record_errors", &c.record_errors),
-        ] {
+        for (k, v) in c.all() {
             h.aset(ruby.to_symbol(k), v.load(Ordering::Relaxed))?;
         }
         h.aset(ruby.to_symbol("running"), RUNNING.load(Ordering::Relaxed))?;

@@ -6,8 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use ferroprof_recorder::heap::{HeapStats, LivenessSource};
 use ferroprof_recorder::{
-    Frame, HeapConfig, HeapError, Label, ProfileError, RecorderConfig, RecorderError,
-    SampleTypeConfig, SampleValues, StackRecorder,
+    Frame, HeapConfig, HeapError, Label, ProfileError, ProfileMetadata, RecorderConfig,
+    RecorderError, RecorderExtras, SampleType, SampleTypeConfig, SampleValues, StackRecorder,
 };
 use magnus::r_hash::ForEach;
 use magnus::rb_sys::AsRawValue;
@@ -71,6 +71,7 @@ pub fn build_recorder(
     heap_sample_every: i64,
     timeline_enabled: bool,
     heap_clean_after_gc_enabled: bool,
+    cpu_period_ns: u64,
 ) -> Result<StackRecorder, Error> {
     let sample_every = u32::try_from(heap_sample_every)
         .ok()
@@ -96,7 +97,15 @@ pub fn build_recorder(
         heap,
         ..RecorderConfig::default()
     };
-    StackRecorder::new(config).map_err(|e| recorder_error(ruby, e))
+    // What one CPU sample stands for, when a sampler says (pprof's period type and period).
+    let extras = RecorderExtras {
+        metadata: ProfileMetadata {
+            period: (cpu_period_ns > 0).then_some((SampleType::CpuTime, cpu_period_ns as i64)),
+            ..ProfileMetadata::default()
+        },
+        ..RecorderExtras::default()
+    };
+    StackRecorder::with_extras(config, extras).map_err(|e| recorder_error(ruby, e))
 }
 
 impl RbRecorder {
@@ -110,6 +119,7 @@ impl RbRecorder {
         heap_sample_every: i64,
         timeline_enabled: bool,
         heap_clean_after_gc_enabled: bool,
+        cpu_period_ns: u64,
     ) -> Result<Self, Error> {
         guard(ruby, || {
             let inner = build_recorder(
@@ -121,6 +131,7 @@ impl RbRecorder {
                 heap_sample_every,
                 timeline_enabled,
                 heap_clean_after_gc_enabled,
+                cpu_period_ns,
             )?;
             Ok(RbRecorder {
                 inner: Arc::new(inner),
@@ -508,7 +519,7 @@ pub fn sample(
 
 pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     let class = module.define_class("StackRecorder", ruby.class_object())?;
-    class.define_singleton_method("_native_new", function!(RbRecorder::new, 7))?;
+    class.define_singleton_method("_native_new", function!(RbRecorder::new, 8))?;
     class.define_singleton_method(
         "_native_serialize",
         function!(RbRecorder::native_serialize, 1),

@@ -48,6 +48,7 @@ module Ferroprof
         heap_size_enabled: heap,
         heap_sample_every: o[:heap_sample_every],
         timeline_enabled: false,
+        cpu_period_ns: o[:cpu_hz] > 0 ? (1e9 / o[:cpu_hz]).round : nil,
       )
     end
 
