@@ -23,14 +23,16 @@ if ! command -v gcc >/dev/null 2>&1 || ! ls /usr/lib/*-linux-gnu/libc.a >/dev/nu
     fi
 fi
 
-# The Ruby extension (bindings/ruby, scripts/ruby-binding.sh): Ruby's headers, RSpec, the
-# protobuf runtime its specs decode profiles with, and libclang for rb-sys's bindgen.
+# The Ruby extension (bindings/ruby, scripts/ruby-binding.sh, scripts/ruby-gem.sh): Ruby's
+# headers, RSpec, the protobuf runtime its specs decode profiles with, libclang for rb-sys's
+# bindgen, and Bundler (the gem is installed through it too).
 ferroprof_ruby_debs=""
 command -v ruby >/dev/null 2>&1 && [ -d "$(ruby -e 'print RbConfig::CONFIG["rubyhdrdir"]' 2>/dev/null)" ] \
     || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-dev"
 command -v rspec >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-rspec"
 ruby -e 'require "google/protobuf"' >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-google-protobuf"
 ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs libclang-dev"
+command -v bundle >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-bundler"
 if [ -n "$ferroprof_ruby_debs" ]; then
     echo "test-deps: installing$ferroprof_ruby_debs (for the Ruby extension)"
     if [ "$(id -u)" = 0 ]; then

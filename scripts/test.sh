@@ -31,6 +31,8 @@ cargo test -p ferroprof --features tracing --lib --test tracing_layer --test ser
 cargo test -p ferroprof --features opentelemetry --test otel_ids
 echo "== the Ruby extension (bindings/ruby, its own workspace): fmt, clippy, build, rspec"
 ./scripts/ruby-binding.sh
+echo "== the Ruby gem: gem build, gem install, apps started from the environment and by Bundler"
+./scripts/ruby-gem.sh
 echo "== soak (short): memory after exports, with and without the profiler"
 ./scripts/soak.sh ci
 

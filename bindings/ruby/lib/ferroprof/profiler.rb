@@ -15,9 +15,11 @@ module Ferroprof
       heap_sample_every: 1,
       wall_hz: 0,
       stop_timeout: 5,
+      service: "ferroprof",
+      tags: {},
     }.freeze
 
-    attr_reader :dir, :files, :recorder
+    attr_reader :dir, :files, :recorder, :service, :tags
 
     def initialize(**opts)
       unknown = opts.keys - DEFAULTS.keys
@@ -33,7 +35,16 @@ module Ferroprof
         raise ArgumentError, "alloc_every must be an Integer >= 0 (0: no allocation profile), got #{o[:alloc_every].inspect}"
       end
 
+      unless o[:service].is_a?(String) && o[:service].match?(/\A[\w.-]+\z/)
+        raise ArgumentError, "service must be a name of letters, digits, '.', '-' or '_' (it prefixes the files), got #{o[:service].inspect}"
+      end
+      unless o[:tags].is_a?(Hash)
+        raise ArgumentError, "tags must be a Hash of names to values, got #{o[:tags].inspect}"
+      end
+
       @opts = o
+      @service = o[:service]
+      @tags = o[:tags].to_h { |k, v| [k.to_s, v.to_s] }.freeze
       @dir = o[:dir].to_s
       @files = []
       @count = 0
@@ -142,7 +153,7 @@ module Ferroprof
       @mutex.synchronize do
         _start, _finish, pprof, _stats = @recorder.serialize
         @count += 1
-        path = File.join(@dir, "ferroprof.#{Process.pid}.#{@count}.pprof")
+        path = File.join(@dir, "#{@service}.#{Process.pid}.#{@count}.pprof")
         File.binwrite(path, pprof)
         @files << path
         path
@@ -204,6 +215,8 @@ module Ferroprof
     #   heap_sample_every: track 1 in N allocation samples for the live heap (1)
     #   wall_hz:           wall-time looks at every thread per second (0: off)
     #   stop_timeout:      seconds stop waits for the profiler's threads (5)
+    #   service:           the files' prefix (ferroprof): SERVICE.PID.N.pprof
+    #   tags:              a Hash kept with the profiler (env, version, ...): Ferroprof.tags
     # Returns the profiler; raises if one is already running.
     def start(**opts)
       raise Error, "ferroprof is already running (Ferroprof.stop first)" if @profiler
@@ -230,6 +243,11 @@ module Ferroprof
 
     def running?
       !@profiler.nil?
+    end
+
+    # The running profiler's tags (an empty Hash when not running).
+    def tags
+      @profiler ? @profiler.tags : {}
     end
 
     # Writes the profile recorded since the last one now; returns its path. Raises when
