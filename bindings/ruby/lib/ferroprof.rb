@@ -75,3 +75,4 @@ module Ferroprof
 end
 
 require "ferroprof/profiler"
+require "ferroprof/context"

@@ -67,6 +67,9 @@ pub struct Captured {
     /// Read while this thread ran the garbage collector: its `major_by` and `gc_by` (static
     /// Symbols or nil, from `GC.latest_gc_info`).
     pub gc: Option<(VALUE, VALUE)>,
+    /// The thread's request context then: local root span id and label set id (0: none).
+    pub span: u64,
+    pub labels: u64,
 }
 
 impl Captured {
@@ -79,6 +82,8 @@ impl Captured {
             tid: 0,
             cpu_ns: 0,
             gc: None,
+            span: 0,
+            labels: 0,
         }
     }
 }
@@ -193,6 +198,7 @@ pub fn capture_in_handler(intervals: u64, interval_ns: u64, gc: Option<(VALUE, V
         d.thread = unsafe { rb_sys::rb_thread_current() };
         d.tid = tid as i64;
         d.gc = gc;
+        (d.span, d.labels) = crate::context::get(tid);
         let cpu_us = cpu_since_last(tid, intervals * interval_ns / 1_000);
         slot.tid.store(tid, Ordering::Relaxed);
         let w = full_word(intervals, cpu_us).unwrap_or(FULL | 1 << INTERVALS_SHIFT);

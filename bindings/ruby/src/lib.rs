@@ -5,6 +5,7 @@
 //! panic becomes a Ruby exception instead of unwinding into the VM.
 
 mod capture;
+mod context;
 mod heap;
 mod profiler;
 mod recorder;

@@ -170,8 +170,10 @@ static ALLOC: AllocSampling = AllocSampling {
 #[derive(Clone, Copy)]
 struct AllocSample {
     obj: VALUE,
-    /// The allocating thread, and the object's class then.
+    /// The allocating thread, its request context, and the object's class then.
     thread: ThreadOf,
+    span: u64,
+    labels: u64,
     class: VALUE,
     weight: u64,
     len: usize,
@@ -505,6 +507,9 @@ struct Extra<'a> {
     class: Option<&'a str>,
     /// Taken inside the garbage collector: a `Garbage Collection` leaf and its labels.
     gc: Option<GcLabels>,
+    /// The request's local root span id and the user label set's id (0: none).
+    span: u64,
+    labels: u64,
 }
 
 /// Records one sample of the frames `frames`/`lines` (innermost first) with `values`, labelled
@@ -545,9 +550,70 @@ fn record(
             labels.push(Label::str("gc cause", cause));
         }
     }
+    if extra.span != 0 {
+        // The recorder names the request's endpoint by this label (`trace endpoint`).
+        labels.push(Label::num("local root span id", extra.span as i64));
+    }
+    let user = label_set(extra.labels);
+    labels.extend(user.iter().map(|(k, v)| Label::str(k, v)));
     if rec.record_sample(&refs, values, &labels, 0).is_err() {
         COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// User label sets by id (`Ferroprof.with_labels`), registered once each from Ruby.
+static LABEL_SETS: Mutex<Option<HashMap<u64, LabelSet>>> = Mutex::new(None);
+/// A label set: (key, value) pairs.
+type LabelSet = Arc<[(String, String)]>;
+/// Label sets kept at most; `with_labels` is refused past it (the ids live in samples).
+const MAX_LABEL_SETS: usize = 100_000;
+
+fn label_set(id: u64) -> LabelSet {
+    if id == 0 {
+        return Arc::new([]);
+    }
+    lock(&LABEL_SETS)
+        .as_ref()
+        .and_then(|m| m.get(&id).cloned())
+        .unwrap_or_else(|| Arc::new([]))
+}
+
+/// `_native_register_labels(id, [[key, value], ...])`: false when the registry is full.
+fn register_labels(ruby: &Ruby, id: u64, pairs: Vec<(String, String)>) -> Result<bool, Error> {
+    guard(ruby, || {
+        let mut sets = lock(&LABEL_SETS);
+        let map = sets.get_or_insert_with(HashMap::new);
+        if map.len() >= MAX_LABEL_SETS && !map.contains_key(&id) {
+            return Ok(false);
+        }
+        map.insert(id, pairs.into());
+        Ok(true)
+    })
+}
+
+/// `_native_set_context(span_id, labels_id)`: the calling thread's request context.
+fn set_context(ruby: &Ruby, span: u64, labels: u64) -> Result<bool, Error> {
+    guard(ruby, || {
+        Ok(crate::context::set(
+            crate::context::current_tid(),
+            span,
+            labels,
+        ))
+    })
+}
+
+/// `_native_record_endpoint(span_id, endpoint)`: names the request's endpoint (its samples,
+/// earlier ones included, get `trace endpoint`). False when not running.
+fn record_endpoint(ruby: &Ruby, span: u64, endpoint: String) -> Result<bool, Error> {
+    guard(ruby, || {
+        let Some(rec) = recorder() else {
+            return Ok(false);
+        };
+        if rec.record_endpoint(span, &endpoint).is_err() {
+            COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(true)
+    })
 }
 
 /// `Thread#name` of `thread` (`main` for the unnamed main thread).
@@ -617,10 +683,13 @@ fn record_captured(rec: &StackRecorder) {
     // once out of the slot.
     let mut c = capture::Captured::empty();
     let (mut held, mut held_ns) = capture::take_held_over();
+    let interval = INTERVAL_NS.load(Ordering::Relaxed);
     while let Some(n) = capture::take(&mut c) {
+        let n = n + std::mem::take(&mut held);
+        let cpu_ns = c.cpu_ns + std::mem::take(&mut held_ns);
         let values = SampleValues {
-            cpu_time_ns: (c.cpu_ns + std::mem::take(&mut held_ns)) as i64,
-            cpu_or_wall_samples: (n + std::mem::take(&mut held)) as i64,
+            cpu_time_ns: thread_weight(c.tid, n, interval, cpu_ns) as i64,
+            cpu_or_wall_samples: n as i64,
             ..SampleValues::default()
         };
         let thread = ThreadOf {
@@ -630,6 +699,8 @@ fn record_captured(rec: &StackRecorder) {
         let extra = Extra {
             class: None,
             gc: c.gc.map(|(major_by, gc_by)| GcLabels::of(major_by, gc_by)),
+            span: c.span,
+            labels: c.labels,
         };
         record(
             rec,
@@ -646,6 +717,35 @@ fn record_captured(rec: &StackRecorder) {
         // None recorded this time: kept for the next sample.
         capture::hold_over(held, held_ns);
     }
+}
+
+/// Per thread: the CPU its signals' intervals stand for and the CPU its clock counted, since
+/// start (nanoseconds).
+static THREAD_CPU: Mutex<Option<HashMap<i64, (u64, u64)>>> = Mutex::new(None);
+/// Threads remembered at most; past it the table starts over.
+const MAX_THREADS_WEIGHED: usize = 10_000;
+
+/// A CPU sample's weight: its intervals, scaled by its thread's clock over the intervals its
+/// signals stood for since start. The intervals alone are where within a thread time went
+/// (each is booked to what ran when it ended), but the kernel gives each signal to whichever
+/// running thread's tick saw the expiry, so across threads they book one thread's CPU to
+/// another; the thread's own clock since its previous sample alone sets each total right but
+/// books a thread's earlier requests to the long one it is in now (length bias). The ratio of
+/// the two, taken over the thread's whole run, keeps both right.
+fn thread_weight(tid: i64, intervals: u64, interval_ns: u64, cpu_ns: u64) -> u64 {
+    let by_intervals = intervals.saturating_mul(interval_ns);
+    let mut table = lock(&THREAD_CPU);
+    let map = table.get_or_insert_with(HashMap::new);
+    if map.len() >= MAX_THREADS_WEIGHED && !map.contains_key(&tid) {
+        map.clear();
+    }
+    let e = map.entry(tid).or_insert((0, 0));
+    e.0 = e.0.saturating_add(by_intervals);
+    e.1 = e.1.saturating_add(cpu_ns);
+    if e.0 == 0 {
+        return cpu_ns;
+    }
+    (by_intervals as f64 * e.1 as f64 / e.0 as f64).round() as u64
 }
 
 /// The GC count the CPU job saw last.
@@ -724,6 +824,8 @@ extern "C" fn alloc_job(_data: *mut c_void) {
                 &Extra {
                     class: class.as_deref(),
                     gc: None,
+                    span: s.span,
+                    labels: s.labels,
                 },
             );
             COUNTERS.alloc_samples.fetch_add(1, Ordering::Relaxed);
@@ -895,6 +997,8 @@ unsafe extern "C" fn on_newobj(tpval: VALUE, _data: *mut c_void) {
     let mut s = AllocSample {
         obj,
         thread: ThreadOf::current(),
+        span: 0,
+        labels: 0,
         // SAFETY: a visible object has a class; rb_obj_class reads it (skipping singleton and
         // include classes) and allocates nothing.
         class: unsafe { rb_sys::rb_obj_class(obj) },
@@ -914,6 +1018,7 @@ unsafe extern "C" fn on_newobj(tpval: VALUE, _data: *mut c_void) {
         )
     };
     s.len = n.max(0) as usize;
+    (s.span, s.labels) = crate::context::get(s.thread.tid as u64);
     q.push(s);
     drop(q);
     // SAFETY: called with the GVL held; the job runs at the next safe point.
@@ -984,6 +1089,7 @@ fn start(
         lock(&PENDING).reserve_exact(MAX_PENDING);
         COUNTERS.reset();
         capture::clear();
+        *lock(&THREAD_CPU) = None;
         seed_random();
         prepare_gc_info();
         INTERVAL_NS.store(cpu_interval_ns.max(1), Ordering::Relaxed);
@@ -1065,6 +1171,8 @@ fn stop(ruby: &Ruby) -> Result<bool, Error> {
 fn after_fork(ruby: &Ruby) -> Result<(), Error> {
     guard(ruby, || {
         capture::clear();
+        crate::context::clear();
+        *lock(&THREAD_CPU) = None;
         seed_random();
         forget_timer();
         if RUNNING.load(Ordering::Relaxed) {
@@ -1109,6 +1217,9 @@ pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     native.define_module_function("_native_after_fork", function!(after_fork, 0))?;
     native.define_module_function("_native_set_own_threads", function!(set_own_threads, 2))?;
     native.define_module_function("_native_stats", function!(stats, 0))?;
+    native.define_module_function("_native_set_context", function!(set_context, 2))?;
+    native.define_module_function("_native_register_labels", function!(register_labels, 2))?;
+    native.define_module_function("_native_record_endpoint", function!(record_endpoint, 2))?;
     // The wall sampler records through the recorder's own sample entry point.
     native.define_module_function("_native_sample", function!(crate::recorder::sample, 5))?;
     Ok(())

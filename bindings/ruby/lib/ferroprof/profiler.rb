@@ -103,6 +103,7 @@ module Ferroprof
       @mutex = Mutex.new
       @wake = ConditionVariable.new
       @recorder.reset_after_fork
+      Context.reset_after_fork
       @files = []
       @count = 0
       Native._native_after_fork
@@ -183,7 +184,11 @@ module Ferroprof
           frames = locs.first(400).map { |l| [l.label || "(unknown)", l.absolute_path || l.path || "", l.lineno] }
           name = t.name || (t == Thread.main ? "main" : nil)
           labels = name ? [["thread name", name]] : []
-          Native._native_sample(@recorder, frames, { "wall-time" => elapsed }, labels, [["thread id", t.native_thread_id || 0]])
+          numeric = [["thread id", t.native_thread_id || 0]]
+          context = Context.of(t)
+          numeric << ["local root span id", context.span] if context.span.positive?
+          labels.concat(context.labels.to_a)
+          Native._native_sample(@recorder, frames, { "wall-time" => elapsed }, labels, numeric)
         end
       end
     rescue StandardError => e
