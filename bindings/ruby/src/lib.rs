@@ -6,6 +6,7 @@
 
 mod capture;
 mod context;
+mod export;
 mod heap;
 mod profiler;
 mod recorder;
@@ -59,5 +60,6 @@ fn init(ruby: &Ruby) -> Result<(), Error> {
     module.define_error("Error", ruby.exception_runtime_error())?;
     recorder::init(ruby, module)?;
     profiler::init(ruby, module)?;
+    export::init(ruby, module)?;
     Ok(())
 }

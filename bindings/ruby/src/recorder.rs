@@ -17,6 +17,7 @@ use magnus::{
     Symbol, TryConvert, Value,
 };
 
+use crate::export::Exporters;
 use crate::heap::{handle_of, RubyHeap};
 use crate::{arg_error, error, guard};
 
@@ -142,10 +143,32 @@ impl RbRecorder {
     /// `[:ok, [start_ns, finish_ns, pprof_bytes, stats]]` or `[:error, message]`, as the seed's
     /// `_native_serialize` (the Ruby side turns it into Times or an exception).
     fn native_serialize(ruby: &Ruby, rb: &RbRecorder) -> Result<RArray, Error> {
+        Self::serialize_to(ruby, rb, None)
+    }
+
+    /// `_native_serialize_export(recorder, exporters)`: as `_native_serialize`, and the profile
+    /// goes to `exporters` too (queued; the stats say how many refused it: `export_refused`).
+    fn native_serialize_export(
+        ruby: &Ruby,
+        rb: &RbRecorder,
+        exporters: &Exporters,
+    ) -> Result<RArray, Error> {
+        Self::serialize_to(ruby, rb, Some(exporters))
+    }
+
+    fn serialize_to(
+        ruby: &Ruby,
+        rb: &RbRecorder,
+        exporters: Option<&Exporters>,
+    ) -> Result<RArray, Error> {
         guard(ruby, || {
             let out = ruby.ary_new_capa(2);
             match rb.inner.serialize(None) {
                 Ok(p) => {
+                    let refused = exporters.map_or(0, |x| {
+                        let types = rb.inner.layout().types().iter();
+                        x.export(&p, types.map(|t| t.name().to_owned()).collect())
+                    });
                     let stats = hash_of(
                         ruby,
                         &[
@@ -161,6 +184,7 @@ impl RbRecorder {
                             ),
                             ("dropped_stacks", p.stats.dropped_stacks),
                             ("profile_bytes", p.stats.profile_bytes),
+                            ("export_refused", refused as u64),
                         ],
                     )?;
                     let result = ruby.ary_new_capa(4);
@@ -523,6 +547,10 @@ pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     class.define_singleton_method(
         "_native_serialize",
         function!(RbRecorder::native_serialize, 1),
+    )?;
+    class.define_singleton_method(
+        "_native_serialize_export",
+        function!(RbRecorder::native_serialize_export, 2),
     )?;
     class.define_method("stats", method!(RbRecorder::stats, 0))?;
     class.define_method("reset_after_fork", method!(RbRecorder::reset_after_fork, 0))?;

@@ -2,7 +2,7 @@
 
 # Builds the extension with cargo when the gem is installed (`gem install ferroprof-*.gem`, or
 # Bundler with a `path:`/`gem` line): writes a Makefile whose `all` runs cargo on the gem's
-# crate (src/, with the recorder crate vendored under vendor/) and whose `install` puts the
+# crate (src/, with the repository's crates vendored under vendor/) and whose `install` puts the
 # library where `require "ferroprof/ferroprof_ruby"` finds it.
 #
 # Needs: cargo (Rust 1.85 or newer) and libclang (rb-sys generates Ruby's bindings with it).
@@ -20,17 +20,22 @@ unless $?&.success?
 end
 warn "ferroprof: building the extension with #{version.strip} (a minute or two the first time)"
 
-recorder = File.join(gem_root, "vendor", "ferroprof-recorder")
-unless File.exist?(File.join(recorder, "Cargo.toml"))
-  abort "ferroprof: #{recorder} is missing: build the gem with `gem build ferroprof.gemspec` " \
-        "from bindings/ruby of the ferroprof repository (it vendors the recorder crate)"
+vendored = %w[ferroprof-recorder ferroprof-export].to_h { |c| [c, File.join(gem_root, "vendor", c)] }
+vendored.each_value do |path|
+  next if File.exist?(File.join(path, "Cargo.toml"))
+
+  abort "ferroprof: #{path} is missing: build the gem with `gem build ferroprof.gemspec` " \
+        "from bindings/ruby of the ferroprof repository (it vendors the crates it needs)"
 end
 
-# The crate's manifest, pointed at the vendored recorder and at the gem's sources.
+# The crate's manifest, pointed at the vendored crates and at the gem's sources. Vendored
+# crates name each other by version (as `cargo package` wrote them): [patch] points those back.
 manifest = File.read(File.join(gem_root, "Cargo.toml"))
-manifest = manifest.sub(/^ferroprof-recorder = \{ path = "[^"]*" \}$/,
-                        %(ferroprof-recorder = { path = "#{recorder}" }))
+vendored.each do |name, path|
+  manifest = manifest.sub(/^#{name} = \{ path = "[^"]*" \}$/, %(#{name} = { path = "#{path}" }))
+end
 manifest = manifest.sub(/^\[lib\]$/, %([lib]\npath = "#{File.join(gem_root, 'src', 'lib.rs')}"))
+manifest += "\n[patch.crates-io]\n" + vendored.map { |name, path| %(#{name} = { path = "#{path}" }\n) }.join
 build = File.expand_path("build", __dir__)
 FileUtils.mkdir_p(build)
 File.write(File.join(build, "Cargo.toml"), manifest)

@@ -16,7 +16,9 @@
 #   FERROPROF_ALLOC_DUTY      share of CPU intervals whose allocations are watched (0.05; 1: all,
 #                             for short runs and tests; Ruby allocates slower while watched)
 #   FERROPROF_PERIOD_SECS     seconds between two profiles (60)
-#   FERROPROF_OUTPUT_DIR      where profiles go (./profiles)
+#   FERROPROF_OUTPUT_DIR      where profiles go (./profiles; with an exporter, none unless set)
+#   DD_PROFILING_ENABLED=true (DD_TRACE_AGENT_URL, DD_AGENT_HOST, DD_API_KEY...) and
+#   FERROPROF_PYROSCOPE_URL   upload each profile, as the Rust profiler does
 #
 # A bad value is reported in one line on stderr and the program runs unprofiled. Forked
 # children (Puma, Unicorn workers) profile themselves into files of their own.
@@ -41,8 +43,13 @@ module Ferroprof
       alloc_off = env.key?("FERROPROF_ALLOC_INTERVAL") &&
                   integer(env, "FERROPROF_ALLOC_INTERVAL", 0, 0..(2**62), "bytes").zero?
       alloc = profiles.include?("alloc") || profiles.include?("heap")
+      # With an exporter (Datadog, Pyroscope), files only when FERROPROF_OUTPUT_DIR asks.
+      export = %w[1 true yes on].include?(env["DD_PROFILING_ENABLED"].to_s.strip.downcase) ||
+               %w[1 true yes on].include?(env["FERROPROF_DATADOG"].to_s.strip.downcase) ||
+               !env["FERROPROF_PYROSCOPE_URL"].to_s.strip.empty?
       {
-        dir: env.fetch("FERROPROF_OUTPUT_DIR", "profiles"),
+        dir: env["FERROPROF_OUTPUT_DIR"] || (export ? nil : "profiles"),
+        export_from_env: export,
         service: service(env),
         tags: tags(env),
         period: number(env, "FERROPROF_PERIOD_SECS", 60, 0.01..(86_400 * 7), "seconds"),

@@ -17,6 +17,7 @@ module Ferroprof
       stop_timeout: 5,
       service: "ferroprof",
       tags: {},
+      export_from_env: false,
     }.freeze
 
     attr_reader :dir, :files, :recorder, :service, :tags
@@ -45,7 +46,12 @@ module Ferroprof
       @opts = o
       @service = o[:service]
       @tags = o[:tags].to_h { |k, v| [k.to_s, v.to_s] }.freeze
-      @dir = o[:dir].to_s
+      @dir = o[:dir]&.to_s
+      # The Rust profiler's exporters, as the environment configures them (Datadog, Pyroscope).
+      @exporters = o[:export_from_env] ? Native::Exporters._native_exporters_from_env(@service, @tags.to_a) : nil
+      @dropped_exporters = []
+      raise ArgumentError, "dir is needed when no exporter is configured" if @dir.nil? && @exporters.nil?
+
       @files = []
       @count = 0
       @mutex = Mutex.new
@@ -65,7 +71,7 @@ module Ferroprof
 
     def start
       require "fileutils"
-      FileUtils.mkdir_p(@dir)
+      FileUtils.mkdir_p(@dir) if @dir
       interval_ns = @opts[:cpu_hz] > 0 ? (1e9 / @opts[:cpu_hz]).round : 0
       heap = @opts[:heap] && @opts[:alloc_every] > 0
       Native._native_start(@recorder, interval_ns, @opts[:alloc_every], @opts[:alloc_duty].to_f, heap)
@@ -88,6 +94,7 @@ module Ferroprof
       end
       Native._native_set_own_threads(nil, nil)
       write_profile
+      @exporters&.shutdown(@opts[:stop_timeout])
       @files
     end
 
@@ -104,6 +111,12 @@ module Ferroprof
       @wake = ConditionVariable.new
       @recorder.reset_after_fork
       Context.reset_after_fork
+      if @exporters
+        # The parent's exporters' threads are not in this process: theirs are kept (never freed,
+        # which would wait for those threads) and this process gets its own.
+        @dropped_exporters << @exporters
+        @exporters = Native::Exporters._native_exporters_from_env(@service, @tags.to_a)
+      end
       @files = []
       @count = 0
       Native._native_after_fork
@@ -132,6 +145,18 @@ module Ferroprof
       Native._native_set_own_threads(@writer, @wall)
     end
 
+    # The profile since the last one, handed to the exporters too when there are any.
+    def serialize
+      return @recorder.serialize unless @exporters
+
+      status, result = StackRecorder._native_serialize_export(@recorder, @exporters)
+      raise SerializationError, "Failed to serialize profiling data: #{result}" unless status == :ok
+
+      start_ns, finish_ns, encoded, stats = result
+      warn "ferroprof: #{stats[:export_refused]} exporter(s) refused a profile" if stats[:export_refused].to_i.positive?
+      [Ferroprof.time_from_ns(start_ns), Ferroprof.time_from_ns(finish_ns), encoded, stats]
+    end
+
     def writer_loop
       period = @opts[:period]
       loop do
@@ -152,8 +177,10 @@ module Ferroprof
 
     def write_profile
       @mutex.synchronize do
-        _start, _finish, pprof, _stats = @recorder.serialize
+        _start, _finish, pprof, _stats = serialize
         @count += 1
+        return nil unless @dir
+
         path = File.join(@dir, "#{@service}.#{Process.pid}.#{@count}.pprof")
         File.binwrite(path, pprof)
         @files << path
@@ -221,7 +248,10 @@ module Ferroprof
     #   wall_hz:           wall-time looks at every thread per second (0: off)
     #   stop_timeout:      seconds stop waits for the profiler's threads (5)
     #   service:           the files' prefix (ferroprof): SERVICE.PID.N.pprof
-    #   tags:              a Hash kept with the profiler (env, version, ...): Ferroprof.tags
+    #   tags:              a Hash of tags (env, version, ...) for the exporters: Ferroprof.tags
+    #   export_from_env:   also upload each profile as the environment says, as the Rust
+    #                      profiler does (DD_PROFILING_ENABLED, DD_TRACE_AGENT_URL...,
+    #                      FERROPROF_PYROSCOPE_URL...); dir: nil then writes no file
     # Returns the profiler; raises if one is already running.
     def start(**opts)
       raise Error, "ferroprof is already running (Ferroprof.stop first)" if @profiler
