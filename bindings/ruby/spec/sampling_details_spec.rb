@@ -145,6 +145,29 @@ RSpec.describe "Ferroprof samples" do
     expect(gc.map { |s| s.locations.map(&:label) }).to all(include("Object#details_churn").or(include(/details_churn/)))
   end
 
+  it "timestamps CPU samples on the timeline (timeline: true), in the order the threads ran" do
+    w = SamplingDetailsWorkload
+    Ferroprof.start(dir: dir, period: 60, cpu_hz: 500, alloc_every: 0, timeline: true)
+    t0 = Process.clock_gettime(Process::CLOCK_REALTIME, :nanosecond)
+    # Ruby reuses a finished thread's native thread: the threads are told apart by name.
+    %w[first second].each do |name|
+      Thread.new do
+        Thread.current.name = name
+        t = w.thread_cpu_ns
+        w.details_ruby_spin(20_000) while w.thread_cpu_ns - t < 0.4e9
+      end.join
+    end
+    t1 = Process.clock_gettime(Process::CLOCK_REALTIME, :nanosecond)
+    samples = samples_of(Ferroprof.stop).select { |s| (s.values[:"cpu-time"] || 0).positive? }
+    at = ->(name) { samples.select { |s| s.labels[:"thread name"] == name }.map { |s| s.labels[:end_timestamp_ns] } }
+    first, second = %w[first second].map { |name| at.call(name) }
+    expect(first.size).to be > 20
+    expect(second.size).to be > 20
+    expect(first + second).to all(be_between(t0, t1))
+    expect(first.max).to be < second.min, "first #{first.minmax}, second #{second.minmax}"
+    expect(samples.sum { |s| s.values[:timeline] || 0 }).to eq(samples.sum { |s| s.values[:"cpu-time"] })
+  end
+
   # Per-site allocation sample counts of one deterministic program.
   SITES_PROGRAM = <<~RUBY
     require "ferroprof"

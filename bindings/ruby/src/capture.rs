@@ -70,6 +70,8 @@ pub struct Captured {
     /// The thread's request context then: local root span id and label set id (0: none).
     pub span: u64,
     pub labels: u64,
+    /// When it was read (nanoseconds since the epoch), for the timeline.
+    pub at_ns: i64,
 }
 
 impl Captured {
@@ -84,6 +86,7 @@ impl Captured {
             gc: None,
             span: 0,
             labels: 0,
+            at_ns: 0,
         }
     }
 }
@@ -199,6 +202,7 @@ pub fn capture_in_handler(intervals: u64, interval_ns: u64, gc: Option<(VALUE, V
         d.tid = tid as i64;
         d.gc = gc;
         (d.span, d.labels) = crate::context::get(tid);
+        d.at_ns = realtime_ns();
         let cpu_us = cpu_since_last(tid, intervals * interval_ns / 1_000);
         slot.tid.store(tid, Ordering::Relaxed);
         let w = full_word(intervals, cpu_us).unwrap_or(FULL | 1 << INTERVALS_SHIFT);
@@ -268,6 +272,19 @@ pub fn take_held_over() -> (u64, u64) {
         HELD_OVER.swap(0, Ordering::Relaxed),
         HELD_OVER_CPU_US.swap(0, Ordering::Relaxed) * 1_000,
     )
+}
+
+/// The wall clock in nanoseconds since the epoch (0 if unreadable). Async-signal-safe.
+pub fn realtime_ns() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime is async-signal-safe and writes into `ts`.
+    if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) } != 0 {
+        return 0;
+    }
+    ts.tv_sec as i64 * 1_000_000_000 + ts.tv_nsec as i64
 }
 
 /// Gives intervals and CPU nanoseconds back to be held over (for the next sample recorded).

@@ -54,6 +54,8 @@ const MAX_CACHED_FRAMES: usize = 20_000;
 static RUNNING: AtomicBool = AtomicBool::new(false);
 /// The timer's interval.
 static INTERVAL_NS: AtomicU64 = AtomicU64::new(10_000_000);
+/// CPU samples are timestamped (`timeline: true`): each is kept as an event of its own.
+static TIMELINE: AtomicBool = AtomicBool::new(false);
 /// Inside one of our jobs: the allocations they make are not sampled.
 static IN_JOB: AtomicBool = AtomicBool::new(false);
 /// The profiler's own Ruby threads (writer, wall sampler): their samples are the profiler's
@@ -510,6 +512,8 @@ struct Extra<'a> {
     /// The request's local root span id and the user label set's id (0: none).
     span: u64,
     labels: u64,
+    /// The sample's timestamp (nanoseconds since the epoch; 0: aggregated, no timestamp).
+    at_ns: i64,
 }
 
 /// Records one sample of the frames `frames`/`lines` (innermost first) with `values`, labelled
@@ -556,7 +560,10 @@ fn record(
     }
     let user = label_set(extra.labels);
     labels.extend(user.iter().map(|(k, v)| Label::str(k, v)));
-    if rec.record_sample(&refs, values, &labels, 0).is_err() {
+    if rec
+        .record_sample(&refs, values, &labels, extra.at_ns)
+        .is_err()
+    {
         COUNTERS.record_errors.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -687,9 +694,13 @@ fn record_captured(rec: &StackRecorder) {
     while let Some(n) = capture::take(&mut c) {
         let n = n + std::mem::take(&mut held);
         let cpu_ns = c.cpu_ns + std::mem::take(&mut held_ns);
+        let cpu_time_ns = thread_weight(c.tid, n, interval, cpu_ns) as i64;
+        let timeline = TIMELINE.load(Ordering::Relaxed);
         let values = SampleValues {
-            cpu_time_ns: thread_weight(c.tid, n, interval, cpu_ns) as i64,
+            cpu_time_ns,
             cpu_or_wall_samples: n as i64,
+            // On the timeline, a CPU sample spans the CPU it stands for.
+            timeline_wall_time_ns: if timeline { cpu_time_ns } else { 0 },
             ..SampleValues::default()
         };
         let thread = ThreadOf {
@@ -701,6 +712,7 @@ fn record_captured(rec: &StackRecorder) {
             gc: c.gc.map(|(major_by, gc_by)| GcLabels::of(major_by, gc_by)),
             span: c.span,
             labels: c.labels,
+            at_ns: if timeline { c.at_ns } else { 0 },
         };
         record(
             rec,
@@ -826,6 +838,7 @@ extern "C" fn alloc_job(_data: *mut c_void) {
                     gc: None,
                     span: s.span,
                     labels: s.labels,
+                    at_ns: 0,
                 },
             );
             COUNTERS.alloc_samples.fetch_add(1, Ordering::Relaxed);
@@ -1046,7 +1059,7 @@ fn new_tracepoint(event: u32, hook: unsafe extern "C" fn(VALUE, *mut c_void), on
 
 // --- Ruby entry points ----------------------------------------------------------------------
 
-/// `_native_start(recorder, cpu_interval_ns, alloc_every, alloc_duty, gc_hook)`:
+/// `_native_start(recorder, cpu_interval_ns, alloc_every, alloc_duty, gc_hook, timeline)`:
 /// `cpu_interval_ns` 0 turns CPU sampling off, `alloc_every` (mean allocations per sample) 0
 /// allocation sampling off; `alloc_duty` is the share of CPU intervals whose allocations are
 /// watched (1 without CPU sampling, which delimits the intervals).
@@ -1057,6 +1070,7 @@ fn start(
     alloc_every: u64,
     alloc_duty: f64,
     gc_hook: bool,
+    timeline: bool,
 ) -> Result<bool, Error> {
     guard(ruby, || {
         if RUNNING.load(Ordering::Relaxed) {
@@ -1093,6 +1107,7 @@ fn start(
         seed_random();
         prepare_gc_info();
         INTERVAL_NS.store(cpu_interval_ns.max(1), Ordering::Relaxed);
+        TIMELINE.store(timeline, Ordering::Relaxed);
         DUTY_PPM.store(duty_ppm, Ordering::Relaxed);
         WATCHED_ALL.store(0, Ordering::Relaxed);
         SCALE_BITS.store(0, Ordering::Relaxed);
@@ -1212,7 +1227,7 @@ pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     let native = module.define_module("Native")?;
     native.define_class("Roots", ruby.class_object())?;
     native.const_set("ROOTS", Roots)?;
-    native.define_module_function("_native_start", function!(start, 5))?;
+    native.define_module_function("_native_start", function!(start, 6))?;
     native.define_module_function("_native_stop", function!(stop, 0))?;
     native.define_module_function("_native_after_fork", function!(after_fork, 0))?;
     native.define_module_function("_native_set_own_threads", function!(set_own_threads, 2))?;
@@ -1222,5 +1237,9 @@ pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     native.define_module_function("_native_record_endpoint", function!(record_endpoint, 2))?;
     // The wall sampler records through the recorder's own sample entry point.
     native.define_module_function("_native_sample", function!(crate::recorder::sample, 5))?;
+    native.define_module_function(
+        "_native_sample_at",
+        function!(crate::recorder::sample_at, 6),
+    )?;
     Ok(())
 }

@@ -515,6 +515,19 @@ pub fn sample(
     labels: RArray,
     numeric_labels: RArray,
 ) -> Result<(), Error> {
+    sample_at(ruby, rb, frames, values, labels, numeric_labels, 0)
+}
+
+/// [`sample`] with a timestamp (nanoseconds since the epoch; 0: none): a timeline event.
+pub fn sample_at(
+    ruby: &Ruby,
+    rb: &RbRecorder,
+    frames: RArray,
+    values: RHash,
+    labels: RArray,
+    numeric_labels: RArray,
+    at_ns: i64,
+) -> Result<(), Error> {
     guard(ruby, || {
         let frames = frames_of(frames)?;
         let values = sample_values(ruby, values)?;
@@ -536,7 +549,7 @@ pub fn sample(
             .collect();
         label_refs.extend(numeric.iter().map(|(k, v)| Label::num(k, *v)));
         rb.inner
-            .record_sample(&frame_refs, &values, &label_refs, 0)
+            .record_sample(&frame_refs, &values, &label_refs, at_ns)
             .map_err(|e| recorder_error(ruby, e))
     })
 }

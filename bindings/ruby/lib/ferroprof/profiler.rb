@@ -18,6 +18,7 @@ module Ferroprof
       service: "ferroprof",
       tags: {},
       export_from_env: false,
+      timeline: false,
     }.freeze
 
     attr_reader :dir, :files, :recorder, :service, :tags
@@ -64,7 +65,7 @@ module Ferroprof
         heap_samples_enabled: heap,
         heap_size_enabled: heap,
         heap_sample_every: o[:heap_sample_every],
-        timeline_enabled: false,
+        timeline_enabled: o[:timeline] ? true : false,
         cpu_period_ns: o[:cpu_hz] > 0 ? (1e9 / o[:cpu_hz]).round : nil,
       )
     end
@@ -74,7 +75,8 @@ module Ferroprof
       FileUtils.mkdir_p(@dir) if @dir
       interval_ns = @opts[:cpu_hz] > 0 ? (1e9 / @opts[:cpu_hz]).round : 0
       heap = @opts[:heap] && @opts[:alloc_every] > 0
-      Native._native_start(@recorder, interval_ns, @opts[:alloc_every], @opts[:alloc_duty].to_f, heap)
+      Native._native_start(@recorder, interval_ns, @opts[:alloc_every], @opts[:alloc_duty].to_f, heap,
+                           @opts[:timeline] ? true : false)
       start_threads
       self
     end
@@ -215,7 +217,12 @@ module Ferroprof
           context = Context.of(t)
           numeric << ["local root span id", context.span] if context.span.positive?
           labels.concat(context.labels.to_a)
-          Native._native_sample(@recorder, frames, { "wall-time" => elapsed }, labels, numeric)
+          if @opts[:timeline]
+            at = Process.clock_gettime(Process::CLOCK_REALTIME, :nanosecond)
+            Native._native_sample_at(@recorder, frames, { "wall-time" => elapsed, "timeline" => elapsed }, labels, numeric, at)
+          else
+            Native._native_sample(@recorder, frames, { "wall-time" => elapsed }, labels, numeric)
+          end
         end
       end
     rescue StandardError => e
@@ -249,6 +256,8 @@ module Ferroprof
     #   stop_timeout:      seconds stop waits for the profiler's threads (5)
     #   service:           the files' prefix (ferroprof): SERVICE.PID.N.pprof
     #   tags:              a Hash of tags (env, version, ...) for the exporters: Ferroprof.tags
+    #   timeline:          timestamp CPU and wall samples (the `timeline` type: Datadog's
+    #                      timeline view); each is kept as an event, so profiles grow (false)
     #   export_from_env:   also upload each profile as the environment says, as the Rust
     #                      profiler does (DD_PROFILING_ENABLED, DD_TRACE_AGENT_URL...,
     #                      FERROPROF_PYROSCOPE_URL...); dir: nil then writes no file
