@@ -63,12 +63,16 @@ RSpec.describe "Ferroprof.start" do
     w = ProfilerSpecWorkload
     Ferroprof.start(dir: dir, period: 60, cpu_hz: 1000, alloc_every: 0)
     truth = Hash.new(0)
+    # Calls of varying length: a fixed 1 ms + 3 ms cycle locks onto the kernel's 4 ms tick when
+    # the machine is loaded (the process CPU timer is checked at ticks, and the scheduler
+    # switches at them), and every sample then lands at the same point of the cycle.
+    rng = Random.new(1)
     t0 = Process.clock_gettime(Process::CLOCK_MONOTONIC)
     while Process.clock_gettime(Process::CLOCK_MONOTONIC) - t0 < 4
       a = w.thread_cpu_ns
-      w.spec_cpu_one(20_000)
+      w.spec_cpu_one(rng.rand(10_000..30_000))
       b = w.thread_cpu_ns
-      w.spec_cpu_three(60_000)
+      w.spec_cpu_three(rng.rand(30_000..90_000))
       truth[:one] += b - a
       truth[:three] += w.thread_cpu_ns - b
     end

@@ -284,7 +284,7 @@ pub fn realtime_ns() -> i64 {
     if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) } != 0 {
         return 0;
     }
-    ts.tv_sec as i64 * 1_000_000_000 + ts.tv_nsec as i64
+    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 }
 
 /// Gives intervals and CPU nanoseconds back to be held over (for the next sample recorded).

@@ -8,6 +8,7 @@ mod capture;
 mod context;
 mod export;
 mod heap;
+mod perf;
 mod profiler;
 mod recorder;
 

@@ -31,6 +31,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use ferroprof_recorder::{Frame, Label, SampleValues, StackRecorder};
 use magnus::rb_sys::{AsRawValue, FromRawValue};
@@ -356,6 +357,51 @@ fn install_handler() -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The perf-event engine when it runs (else the CPU timer does, or nothing).
+static ENGINE: Mutex<Option<crate::perf::Engine>> = Mutex::new(None);
+/// The engine asked for (`auto`, `perf`, `timer`) and the one running.
+static ENGINE_WANTED: Mutex<String> = Mutex::new(String::new());
+static ENGINE_IN_USE: AtomicU64 = AtomicU64::new(0);
+const ENGINE_NONE: u64 = 0;
+const ENGINE_TIMER: u64 = 1;
+const ENGINE_PERF: u64 = 2;
+
+/// Starts CPU sampling every `interval_ns` of CPU with the engine `wanted`: `perf` (an error
+/// when this process may not open perf events), `timer`, or `auto` (perf when possible, else
+/// the timer, said once on stderr with the reason).
+fn start_cpu_engine(wanted: &str, interval_ns: u64) -> Result<(), String> {
+    if wanted != "timer" {
+        match crate::perf::available(interval_ns) {
+            Ok(()) => {
+                *lock(&ENGINE) = Some(crate::perf::Engine::start(interval_ns));
+                ENGINE_IN_USE.store(ENGINE_PERF, Ordering::Relaxed);
+                return Ok(());
+            }
+            Err(errno) => {
+                let why = std::io::Error::from_raw_os_error(errno);
+                if wanted == "perf" {
+                    return Err(format!("perf events are not available here: {why}"));
+                }
+                eprintln!(
+                    "ferroprof: perf events are not available ({why}): CPU samples come from the process CPU timer"
+                );
+            }
+        }
+    }
+    set_timer(interval_ns).map_err(|e| format!("cannot start the CPU timer: {e}"))?;
+    ENGINE_IN_USE.store(ENGINE_TIMER, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Stops whichever CPU engine runs.
+fn stop_cpu_engine() {
+    let _ = set_timer(0);
+    if let Some(e) = lock(&ENGINE).take() {
+        e.stop(Duration::from_secs(1));
+    }
+    ENGINE_IN_USE.store(ENGINE_NONE, Ordering::Relaxed);
 }
 
 /// The CPU timer (`timer_t`; null: none). Read by the handler for its overrun count.
@@ -731,33 +777,35 @@ fn record_captured(rec: &StackRecorder) {
     }
 }
 
-/// Per thread: the CPU its signals' intervals stand for and the CPU its clock counted, since
-/// start (nanoseconds).
+/// Per thread: the CPU its clock counted in its samples and the CPU booked to them since start
+/// (nanoseconds).
 static THREAD_CPU: Mutex<Option<HashMap<i64, (u64, u64)>>> = Mutex::new(None);
 /// Threads remembered at most; past it the table starts over.
 const MAX_THREADS_WEIGHED: usize = 10_000;
+/// Share of a thread's outstanding difference (clock minus booked) added to its next sample.
+const CATCH_UP: f64 = 0.5;
 
-/// A CPU sample's weight: its intervals, scaled by its thread's clock over the intervals its
-/// signals stood for since start. The intervals alone are where within a thread time went
-/// (each is booked to what ran when it ended), but the kernel gives each signal to whichever
-/// running thread's tick saw the expiry, so across threads they book one thread's CPU to
-/// another; the thread's own clock since its previous sample alone sets each total right but
-/// books a thread's earlier requests to the long one it is in now (length bias). The ratio of
-/// the two, taken over the thread's whole run, keeps both right.
+/// A CPU sample's weight: its intervals, plus half of what its thread's clock counted and its
+/// earlier samples did not book. The intervals alone are where time went within a thread (each
+/// is booked to what ran when it ended), but the kernel gives each signal to whichever running
+/// thread's tick saw the expiry, so across threads they book one thread's CPU to another. The
+/// thread's clock since its previous sample alone sets each total right but books a thread's
+/// earlier short requests to the long one it is in (length bias). The difference carried
+/// forward is known before this sample, so it does not depend on what runs now, and the
+/// thread's total stays within about a sample of its clock.
 fn thread_weight(tid: i64, intervals: u64, interval_ns: u64, cpu_ns: u64) -> u64 {
-    let by_intervals = intervals.saturating_mul(interval_ns);
+    let by_intervals = intervals.saturating_mul(interval_ns) as f64;
     let mut table = lock(&THREAD_CPU);
     let map = table.get_or_insert_with(HashMap::new);
     if map.len() >= MAX_THREADS_WEIGHED && !map.contains_key(&tid) {
         map.clear();
     }
-    let e = map.entry(tid).or_insert((0, 0));
-    e.0 = e.0.saturating_add(by_intervals);
-    e.1 = e.1.saturating_add(cpu_ns);
-    if e.0 == 0 {
-        return cpu_ns;
-    }
-    (by_intervals as f64 * e.1 as f64 / e.0 as f64).round() as u64
+    let (clock, booked) = map.entry(tid).or_insert((0, 0));
+    let owed = *clock as f64 - *booked as f64;
+    let w = (by_intervals + CATCH_UP * owed).max(0.0).round() as u64;
+    *clock = clock.saturating_add(cpu_ns);
+    *booked = booked.saturating_add(w);
+    w
 }
 
 /// The GC count the CPU job saw last.
@@ -1059,10 +1107,13 @@ fn new_tracepoint(event: u32, hook: unsafe extern "C" fn(VALUE, *mut c_void), on
 
 // --- Ruby entry points ----------------------------------------------------------------------
 
-/// `_native_start(recorder, cpu_interval_ns, alloc_every, alloc_duty, gc_hook, timeline)`:
+/// `_native_start(recorder, cpu_interval_ns, alloc_every, alloc_duty, gc_hook, timeline,
+/// cpu_engine)` (`cpu_engine`: `auto`, `perf` or `timer`):
 /// `cpu_interval_ns` 0 turns CPU sampling off, `alloc_every` (mean allocations per sample) 0
 /// allocation sampling off; `alloc_duty` is the share of CPU intervals whose allocations are
 /// watched (1 without CPU sampling, which delimits the intervals).
+// The arguments of `_native_start`, one per option; the Ruby side checks and passes them.
+#[allow(clippy::too_many_arguments)]
 fn start(
     ruby: &Ruby,
     rb: &RbRecorder,
@@ -1071,6 +1122,7 @@ fn start(
     alloc_duty: f64,
     gc_hook: bool,
     timeline: bool,
+    cpu_engine: String,
 ) -> Result<bool, Error> {
     guard(ruby, || {
         if RUNNING.load(Ordering::Relaxed) {
@@ -1080,6 +1132,12 @@ fn start(
             return Err(arg_error(
                 ruby,
                 format!("cpu interval {cpu_interval_ns} ns is under 1 ms (at most 1000 Hz)"),
+            ));
+        }
+        if !["auto", "perf", "timer"].contains(&cpu_engine.as_str()) {
+            return Err(arg_error(
+                ruby,
+                format!("cpu_engine must be auto, perf or timer, got {cpu_engine:?}"),
             ));
         }
         if !(alloc_duty > 0.0 && alloc_duty <= 1.0) {
@@ -1136,14 +1194,14 @@ fn start(
             gc_tp,
         });
         RUNNING.store(true, Ordering::Relaxed);
+        *lock(&ENGINE_WANTED) = cpu_engine.clone();
         if cpu_interval_ns > 0 {
-            let armed = install_handler().and_then(|()| set_timer(cpu_interval_ns));
+            let armed = install_handler()
+                .map_err(|e| format!("cannot install the SIGPROF handler: {e}"))
+                .and_then(|()| start_cpu_engine(&cpu_engine, cpu_interval_ns));
             if let Err(e) = armed {
                 stop_inner();
-                return Err(crate::error(
-                    ruby,
-                    format!("cannot start the CPU timer: {e}"),
-                ));
+                return Err(crate::error(ruby, e));
             }
         }
         Ok(true)
@@ -1154,7 +1212,7 @@ fn start(
 /// the default action, which ends the process); it does nothing once stopped.
 fn stop_inner() -> bool {
     let was = RUNNING.swap(false, Ordering::Relaxed);
-    let _ = set_timer(0);
+    stop_cpu_engine();
     HOOK_ON.store(false, Ordering::Relaxed);
     // The samples captured since the last CPU job go into this run's last profile.
     capture::settle();
@@ -1190,11 +1248,15 @@ fn after_fork(ruby: &Ruby) -> Result<(), Error> {
         *lock(&THREAD_CPU) = None;
         seed_random();
         forget_timer();
+        if let Some(e) = lock(&ENGINE).take() {
+            e.forget_after_fork();
+        }
+        ENGINE_IN_USE.store(ENGINE_NONE, Ordering::Relaxed);
         if RUNNING.load(Ordering::Relaxed) {
             let interval = INTERVAL_NS.load(Ordering::Relaxed);
             if interval > 1 {
-                set_timer(interval)
-                    .map_err(|e| crate::error(ruby, format!("cannot re-arm the CPU timer: {e}")))?;
+                let wanted = lock(&ENGINE_WANTED).clone();
+                start_cpu_engine(&wanted, interval).map_err(|e| crate::error(ruby, e))?;
             }
         }
         Ok(())
@@ -1219,6 +1281,20 @@ fn stats(ruby: &Ruby) -> Result<RHash, Error> {
             h.aset(ruby.to_symbol(k), v.load(Ordering::Relaxed))?;
         }
         h.aset(ruby.to_symbol("running"), RUNNING.load(Ordering::Relaxed))?;
+        let engine = match ENGINE_IN_USE.load(Ordering::Relaxed) {
+            ENGINE_PERF => "perf",
+            ENGINE_TIMER => "timer",
+            _ => "none",
+        };
+        h.aset(ruby.to_symbol("cpu_engine"), engine)?;
+        h.aset(
+            ruby.to_symbol("perf_events_open"),
+            crate::perf::OPEN.load(Ordering::Relaxed),
+        )?;
+        h.aset(
+            ruby.to_symbol("perf_events_failed"),
+            crate::perf::FAILED.load(Ordering::Relaxed),
+        )?;
         Ok(h)
     })
 }
@@ -1227,7 +1303,7 @@ pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     let native = module.define_module("Native")?;
     native.define_class("Roots", ruby.class_object())?;
     native.const_set("ROOTS", Roots)?;
-    native.define_module_function("_native_start", function!(start, 6))?;
+    native.define_module_function("_native_start", function!(start, 7))?;
     native.define_module_function("_native_stop", function!(stop, 0))?;
     native.define_module_function("_native_after_fork", function!(after_fork, 0))?;
     native.define_module_function("_native_set_own_threads", function!(set_own_threads, 2))?;

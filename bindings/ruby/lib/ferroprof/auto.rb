@@ -16,6 +16,7 @@
 #   FERROPROF_ALLOC_DUTY      share of CPU intervals whose allocations are watched (0.05; 1: all,
 #                             for short runs and tests; Ruby allocates slower while watched)
 #   FERROPROF_PERIOD_SECS     seconds between two profiles (60)
+#   FERROPROF_CPU_ENGINE      auto (perf events when allowed, else the CPU timer), perf, timer
 #   FERROPROF_TIMELINE        true: timestamped CPU and wall samples (DD_PROFILING_TIMELINE_ENABLED)
 #   FERROPROF_OUTPUT_DIR      where profiles go (./profiles; with an exporter, none unless set)
 #   DD_PROFILING_ENABLED=true (DD_TRACE_AGENT_URL, DD_AGENT_HOST, DD_API_KEY...) and
@@ -59,6 +60,7 @@ module Ferroprof
         alloc_every: alloc && !alloc_off ? alloc_every : 0,
         alloc_duty: number(env, "FERROPROF_ALLOC_DUTY", 0.05, 0.000001..1.0, "share of CPU intervals"),
         heap: profiles.include?("heap"),
+        cpu_engine: cpu_engine(env),
         timeline: %w[DD_PROFILING_TIMELINE_ENABLED FERROPROF_TIMELINE].any? do |k|
           %w[1 true yes on].include?(env[k].to_s.strip.downcase)
         end,
@@ -76,6 +78,13 @@ module Ferroprof
       end
 
       list
+    end
+
+    def cpu_engine(env)
+      raw = env.fetch("FERROPROF_CPU_ENGINE", "auto").strip
+      return raw if %w[auto perf timer].include?(raw)
+
+      raise BadSetting, "FERROPROF_CPU_ENGINE=#{raw.inspect} is invalid: expected auto, perf or timer"
     end
 
     def integer(env, name, default, range, unit)

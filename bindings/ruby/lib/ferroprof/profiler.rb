@@ -19,6 +19,7 @@ module Ferroprof
       tags: {},
       export_from_env: false,
       timeline: false,
+      cpu_engine: "auto",
     }.freeze
 
     attr_reader :dir, :files, :recorder, :service, :tags
@@ -76,7 +77,7 @@ module Ferroprof
       interval_ns = @opts[:cpu_hz] > 0 ? (1e9 / @opts[:cpu_hz]).round : 0
       heap = @opts[:heap] && @opts[:alloc_every] > 0
       Native._native_start(@recorder, interval_ns, @opts[:alloc_every], @opts[:alloc_duty].to_f, heap,
-                           @opts[:timeline] ? true : false)
+                           @opts[:timeline] ? true : false, @opts[:cpu_engine].to_s)
       start_threads
       self
     end
@@ -256,6 +257,8 @@ module Ferroprof
     #   stop_timeout:      seconds stop waits for the profiler's threads (5)
     #   service:           the files' prefix (ferroprof): SERVICE.PID.N.pprof
     #   tags:              a Hash of tags (env, version, ...) for the exporters: Ferroprof.tags
+    #   cpu_engine:        auto (perf events when this process may open them, else the
+    #                      process CPU timer), perf or timer
     #   timeline:          timestamp CPU and wall samples (the `timeline` type: Datadog's
     #                      timeline view); each is kept as an event, so profiles grow (false)
     #   export_from_env:   also upload each profile as the environment says, as the Rust
