@@ -25,8 +25,8 @@ fi
 
 # The Ruby extension (bindings/ruby, scripts/ruby-binding.sh, scripts/ruby-gem.sh): Ruby's
 # headers, RSpec, the protobuf runtime its specs decode profiles with, libclang for rb-sys's
-# bindgen, Bundler (the gem is installed through it too), and Puma and Sinatra (the Rack
-# middleware's spec serves a Sinatra app on Puma).
+# bindgen, Bundler (the gem is installed through it too), and Puma, Sinatra and Rails (the Rack
+# middleware's spec serves a Sinatra app and a Rails app on Puma).
 ferroprof_ruby_debs=""
 command -v ruby >/dev/null 2>&1 && [ -d "$(ruby -e 'print RbConfig::CONFIG["rubyhdrdir"]' 2>/dev/null)" ] \
     || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-dev"
@@ -36,6 +36,7 @@ ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ferroprof_ruby_debs="$fer
 command -v bundle >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-bundler"
 command -v puma >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs puma"
 ruby -e 'require "sinatra/base"' >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-sinatra"
+ruby -e 'require "action_controller/railtie"' >/dev/null 2>&1 || ferroprof_ruby_debs="$ferroprof_ruby_debs ruby-rails"
 if [ -n "$ferroprof_ruby_debs" ]; then
     echo "test-deps: installing$ferroprof_ruby_debs (for the Ruby extension)"
     if [ "$(id -u)" = 0 ]; then

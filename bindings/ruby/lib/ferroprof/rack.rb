@@ -7,7 +7,9 @@ module Ferroprof
   # `local root span id` of their own, and the request's endpoint names them (`trace
   # endpoint`), so a profile splits by route:
   #
-  #   use Ferroprof::Rack                        # config.ru, or config.middleware.use in Rails
+  #   use Ferroprof::Rack                        # config.ru, before other middleware
+  #   config.middleware.insert_before 0, Ferroprof::Rack    # Rails: first, so its own
+  #                                                         # middleware counts as the request
   #
   # The endpoint is, in order: env["ferroprof.endpoint"] (set by the app), Rails'
   # `Controller#action`, Sinatra's route (`GET /users/:id`), REQUEST_METHOD and the template in
