@@ -30,13 +30,6 @@ RSpec.describe "Ferroprof exporters" do
 
   after { FileUtils.rm_rf(dir) }
 
-  def free_port
-    s = TCPServer.new("127.0.0.1", 0)
-    s.addr[1]
-  ensure
-    s&.close
-  end
-
   def agent_binary
     [ENV["FERROPROF_DDAPM_TEST_AGENT"], File.expand_path("~/.cache/ferroprof-test-tools/venv/bin/ddapm-test-agent")]
       .compact.find { |p| File.executable?(p) }

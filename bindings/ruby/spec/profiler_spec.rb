@@ -50,10 +50,6 @@ RSpec.describe "Ferroprof.start" do
     FileUtils.rm_rf(dir)
   end
 
-  def samples_of(files)
-    files.flat_map { |f| samples_from_pprof(File.binread(f)) }
-  end
-
   # Sum of `type` over the samples whose stack passes through a frame labelled `label`.
   def through(samples, type, label)
     samples.select { |s| s.locations.any? { |f| f.label.end_with?(label) } }.sum { |s| s.values[type] || 0 }

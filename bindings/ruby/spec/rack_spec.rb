@@ -17,13 +17,6 @@ RSpec.describe "Ferroprof::Rack" do
 
   after { FileUtils.rm_rf(dir) }
 
-  def free_port
-    s = TCPServer.new("127.0.0.1", 0)
-    s.addr[1]
-  ensure
-    s&.close
-  end
-
   def wait_for(port)
     deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 30
     loop do

@@ -41,10 +41,6 @@ RSpec.describe "Ferroprof samples" do
     FileUtils.rm_rf(dir)
   end
 
-  def samples_of(files)
-    files.flat_map { |f| samples_from_pprof(File.binread(f)) }
-  end
-
   def self_time(samples, label)
     samples.select { |s| s.locations.first&.label == label }.sum { |s| s.values[:"cpu-time"] || 0 }
   end

@@ -13,6 +13,20 @@ module SpecHelpers
     PprofSpec.samples(encoded)
   end
 
+  # Every sample of the profile files `files`.
+  def samples_of(files)
+    files.flat_map { |f| samples_from_pprof(File.binread(f)) }
+  end
+
+  # A TCP port free on 127.0.0.1 now.
+  def free_port
+    require "socket"
+    s = TCPServer.new("127.0.0.1", 0)
+    s.addr[1]
+  ensure
+    s&.close
+  end
+
   # The caller's Ruby stack as [label, path, line] frames, innermost first: what a sampler
   # would record at this point.
   def ruby_stack

@@ -62,21 +62,24 @@ const SCAN_EVERY: Duration = Duration::from_millis(5);
 pub static OPEN: AtomicU64 = AtomicU64::new(0);
 pub static FAILED: AtomicU64 = AtomicU64::new(0);
 
-/// Opens, routes and enables a task-clock event of `period_ns` on thread `tid`. The errno on
-/// failure.
-fn open(tid: libc::pid_t, period_ns: u64) -> Result<libc::c_int, i32> {
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// A disabled task-clock event of `period_ns` on thread `tid`, with `flags` added; the errno
+/// on failure.
+fn open_disabled(tid: libc::pid_t, period_ns: u64, flags: u64) -> Result<libc::c_int, i32> {
     let attr = PerfEventAttr {
         kind: PERF_TYPE_SOFTWARE,
         size: std::mem::size_of::<PerfEventAttr>() as u32,
         config: PERF_COUNT_SW_TASK_CLOCK,
         sample_period: period_ns,
-        flags: FLAG_DISABLED | FLAG_EXCLUDE_HV | kernel_flag(),
+        flags: FLAG_DISABLED | FLAG_EXCLUDE_HV | flags,
         wakeup_events: 1,
         ..PerfEventAttr::default()
     };
-    let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
     // SAFETY: perf_event_open reads `attr` (a valid first-version attr); the other arguments
-    // are plain integers (this thread id, any CPU, no group).
+    // are plain integers (the thread id, any CPU, no group).
     let fd = unsafe {
         libc::syscall(
             libc::SYS_perf_event_open,
@@ -88,8 +91,16 @@ fn open(tid: libc::pid_t, period_ns: u64) -> Result<libc::c_int, i32> {
         )
     } as libc::c_int;
     if fd < 0 {
-        return Err(errno());
+        Err(errno())
+    } else {
+        Ok(fd)
     }
+}
+
+/// Opens, routes and enables a task-clock event of `period_ns` on thread `tid`. The errno on
+/// failure.
+fn open(tid: libc::pid_t, period_ns: u64) -> Result<libc::c_int, i32> {
+    let fd = open_disabled(tid, period_ns, kernel_flag())?;
     let owner = OwnerEx {
         kind: F_OWNER_TID,
         pid: tid,
@@ -111,37 +122,17 @@ fn open(tid: libc::pid_t, period_ns: u64) -> Result<libc::c_int, i32> {
     Ok(fd)
 }
 
-/// Whether this process may open task-clock events: tries one on the calling thread. The errno
-/// when not (a seccomp filter, `perf_event_paranoid` above 2, no perf support).
+/// Whether this process may open task-clock events: tries one on the calling thread, counting
+/// kernel time first, else user time only. The errno when neither (a seccomp filter,
+/// `perf_event_paranoid` above 2, no perf support).
 pub fn available(period_ns: u64) -> Result<(), i32> {
     // SAFETY: gettid has no preconditions.
     let tid = unsafe { libc::gettid() };
     let probe = |flags| {
-        let attr = PerfEventAttr {
-            kind: PERF_TYPE_SOFTWARE,
-            size: std::mem::size_of::<PerfEventAttr>() as u32,
-            config: PERF_COUNT_SW_TASK_CLOCK,
-            sample_period: period_ns,
-            flags: FLAG_DISABLED | FLAG_EXCLUDE_HV | flags,
-            ..PerfEventAttr::default()
-        };
-        // SAFETY: as in `open`; the event stays disabled and is closed at once.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_perf_event_open,
-                &attr as *const PerfEventAttr,
-                tid,
-                -1 as libc::c_int,
-                -1 as libc::c_int,
-                PERF_FLAG_FD_CLOEXEC,
-            )
-        } as libc::c_int;
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
-        }
-        // SAFETY: our own descriptor.
+        let fd = open_disabled(tid, period_ns, flags)?;
+        // SAFETY: our own descriptor, never enabled.
         unsafe { libc::close(fd) };
-        Ok(())
+        Ok::<(), i32>(())
     };
     probe(0)
         .map(|()| EXCLUDE_KERNEL.store(false, Ordering::Relaxed))
