@@ -14,6 +14,10 @@ if [ "$mode" = all ]; then
     echo "== ruby binding: cargo clippy"
     cargo clippy --release --all-targets -- -D warnings
 fi
+if [ "$mode" = all ]; then
+    echo "== ruby binding: cargo test (the extension's own unit tests)"
+    cargo test --release --lib
+fi
 echo "== ruby binding: cargo build --release"
 cargo build --release
 # Ruby loads extensions by their file name: lib/ferroprof/ferroprof_ruby.so, found by

@@ -215,8 +215,16 @@ impl Engine {
 
     /// In a forked child: the watcher is not in this process and the events watch the parent's
     /// threads. Closes this process's copies of the descriptors; nothing waits for anything.
+    /// The watcher may have held the table's lock at the fork: then it is never unlocked here,
+    /// and the copies stay open (close-on-exec) rather than the child waiting for it.
     pub fn forget_after_fork(self) {
-        close_all(&self.events);
+        if let Ok(mut map) = self.events.try_lock() {
+            for (_, fd) in map.drain().filter(|&(_, fd)| fd >= 0) {
+                // SAFETY: this process's copy of a descriptor the engine opened.
+                unsafe { libc::close(fd) };
+            }
+        }
+        OPEN.store(0, Ordering::Relaxed);
         std::mem::forget(self.watcher);
     }
 }
@@ -264,5 +272,42 @@ fn scan(
                 map.insert(tid, -1);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_child_forgets_the_engine_while_the_watcher_held_its_table() {
+        let events: Arc<Mutex<HashMap<libc::pid_t, libc::c_int>>> = Arc::default();
+        let held = events.clone();
+        let (locked, release) = (
+            Arc::new(std::sync::Barrier::new(2)),
+            Arc::new(std::sync::Barrier::new(2)),
+        );
+        let (l, r) = (locked.clone(), release.clone());
+        // The watcher, holding the table as a fork would find it.
+        let watcher = std::thread::spawn(move || {
+            let _g = held.lock().unwrap();
+            l.wait();
+            r.wait();
+        });
+        locked.wait();
+        let engine = Engine {
+            stop: Arc::new(AtomicBool::new(false)),
+            watcher: None,
+            events,
+        };
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            engine.forget_after_fork();
+            done_tx.send(()).unwrap();
+        });
+        let finished = done_rx.recv_timeout(Duration::from_secs(5)).is_ok();
+        release.wait();
+        watcher.join().unwrap();
+        assert!(finished, "forget_after_fork waited for the watcher's lock");
     }
 }
