@@ -10,10 +10,11 @@ use std::time::{Duration, SystemTime};
 use ferroprof_export::datadog::DatadogConfig;
 use ferroprof_export::pyroscope::PyroscopeConfig;
 use ferroprof_export::{ExportedProfile, Exporter};
-use ferroprof_recorder::SerializedProfile;
-use magnus::{function, method, prelude::*, Error, RArray, RModule, Ruby};
+use ferroprof_recorder::{SerializedProfile, StackRecorder};
+use magnus::{function, method, prelude::*, Error, RArray, RClass, RModule, Ruby};
 
 use crate::guard;
+use crate::recorder::RbRecorder;
 
 /// The exporters of one profiler run, and what every profile is tagged with.
 #[magnus::wrap(class = "Ferroprof::Native::Exporters", free_immediately, size)]
@@ -68,7 +69,9 @@ impl Exporters {
 
     /// Hands a serialized profile to every exporter (each queues it and returns at once).
     /// Returns how many refused it (their queue full, or the backend's error).
-    pub fn export(&self, p: &SerializedProfile, sample_types: Vec<String>) -> usize {
+    fn export(&self, p: &SerializedProfile, recorder: &StackRecorder) -> usize {
+        let sample_types = recorder.layout().types().iter();
+        let sample_types = sample_types.map(|t| t.name().to_owned()).collect();
         let profile = ExportedProfile {
             encoded: p.encoded.clone(),
             stats: p.stats,
@@ -99,6 +102,17 @@ impl Exporters {
             list.clear();
             Ok(())
         })
+    }
+
+    /// `StackRecorder._native_serialize_export(recorder, exporters)`: as `_native_serialize`,
+    /// and the profile goes to `exporters` too (queued; the stats' `export_refused` says how
+    /// many refused it).
+    fn serialize_export(
+        ruby: &Ruby,
+        rb: &RbRecorder,
+        exporters: &Exporters,
+    ) -> Result<RArray, Error> {
+        RbRecorder::serialize_to(ruby, rb, Some(&|p, rec| exporters.export(p, rec)))
     }
 
     fn names(ruby: &Ruby, rb: &Exporters) -> Result<RArray, Error> {
@@ -144,5 +158,11 @@ pub fn init(_ruby: &Ruby, module: RModule) -> Result<(), Error> {
     )?;
     class.define_method("shutdown", method!(Exporters::shutdown, 1))?;
     class.define_method("names", method!(Exporters::names, 0))?;
+    // With the recorder's own entry points, where the Ruby side looks for it.
+    let recorder: RClass = module.const_get("StackRecorder")?;
+    recorder.define_singleton_method(
+        "_native_serialize_export",
+        function!(Exporters::serialize_export, 2),
+    )?;
     Ok(())
 }

@@ -7,7 +7,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use ferroprof_recorder::heap::{HeapStats, LivenessSource};
 use ferroprof_recorder::{
     Frame, HeapConfig, HeapError, Label, ProfileError, ProfileMetadata, RecorderConfig,
-    RecorderError, RecorderExtras, SampleType, SampleTypeConfig, SampleValues, StackRecorder,
+    RecorderError, RecorderExtras, SampleType, SampleTypeConfig, SampleValues, SerializedProfile,
+    StackRecorder,
 };
 use magnus::r_hash::ForEach;
 use magnus::rb_sys::AsRawValue;
@@ -17,7 +18,6 @@ use magnus::{
     Symbol, TryConvert, Value,
 };
 
-use crate::export::Exporters;
 use crate::heap::{handle_of, RubyHeap};
 use crate::{arg_error, error, guard};
 
@@ -60,6 +60,10 @@ pub fn recorder_error(ruby: &Ruby, e: RecorderError) -> Error {
         error(ruby, e.to_string())
     }
 }
+
+/// Where a serialized profile goes besides the caller (the exporters): the number of
+/// destinations that refused it.
+pub(crate) type ExportTo<'a> = dyn Fn(&SerializedProfile, &StackRecorder) -> usize + 'a;
 
 /// The seed's configuration, from `StackRecorder.new`'s keywords (checked in lib/ferroprof.rb).
 #[allow(clippy::too_many_arguments)]
@@ -146,29 +150,18 @@ impl RbRecorder {
         Self::serialize_to(ruby, rb, None)
     }
 
-    /// `_native_serialize_export(recorder, exporters)`: as `_native_serialize`, and the profile
-    /// goes to `exporters` too (queued; the stats say how many refused it: `export_refused`).
-    fn native_serialize_export(
+    /// `_native_serialize`'s answer; `export`, when given, also gets the serialized profile and
+    /// says how many of its destinations refused it (the stats' `export_refused`).
+    pub(crate) fn serialize_to(
         ruby: &Ruby,
         rb: &RbRecorder,
-        exporters: &Exporters,
-    ) -> Result<RArray, Error> {
-        Self::serialize_to(ruby, rb, Some(exporters))
-    }
-
-    fn serialize_to(
-        ruby: &Ruby,
-        rb: &RbRecorder,
-        exporters: Option<&Exporters>,
+        export: Option<&ExportTo<'_>>,
     ) -> Result<RArray, Error> {
         guard(ruby, || {
             let out = ruby.ary_new_capa(2);
             match rb.inner.serialize(None) {
                 Ok(p) => {
-                    let refused = exporters.map_or(0, |x| {
-                        let types = rb.inner.layout().types().iter();
-                        x.export(&p, types.map(|t| t.name().to_owned()).collect())
-                    });
+                    let refused = export.map_or(0, |f| f(&p, &rb.inner));
                     let stats = hash_of(
                         ruby,
                         &[
@@ -560,10 +553,6 @@ pub fn init(ruby: &Ruby, module: RModule) -> Result<(), Error> {
     class.define_singleton_method(
         "_native_serialize",
         function!(RbRecorder::native_serialize, 1),
-    )?;
-    class.define_singleton_method(
-        "_native_serialize_export",
-        function!(RbRecorder::native_serialize_export, 2),
     )?;
     class.define_method("stats", method!(RbRecorder::stats, 0))?;
     class.define_method("reset_after_fork", method!(RbRecorder::reset_after_fork, 0))?;
