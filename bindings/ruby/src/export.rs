@@ -13,8 +13,8 @@ use ferroprof_export::{ExportedProfile, Exporter};
 use ferroprof_recorder::{SerializedProfile, StackRecorder};
 use magnus::{function, method, prelude::*, Error, RArray, RClass, RModule, Ruby};
 
-use crate::guard;
 use crate::recorder::RbRecorder;
+use crate::{guard, lock};
 
 /// The exporters of one profiler run, and what every profile is tagged with.
 #[magnus::wrap(class = "Ferroprof::Native::Exporters", free_immediately, size)]
@@ -80,7 +80,7 @@ impl Exporters {
             sample_types,
             process_start: self.process_start,
         };
-        let mut list = self.exporters.lock().unwrap_or_else(|e| e.into_inner());
+        let mut list = lock(&self.exporters);
         let mut refused = 0;
         for e in list.iter_mut() {
             if e.export(&profile).is_err() {
@@ -94,7 +94,7 @@ impl Exporters {
     /// the exporters).
     fn shutdown(ruby: &Ruby, rb: &Exporters, seconds: f64) -> Result<(), Error> {
         guard(ruby, || {
-            let mut list = rb.exporters.lock().unwrap_or_else(|e| e.into_inner());
+            let mut list = lock(&rb.exporters);
             let each = Duration::from_secs_f64(seconds.max(0.0) / list.len().max(1) as f64);
             for e in list.iter_mut() {
                 e.shutdown(each);

@@ -6,6 +6,7 @@
 
 mod capture;
 mod context;
+mod cpu_engine;
 mod export;
 mod heap;
 mod perf;
@@ -32,6 +33,11 @@ static ERROR: Lazy<ExceptionClass> = Lazy::new(|ruby| {
 /// A `Ferroprof::Error` with `msg`.
 fn error(ruby: &Ruby, msg: impl Into<std::borrow::Cow<'static, str>>) -> Error {
     Error::new(ruby.get_inner(&ERROR), msg)
+}
+
+/// Locks `m`; a panic elsewhere never leaves our data half-written in a way that matters here.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An `ArgumentError` with `msg`.

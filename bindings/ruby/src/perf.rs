@@ -22,6 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::lock;
+
 /// `perf_event_attr` as of its first version (64 bytes), all this engine sets.
 #[repr(C)]
 #[derive(Default)]
@@ -230,7 +232,7 @@ impl Engine {
 }
 
 fn close_all(events: &Mutex<HashMap<libc::pid_t, libc::c_int>>) {
-    let mut map = events.lock().unwrap_or_else(|e| e.into_inner());
+    let mut map = lock(events);
     for (_, fd) in map.drain().filter(|&(_, fd)| fd >= 0) {
         // SAFETY: descriptors this engine opened and still holds.
         unsafe { libc::close(fd) };
@@ -245,7 +247,7 @@ fn scan(
     skip: Option<libc::pid_t>,
 ) {
     let now = threads();
-    let mut map = events.lock().unwrap_or_else(|e| e.into_inner());
+    let mut map = lock(events);
     map.retain(|tid, fd| {
         let alive = now.contains(tid);
         if !alive && *fd >= 0 {

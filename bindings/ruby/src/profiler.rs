@@ -29,9 +29,8 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use ferroprof_recorder::{Frame, Label, SampleValues, StackRecorder};
 use magnus::rb_sys::{AsRawValue, FromRawValue};
@@ -41,8 +40,9 @@ use magnus::{function, gc, prelude::*, Error, RHash, RModule, RString, Ruby, Val
 use rb_sys::VALUE;
 
 use crate::capture;
+use crate::cpu_engine;
 use crate::recorder::RbRecorder;
-use crate::{arg_error, guard};
+use crate::{arg_error, guard, lock};
 
 /// Frames kept per queued allocation sample.
 const ALLOC_FRAMES: usize = 128;
@@ -208,11 +208,6 @@ struct Active {
 
 static ACTIVE: Mutex<Option<Active>> = Mutex::new(None);
 
-/// Locks `m`; a panic elsewhere never leaves our data half-written in a way that matters here.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn recorder() -> Option<Arc<StackRecorder>> {
     lock(&ACTIVE).as_ref().map(|a| a.recorder.clone())
 }
@@ -276,12 +271,7 @@ extern "C" fn on_sigprof(_sig: libc::c_int, _info: *mut libc::siginfo_t, _ctx: *
             } else {
                 // The intervals this signal stands for (the kernel checks CPU timers at its
                 // tick, so at high rates one signal often stands for several).
-                let timer = TIMER.load(Ordering::Relaxed);
-                let over = if timer.is_null() {
-                    0
-                } else {
-                    libc::timer_getoverrun(timer).max(0) as u64
-                };
+                let over = cpu_engine::timer_overrun();
                 COUNTERS
                     .cpu_intervals
                     .fetch_add(1 + over, Ordering::Relaxed);
@@ -357,101 +347,6 @@ fn install_handler() -> std::io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// The perf-event engine when it runs (else the CPU timer does, or nothing).
-static ENGINE: Mutex<Option<crate::perf::Engine>> = Mutex::new(None);
-/// The engine asked for (`auto`, `perf`, `timer`) and the one running.
-static ENGINE_WANTED: Mutex<String> = Mutex::new(String::new());
-static ENGINE_IN_USE: AtomicU64 = AtomicU64::new(0);
-const ENGINE_NONE: u64 = 0;
-const ENGINE_TIMER: u64 = 1;
-const ENGINE_PERF: u64 = 2;
-
-/// Starts CPU sampling every `interval_ns` of CPU with the engine `wanted`: `perf` (an error
-/// when this process may not open perf events), `timer`, or `auto` (perf when possible, else
-/// the timer, said once on stderr with the reason).
-fn start_cpu_engine(wanted: &str, interval_ns: u64) -> Result<(), String> {
-    if wanted != "timer" {
-        match crate::perf::available(interval_ns) {
-            Ok(()) => {
-                *lock(&ENGINE) = Some(crate::perf::Engine::start(interval_ns));
-                ENGINE_IN_USE.store(ENGINE_PERF, Ordering::Relaxed);
-                return Ok(());
-            }
-            Err(errno) => {
-                let why = std::io::Error::from_raw_os_error(errno);
-                if wanted == "perf" {
-                    return Err(format!("perf events are not available here: {why}"));
-                }
-                eprintln!(
-                    "ferroprof: perf events are not available ({why}): CPU samples come from the process CPU timer"
-                );
-            }
-        }
-    }
-    set_timer(interval_ns).map_err(|e| format!("cannot start the CPU timer: {e}"))?;
-    ENGINE_IN_USE.store(ENGINE_TIMER, Ordering::Relaxed);
-    Ok(())
-}
-
-/// Stops whichever CPU engine runs.
-fn stop_cpu_engine() {
-    let _ = set_timer(0);
-    if let Some(e) = lock(&ENGINE).take() {
-        e.stop(Duration::from_secs(1));
-    }
-    ENGINE_IN_USE.store(ENGINE_NONE, Ordering::Relaxed);
-}
-
-/// The CPU timer (`timer_t`; null: none). Read by the handler for its overrun count.
-static TIMER: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
-
-/// Arms a process CPU-time timer raising `SIGPROF` every `interval_ns` of CPU (0: deletes it).
-/// A POSIX timer rather than `setitimer`: its overrun count tells how many intervals one signal
-/// stands for (the kernel checks CPU timers at its tick, so at high rates one signal often
-/// stands for several).
-fn set_timer(interval_ns: u64) -> std::io::Result<()> {
-    let old = TIMER.swap(std::ptr::null_mut(), Ordering::SeqCst);
-    if !old.is_null() {
-        // SAFETY: a timer this module created and has not deleted (swapped out above).
-        unsafe { libc::timer_delete(old) };
-    }
-    if interval_ns == 0 {
-        return Ok(());
-    }
-    // SAFETY: a zeroed sigevent is valid; SIGEV_SIGNAL with SIGPROF; timer_create writes the
-    // new id into `timer`; timer_settime reads an initialized itimerspec.
-    unsafe {
-        let mut sev: libc::sigevent = std::mem::zeroed();
-        sev.sigev_notify = libc::SIGEV_SIGNAL;
-        sev.sigev_signo = libc::SIGPROF;
-        let mut timer: libc::timer_t = std::ptr::null_mut();
-        if libc::timer_create(libc::CLOCK_PROCESS_CPUTIME_ID, &mut sev, &mut timer) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let ts = libc::timespec {
-            tv_sec: (interval_ns / 1_000_000_000) as libc::time_t,
-            tv_nsec: (interval_ns % 1_000_000_000) as libc::c_long,
-        };
-        let spec = libc::itimerspec {
-            it_interval: ts,
-            it_value: ts,
-        };
-        TIMER.store(timer, Ordering::SeqCst);
-        if libc::timer_settime(timer, 0, &spec, std::ptr::null_mut()) != 0 {
-            let e = std::io::Error::last_os_error();
-            TIMER.store(std::ptr::null_mut(), Ordering::SeqCst);
-            libc::timer_delete(timer);
-            return Err(e);
-        }
-    }
-    Ok(())
-}
-
-/// After a fork the child has no timer (POSIX timers are not inherited): forget the parent's.
-fn forget_timer() {
-    TIMER.store(std::ptr::null_mut(), Ordering::SeqCst);
 }
 
 // --- stacks ---------------------------------------------------------------------------------
@@ -1194,11 +1089,10 @@ fn start(
             gc_tp,
         });
         RUNNING.store(true, Ordering::Relaxed);
-        *lock(&ENGINE_WANTED) = cpu_engine.clone();
         if cpu_interval_ns > 0 {
             let armed = install_handler()
                 .map_err(|e| format!("cannot install the SIGPROF handler: {e}"))
-                .and_then(|()| start_cpu_engine(&cpu_engine, cpu_interval_ns));
+                .and_then(|()| cpu_engine::start(&cpu_engine, cpu_interval_ns));
             if let Err(e) = armed {
                 stop_inner();
                 return Err(crate::error(ruby, e));
@@ -1212,7 +1106,7 @@ fn start(
 /// the default action, which ends the process); it does nothing once stopped.
 fn stop_inner() -> bool {
     let was = RUNNING.swap(false, Ordering::Relaxed);
-    stop_cpu_engine();
+    cpu_engine::stop();
     HOOK_ON.store(false, Ordering::Relaxed);
     // The samples captured since the last CPU job go into this run's last profile.
     capture::settle();
@@ -1247,16 +1141,11 @@ fn after_fork(ruby: &Ruby) -> Result<(), Error> {
         crate::context::clear();
         *lock(&THREAD_CPU) = None;
         seed_random();
-        forget_timer();
-        if let Some(e) = lock(&ENGINE).take() {
-            e.forget_after_fork();
-        }
-        ENGINE_IN_USE.store(ENGINE_NONE, Ordering::Relaxed);
+        cpu_engine::forget_after_fork();
         if RUNNING.load(Ordering::Relaxed) {
             let interval = INTERVAL_NS.load(Ordering::Relaxed);
             if interval > 1 {
-                let wanted = lock(&ENGINE_WANTED).clone();
-                start_cpu_engine(&wanted, interval).map_err(|e| crate::error(ruby, e))?;
+                cpu_engine::restart(interval).map_err(|e| crate::error(ruby, e))?;
             }
         }
         Ok(())
@@ -1281,12 +1170,7 @@ fn stats(ruby: &Ruby) -> Result<RHash, Error> {
             h.aset(ruby.to_symbol(k), v.load(Ordering::Relaxed))?;
         }
         h.aset(ruby.to_symbol("running"), RUNNING.load(Ordering::Relaxed))?;
-        let engine = match ENGINE_IN_USE.load(Ordering::Relaxed) {
-            ENGINE_PERF => "perf",
-            ENGINE_TIMER => "timer",
-            _ => "none",
-        };
-        h.aset(ruby.to_symbol("cpu_engine"), engine)?;
+        h.aset(ruby.to_symbol("cpu_engine"), cpu_engine::in_use())?;
         h.aset(
             ruby.to_symbol("perf_events_open"),
             crate::perf::OPEN.load(Ordering::Relaxed),
