@@ -77,6 +77,8 @@ fn start() {
     let started = Profiler::builder()
         .service(service)
         .flush_on_termination(true)
+        // Started with the process: the loader's and the constructors' CPU is the program's.
+        .cpu_before_start(true)
         .exporter(Box::new(exporter))
         // The exporter writes the directory: no second, `DirExporter`-named copy.
         .from_vars(|k| {
@@ -161,18 +163,32 @@ extern "C" fn at_exit() {
 /// `_exit` and `_Exit`: they end the process without exit handlers, so the last profile is
 /// written here (dash ends so, and every worker Python's `multiprocessing` forks), then the
 /// process ends as the program asked. Nothing is written in a `vfork` child (the profiler is
-/// its parent's), in a forked child with nothing recorded, or in a signal handler: one that
+/// its parent's), in a forked child that used under a millisecond of CPU
+/// and never restarted its profiler, or in a signal handler: one that
 /// interrupted `malloc` holds the allocator's lock, which writing a profile would wait for
 /// for ever. There the process just ends, as without ferroprof.
 fn before_quick_exit() {
     if !RUNNING.load(std::sync::atomic::Ordering::SeqCst)
         || exec::in_vfork_child()
-        || ferroprof::internals::__restart_pending()
+        || (ferroprof::internals::__restart_pending() && !child_computed())
         || ferroprof::internals::__in_signal_handler() != Some(false)
     {
         return;
     }
     at_exit();
+}
+
+/// Whether a forked child whose profiler threads never started used enough CPU to be worth a
+/// profile (its CPU timer caught it: a `multiprocessing` worker ends with `_exit`), as opposed
+/// to one that ends at once (a failed exec's `_exit(127)`).
+fn child_computed() -> bool {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer.
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) } == 0;
+    ok && (ts.tv_sec > 0 || ts.tv_nsec >= 1_000_000)
 }
 
 fn quick_exit(status: libc::c_int) -> ! {

@@ -166,6 +166,7 @@ extern "C" fn child() {
             // Not now: a child that execs right away must neither pay for a start nor have a
             // sampler queue a signal that would outlive the exec and kill the new program.
             forkgate::reset_restart(true);
+            crate::sampler::child_trigger::arm_in_child(&sh.settings);
         }
     });
 }

@@ -260,7 +260,17 @@ pub(crate) fn end_restart() {
 /// In a forked child: a restart under way in the parent is not the child's (its thread did not
 /// survive the fork); `pending` marks one to run at the child's first sign of life.
 pub(crate) fn reset_restart(pending: bool) {
+    FORKED_CHILD.store(true, Ordering::Relaxed);
     RESTART.store(if pending { PENDING } else { IDLE }, Ordering::SeqCst);
+}
+
+/// Set in a forked child (by [`reset_restart`], which every child runs).
+static FORKED_CHILD: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process is a forked child of the process that started the profiler (its
+/// threads' clocks started at the fork, with its profile).
+pub(crate) fn is_forked_child() -> bool {
+    FORKED_CHILD.load(Ordering::Relaxed)
 }
 
 /// For `stop()`: waits until no thread is starting the profiler's threads (it would hand

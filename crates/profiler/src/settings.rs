@@ -139,6 +139,9 @@ pub(crate) struct Settings {
     /// The CPU engine is perf events (else timers), as decided at start.
     pub cpu_engine_perf: bool,
     pub restart_after_fork: bool,
+    /// Threads' CPU from before the start is in the first profile (see
+    /// `ProfilerBuilder::cpu_before_start`).
+    pub cpu_before_start: bool,
     /// The output directory's retention (0: no limit of that kind).
     pub keep_files: usize,
     pub keep_bytes: u64,

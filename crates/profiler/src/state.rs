@@ -142,6 +142,10 @@ pub(crate) struct Shared {
     /// Moved (with a futex wake) when stopping: the sampler sleeps on it between ticks, so
     /// that `stop` does not wait out its sleep.
     pub sampler_wake: AtomicU32,
+    /// Settle requests (`settle_sampler`) and the last one the sampler answered: it then booked
+    /// every thread's CPU up to now, the part of a period no signal caught yet included.
+    pub settle_requested: AtomicU64,
+    pub settled: AtomicU64,
     /// Set by `stop()` once the sampler thread finished (it records what it still held): the
     /// export thread writes the last profile only after that.
     pub sampler_stopped: AtomicBool,
@@ -175,6 +179,8 @@ impl Shared {
             threads: Mutex::new(Threads::default()),
             stopping: AtomicBool::new(false),
             sampler_wake: AtomicU32::new(0),
+            settle_requested: AtomicU64::new(0),
+            settled: AtomicU64::new(0),
             sampler_stopped: AtomicBool::new(false),
             own_tids: [AtomicI32::new(0), AtomicI32::new(0)],
             flush_requested: AtomicU64::new(0),
@@ -237,6 +243,21 @@ impl Shared {
     }
 
     /// Wakes the export thread, and the sampler when stopping.
+    /// Before a last profile the process will not outlive (a termination signal): has the
+    /// sampler book every thread's CPU up to now, and waits for it (at most `within`).
+    pub fn settle_sampler(&self, within: std::time::Duration) {
+        let want = self.settle_requested.fetch_add(1, Ordering::SeqCst) + 1;
+        self.sampler_wake.fetch_add(1, Ordering::SeqCst);
+        crate::forklock::wake(&self.sampler_wake, 1);
+        let deadline = std::time::Instant::now() + within;
+        while self.settled.load(Ordering::SeqCst) < want
+            && !self.stopping.load(Ordering::SeqCst)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
     pub fn wake_all(&self) {
         if self.stopping.load(Ordering::SeqCst) {
             self.sampler_wake.fetch_add(1, Ordering::SeqCst);

@@ -174,17 +174,37 @@ pub(crate) fn rearm_in_child(shared: &Arc<Shared>) {
     }
 }
 
-/// Puts back the previous handlers (where ours is still installed) and ends the thread.
+/// A termination signal that came while the profiler stopped (0: none), raised again by
+/// [`release_deferred`].
+static DEFERRED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_termination_deferred(sig: libc::c_int) {
+    DEFERRED.store(sig, Ordering::SeqCst);
+}
+
+fn current_handler(sig: libc::c_int) -> usize {
+    // SAFETY: reads the current disposition into a zeroed struct we own.
+    unsafe {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut cur);
+        cur.sa_sigaction
+    }
+}
+
+/// Ends the thread. Until [`release_deferred`], a termination signal waits: the stop writes
+/// the last profile, which a signal taking its course meanwhile would lose (a parent that
+/// terminates its workers while they exit: `multiprocessing.Pool`'s `terminate`).
 pub(crate) fn disarm(thread: crate::ownthread::OwnThread<()>) {
     for &sig in &SIGNALS {
-        // SAFETY: reads the current disposition into a zeroed struct we own.
-        let current = unsafe {
-            let mut cur: libc::sigaction = std::mem::zeroed();
-            libc::sigaction(sig, std::ptr::null(), &mut cur);
-            cur.sa_sigaction
-        };
-        if current == on_termination as *const () as usize {
-            restore(sig);
+        if current_handler(sig) == on_termination as *const () as usize {
+            // SAFETY: a zeroed sigaction with a handler that only stores to an atomic.
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_termination_deferred as *const () as usize;
+                sa.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
+            }
         }
     }
     PIPE_R.store(-1, Ordering::Release);
@@ -194,4 +214,19 @@ pub(crate) fn disarm(thread: crate::ownthread::OwnThread<()>) {
         unsafe { libc::close(w) };
     }
     let _ = thread.join();
+}
+
+/// After the stop: the dispositions from before the start come back, and a termination signal
+/// that came during the stop takes its course now.
+pub(crate) fn release_deferred() {
+    for &sig in &SIGNALS {
+        if current_handler(sig) == on_termination_deferred as *const () as usize {
+            restore(sig);
+        }
+    }
+    let sig = DEFERRED.swap(0, Ordering::SeqCst);
+    if sig != 0 {
+        // SAFETY: sending a signal to this process has no preconditions.
+        unsafe { libc::kill(libc::getpid(), sig) };
+    }
 }

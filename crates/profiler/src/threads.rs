@@ -33,16 +33,29 @@ pub(crate) fn register_own_thread() {
     });
 }
 
-/// Runs `f` with the calling thread counted as one of ferroprof's, so that the sampler leaves
-/// it alone meanwhile: for `stop`, whose time (joining the profiler's threads, writing the last
-/// profile) is the profiler's, not the application's.
-pub(crate) fn as_own_thread<R>(f: impl FnOnce() -> R) -> R {
-    let _slot = if is_own_tid(current_tid()) {
-        None
-    } else {
-        OwnSlot::claim()
-    };
+/// Runs `f` (`stop`) with the calling thread known as the one stopping the profiler: the
+/// sampler books its CPU up to the stop as the application's (also when it lists the thread
+/// only then: a process that ended within a period, a forked child restarted at its exit), and
+/// leaves its wall time in there alone (joining the profiler's threads, writing the last
+/// profile: the profiler's time).
+pub(crate) fn while_stopping<R>(f: impl FnOnce() -> R) -> R {
+    struct Clear;
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            STOPPER.store(0, Ordering::SeqCst);
+        }
+    }
+    STOPPER.store(current_tid(), Ordering::SeqCst);
+    let _clear = Clear;
     f()
+}
+
+/// The thread inside [`while_stopping`] (0: none).
+static STOPPER: AtomicI32 = AtomicI32::new(0);
+
+/// The thread stopping the profiler (0: none).
+pub(crate) fn stopper_tid() -> i32 {
+    STOPPER.load(Ordering::SeqCst)
 }
 
 /// The calling thread's entry in the table of ferroprof's threads, left when dropped.

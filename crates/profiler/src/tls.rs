@@ -77,6 +77,18 @@ thread_local! {
 /// thread allocates its way back up.
 pub(crate) const COUNTDOWN_HELD: i64 = i64::MIN / 4;
 
+/// Sends this thread's next allocation, whatever its size, to the sampling allocator's slow
+/// path (once: the slow path draws a fresh countdown). A store to the thread's own state:
+/// async-signal-safe. A countdown held negative (profiler code, arena and keep modes) already
+/// does, and is left as it is.
+pub(crate) fn take_slow_path_next() {
+    STATE.with(|s| {
+        if s.countdown.get() > 0 {
+            s.countdown.set(0);
+        }
+    });
+}
+
 /// Runs `f` with allocation sampling suppressed on this thread (its allocations take the slow
 /// path, where the profiler's large blocks are served: see `crate::alloc::bigblock`).
 pub(crate) fn with_guard<R>(f: impl FnOnce() -> R) -> R {

@@ -67,6 +67,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "alloc",
             "sampler",
             "sampler/capture",
+            "sampler/child_trigger",
             "sampler/clock",
             "sampler/engine",
             "sampler/perf",

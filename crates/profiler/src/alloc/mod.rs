@@ -479,6 +479,9 @@ fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp:
         // never sampled, and the countdown stays as the mode or the guard holds it (negative).
         return;
     }
+    // A forked child that allocates lives on: its profiler threads start now (see `fork`; its
+    // CPU timer sends an allocation of any size here, `sampler::child_trigger`).
+    crate::forkgate::resume_if_pending();
     if interval == 0 {
         s.countdown.set(OFF_RECHECK_BYTES);
         return;
@@ -495,8 +498,6 @@ fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp:
         }
     }
     s.countdown.set(draw_countdown(s, interval));
-    // A forked child that allocates lives on: its profiler threads start now (see `fork`).
-    crate::forkgate::resume_if_pending();
     let w = sample_weight(size as u64, interval);
     let weight = stochastic_round(s, w);
     // `as` saturates: an absurd size cannot wrap to a negative estimate.

@@ -167,10 +167,10 @@ impl ProfilerGuard {
             return Ok(());
         }
         self.stopped = true;
-        // The sampler's last visits leave this thread alone: its time in here is the
-        // profiler's.
-        tls::with_guard(|| {
-            crate::threads::as_own_thread(|| {
+        // The sampler books this thread's CPU up to here, and leaves its wall time in here
+        // alone (the profiler's).
+        let stopped = tls::with_guard(|| {
+            crate::threads::while_stopping(|| {
                 let sh = &self.shared;
                 let term = sh.threads.lock().termination.take();
                 if let Some(t) = term {
@@ -208,7 +208,10 @@ impl ProfilerGuard {
                     }))
                 }
             })
-        })
+        });
+        // A termination signal that came meanwhile waited for the last profile.
+        crate::termination::release_deferred();
+        stopped
     }
 
     /// Serializes and exports a profile now (on the export thread), waiting for the

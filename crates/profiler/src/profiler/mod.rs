@@ -79,6 +79,7 @@ pub struct ProfilerBuilder {
     signal: Option<i32>,
     cpu_engine: CpuEngine,
     restart_after_fork: bool,
+    cpu_before_start: bool,
     max_profile_bytes: u64,
     keep_files: usize,
     keep_bytes: u64,
@@ -106,6 +107,7 @@ impl Default for ProfilerBuilder {
             signal: None,
             cpu_engine: CpuEngine::default(),
             restart_after_fork: true,
+            cpu_before_start: false,
             max_profile_bytes: DEFAULT_MAX_PROFILE_BYTES,
             keep_files: ferroprof_export::dir::DEFAULT_KEEP_FILES,
             keep_bytes: ferroprof_export::dir::DEFAULT_KEEP_BYTES,
@@ -249,6 +251,16 @@ impl ProfilerBuilder {
     /// itself: a child that execs right away runs no profiler thread (see [`crate::after_fork`]).
     pub fn restart_after_fork(mut self, yes: bool) -> Self {
         self.restart_after_fork = yes;
+        self
+    }
+
+    /// Whether the CPU time threads used before the start goes into the first profile (default
+    /// false: a profiler started in a running program profiles from its start). For a profiler
+    /// started with the process (a preload library's constructor), where that time is the
+    /// dynamic loader's and the constructors' and belongs to the process's total. Time no
+    /// sample caught is booked where the thread is next caught, else under `[cpu not sampled]`.
+    pub fn cpu_before_start(mut self, yes: bool) -> Self {
+        self.cpu_before_start = yes;
         self
     }
 
@@ -541,6 +553,7 @@ impl ProfilerBuilder {
             signal,
             cpu_engine_perf,
             restart_after_fork: self.restart_after_fork,
+            cpu_before_start: self.cpu_before_start,
             keep_files: self.keep_files,
             keep_bytes: self.keep_bytes,
             max_profile_bytes: (self.max_profile_bytes > 0).then_some(self.max_profile_bytes),
@@ -647,6 +660,9 @@ impl ProfilerBuilder {
                 let (sh, dl) = (Arc::downgrade(&shared), deliveries.clone());
                 let flush: state::TerminationFlush = Arc::new(move || {
                     let Some(sh) = sh.upgrade() else { return };
+                    // The process ends after this profile: what each thread used since it was
+                    // last caught goes in too.
+                    sh.settle_sampler(Duration::from_millis(200));
                     if let Err(e) = flush_with(&sh, &dl) {
                         log::warn!("ferroprof: the last profile before exiting: {e}");
                     }

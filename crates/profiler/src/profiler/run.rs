@@ -54,8 +54,12 @@ pub(crate) fn spawn_threads(shared: &Arc<Shared>) -> Result<(), ProfilerError> {
         let sampler = crate::ownthread::spawn("ferroprof-sampler", 512 << 10, move || {
             crate::threads::enter_profiler_thread();
             sh.own_tids[0].store(crate::threads::current_tid(), Ordering::SeqCst);
+            // The threads are listed and armed before `start` returns: a process that lives
+            // less than a period still has its CPU caught where it is spent.
+            let mut sampler = Sampler::new(sh);
+            sampler.list_at_start();
             let _ = tx.send(());
-            Sampler::new(sh).run();
+            sampler.run();
         })
         .map_err(|source| ProfilerError::Spawn {
             what: "sampler",

@@ -296,6 +296,11 @@ pub(super) unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) 
         }
     };
     slot.len.store(n as u32, Ordering::Relaxed);
+    // A forked child's timer: its profiler threads start here when that is safe, else at its
+    // next allocation (see `child_trigger`).
+    let child = token & 0xff_ffff == super::child_trigger::CHILD_IDX;
+    // SAFETY: the slot is still ours (not yet published).
+    let restart = child && super::child_trigger::can_restart_here(unsafe { &slot.buf() }, n, room);
     // The thread's own slot: the code it interrupted writes only the copy not in use.
     let ctx = labels::own_ctx();
     for (w, &v) in slot.labels.iter().zip(&ctx.words) {
@@ -309,6 +314,11 @@ pub(super) unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) 
     let wall = if slot.stamp_wall { end } else { monotonic_ns() };
     slot.wall_at.store(wall, Ordering::Relaxed);
     slot.state.store(DONE, Ordering::Release);
+    if restart {
+        crate::forkgate::resume_if_pending();
+    } else if child {
+        tls::take_slow_path_next();
+    }
     true
 }
 

@@ -54,6 +54,7 @@ use crate::unwind::{self, MAX_FRAMES};
 use remote::{RemoteUnwinder, TaskSyscall};
 
 mod capture;
+pub(crate) mod child_trigger;
 mod clock;
 mod engine;
 mod perf;
@@ -182,6 +183,8 @@ pub(crate) struct Sampler {
     labels: labels::Finder,
     /// Threads seen exiting since the last [`Sampler::give_back_memory`].
     exited: u64,
+    /// Threads listed at the start bring the CPU they used before it (see `add_thread`).
+    cpu_before_start: bool,
 }
 
 impl Sampler {
@@ -194,7 +197,13 @@ impl Sampler {
         if POOL_LEN.load(Ordering::Acquire) == 0 {
             add_chunk();
         }
+        // A forked child's timer gives way to the engine's (its captures stay in the pool).
+        child_trigger::disarm();
+        child_trigger::learn_system_objects();
+        let cpu_before_start =
+            shared.settings.cpu_before_start || crate::forkgate::is_forked_child();
         Sampler {
+            cpu_before_start,
             shared,
             signal,
             epoch: (EPOCH.fetch_add(1, Ordering::Relaxed) & 0xff) as u64,
@@ -286,6 +295,11 @@ impl Sampler {
         self.finish();
     }
 
+    /// Lists (and arms) the process's threads, before the first tick.
+    pub(crate) fn list_at_start(&mut self) {
+        self.list_threads(monotonic_ns());
+    }
+
     fn task_dir(&self) -> Option<libc::c_int> {
         self.lister.as_ref().map(|l| l.fd)
     }
@@ -319,6 +333,31 @@ impl Sampler {
         }
         self.give_back_memory();
         self.last_tick_at = now;
+        let want = self.shared.settle_requested.load(Ordering::SeqCst);
+        if self.shared.settled.load(Ordering::SeqCst) < want {
+            self.settle(now);
+            self.shared.settled.store(want, Ordering::SeqCst);
+        }
+    }
+
+    /// Books every thread's CPU up to now (see `Shared::settle_sampler`): what it used since its
+    /// last capture, which would otherwise wait for the next one.
+    fn settle(&mut self, now: u64) {
+        for idx in 0..self.threads.len() {
+            let due = self.threads[idx]
+                .as_ref()
+                .is_some_and(|t| !t.own && t.visited != self.tick);
+            if due {
+                self.visit(idx, now, &[]);
+            }
+            if let Some(mut t) = self.threads[idx].take() {
+                if !t.own && !t.probation && t.cpu_carry > 0 {
+                    let cpu = std::mem::take(&mut t.cpu_carry) as i64;
+                    record(&self.shared, &mut self.frames, &t, &t.ran, &t.ran_ctx, cpu, 0, 0);
+                }
+                self.threads[idx] = Some(t);
+            }
+        }
     }
 
     /// Whether the process's thread count changed since the last look: `/proc/self/task`'s link
@@ -480,7 +519,10 @@ impl Sampler {
         // thread count, checked every tick, misses a thread that started in the tick another
         // ended; the regular listing finds it later.)
         let (cpu_carry, since) = if first {
-            (0, now)
+            // Threads listed at the start: their CPU from before it counts only when asked
+            // (a profiler started with the process) or in a forked child (its clocks started
+            // at the fork, with the child's profile).
+            (if self.cpu_before_start { cpu } else { 0 }, now)
         } else {
             let after = self.last_tick_at.max(self.last_list_at);
             let since = thread_start_ns(self.task_dir(), tid).map_or(
@@ -568,12 +610,11 @@ impl Sampler {
         if !t.own && gone {
             self.flush_idle(&mut t);
             if t.cpu_carry > 0 {
+                // Where it last ran; where it never was caught running (a short thread, a short
+                // process's main thread) under `[cpu not sampled]` (see `record`), not where a
+                // wall visit found it waiting: its clock's time is never dropped.
                 let cpu = std::mem::take(&mut t.cpu_carry) as i64;
-                let (stack, ctx) = if t.ran.is_empty() {
-                    (&t.stack, &t.wall_ctx)
-                } else {
-                    (&t.ran, &t.ran_ctx)
-                };
+                let (stack, ctx) = (&t.ran, &t.ran_ctx);
                 record(&self.shared, &mut self.frames, &t, stack, ctx, cpu, 0, 0);
             }
         }
@@ -600,12 +641,21 @@ impl Sampler {
             }
             waiting += 1;
             let payload = s.payload.load(Ordering::Relaxed);
-            let idx = (payload & 0xff_ffff) as usize;
+            let mut idx = (payload & 0xff_ffff) as usize;
             let gen = ((payload >> 24) & 0xffff) as u16;
             let epoch = (payload >> 40) & 0xff;
-            let mine = epoch == self.epoch
+            let mut mine = epoch == self.epoch
                 && self.gens.get(idx) == Some(&gen)
                 && self.threads.get(idx).is_some_and(|t| t.is_some());
+            if payload & 0xff_ffff == child_trigger::CHILD_IDX {
+                // The forked child's timer ran on the thread that forked, whose tid is the pid.
+                // SAFETY: getpid has no preconditions.
+                let pid = unsafe { libc::getpid() };
+                if let Some(&i) = self.by_tid.get(&pid) {
+                    idx = i;
+                    mine = true;
+                }
+            }
             if mine {
                 // SAFETY: DONE was observed with acquire ordering: the handler finished writing.
                 let n = unsafe { s.buf() }
@@ -834,7 +884,8 @@ impl Sampler {
             self.finish_thread(idx, true);
             return;
         }
-        if !self.wall_enabled {
+        // The thread stopping the profiler: its wall time in there is the profiler's.
+        if !self.wall_enabled || t.tid == crate::threads::stopper_tid() {
             t.last_wall = now;
             self.threads[idx] = Some(t);
             return;
@@ -1075,16 +1126,20 @@ impl Sampler {
         self.stamps.update();
         let now = monotonic_ns();
         self.tick += 1;
+        if self.listing == 0 {
+            // Stopped before its first tick (a process that lived under a period, or a forked
+            // child restarted at its exit): its threads, and their CPU, are found now.
+            self.list_threads(now);
+        }
         self.drain();
         self.visit_captured(now);
-        if self.wall_enabled {
-            for idx in 0..self.threads.len() {
-                let due = self.threads[idx]
-                    .as_ref()
-                    .is_some_and(|t| !t.own && t.visited != self.tick);
-                if due {
-                    self.visit(idx, now, &[]);
-                }
+        // Every thread's clock is read a last time: the CPU since its last capture is booked.
+        for idx in 0..self.threads.len() {
+            let due = self.threads[idx]
+                .as_ref()
+                .is_some_and(|t| !t.own && t.visited != self.tick);
+            if due {
+                self.visit(idx, now, &[]);
             }
         }
         for idx in 0..self.threads.len() {

@@ -10,7 +10,11 @@ use crate::state::{Shared, TapKind};
 use crate::threads::{THREAD_ID_LABEL, THREAD_NAME_LABEL};
 use crate::tls;
 
-/// Records one sample of thread `t` on `stack` under labels `ctx` (nothing for an empty stack).
+/// The frame of CPU time no capture caught on a thread whose stack was never read.
+pub(super) const CPU_NOT_SAMPLED: &str = "[cpu not sampled]";
+
+/// Records one sample of thread `t` on `stack` under labels `ctx`. An empty stack records
+/// nothing, but CPU time: that goes under [`CPU_NOT_SAMPLED`].
 #[allow(clippy::too_many_arguments)]
 pub(super) fn record(
     sh: &Shared,
@@ -22,11 +26,15 @@ pub(super) fn record(
     wall_ns: i64,
     count: i64,
 ) {
-    if stack.is_empty() || (cpu_ns == 0 && wall_ns == 0 && count == 0) {
+    if (stack.is_empty() && cpu_ns == 0) || (cpu_ns == 0 && wall_ns == 0 && count == 0) {
         return;
     }
     frames.clear();
-    frames.extend(stack.iter().map(|&a| Frame::Address(a)));
+    if stack.is_empty() {
+        frames.push(Frame::sym(CPU_NOT_SAMPLED, "", 0));
+    } else {
+        frames.extend(stack.iter().map(|&a| Frame::Address(a)));
+    }
     let mut labels = [Label::num("", 0); 2 + labels::WORDS];
     labels[0] = Label::num(THREAD_ID_LABEL, t.tid as i64);
     labels[1] = Label::str(THREAD_NAME_LABEL, &t.name);

@@ -75,6 +75,12 @@ impl<'a> FrameBuf<'a> {
         self.head.len() + self.tail.len()
     }
 
+    /// Frame `i` (below the length written).
+    #[inline]
+    pub(crate) fn at(&self, i: usize) -> u64 {
+        self.get(i)
+    }
+
     #[inline]
     pub(super) fn get(&self, i: usize) -> u64 {
         match i.checked_sub(self.head.len()) {
