@@ -11,9 +11,10 @@
 //! * Profiles go to `FERROPROF_OUTPUT_DIR` (default `./profiles`) as
 //!   `<command>.<pid>.<n>.pprof`: every process (forked or exec'd children too) writes its own.
 //! * The last profile is written at exit (`exit()` from any thread, or a return from `main`:
-//!   an `atexit` handler) and on `SIGTERM`, `SIGINT`, `SIGHUP` and `SIGQUIT` (the profiler's
-//!   flush on termination), after which the signal takes its course, at `_exit` (outside
-//!   signal handlers: [`_exit`], interposed), and before an `exec`
+//!   an `atexit` handler; not from a signal handler, see [`exit_handler`]) and on `SIGTERM`,
+//!   `SIGINT`, `SIGHUP` and `SIGQUIT` (the profiler's flush on termination), after which the
+//!   signal takes its course, at `_exit` (outside signal handlers: [`_exit`], interposed), and
+//!   before an `exec`
 //!   (`exec`: the exec family, interposed; the new image gets the library and the settings
 //!   even when the program passes an environment without them).
 
@@ -98,7 +99,7 @@ fn start() {
             );
             // SAFETY: registers a function of the right type; runs at `exit()` from any thread.
             if !AT_EXIT_SET.swap(true, std::sync::atomic::Ordering::SeqCst)
-                && unsafe { libc::atexit(at_exit) } != 0
+                && unsafe { libc::atexit(exit_handler) } != 0
             {
                 eprintln!("ferroprof: cannot register the exit handler: no profile at exit");
             }
@@ -140,7 +141,41 @@ fn take_guard() -> Option<ProfilerGuard> {
     held.take()
 }
 
-extern "C" fn at_exit() {
+/// The `atexit` handler. `exit()` is not async-signal-safe, but programs call it from signal
+/// handlers anyway (a timeout's `SIGALRM`, a `SIGINT` handler): one that interrupted `malloc`
+/// or the profiler's own recording holds a lock that writing the profile needs, and `exit`
+/// would wait for it for ever. There, as at `_exit`, the process ends without a profile.
+extern "C" fn exit_handler() {
+    if RUNNING.load(std::sync::atomic::Ordering::SeqCst) && in_signal_handler_or_unknown() {
+        const NOTE: &[u8] =
+            b"ferroprof: exit() in a signal handler: no last profile (see docs/record.md)\n";
+        // SAFETY: write(2) of a static buffer; async-signal-safe, unlike eprintln's lock.
+        unsafe { libc::write(2, NOTE.as_ptr().cast(), NOTE.len()) };
+        return;
+    }
+    at_exit();
+}
+
+/// Whether this thread runs a signal handler, true when that cannot be told: writing there
+/// may hang, skipping costs one profile. The check answers None when every unwinder spare
+/// is busy (other threads' samples, for microseconds): asked again a few times first, so a
+/// plain `exit()` among busy threads still writes. Async-signal-safe.
+fn in_signal_handler_or_unknown() -> bool {
+    for _ in 0..20 {
+        if let Some(answer) = ferroprof::internals::__in_signal_handler() {
+            return answer;
+        }
+        let pause = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 1_000_000,
+        };
+        // SAFETY: nanosleep with a valid duration and no remainder pointer.
+        unsafe { libc::nanosleep(&pause, std::ptr::null_mut()) };
+    }
+    true
+}
+
+fn at_exit() {
     progress::stop();
     let stop = || {
         let Some(guard) = take_guard() else { return };
