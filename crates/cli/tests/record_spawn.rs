@@ -1,6 +1,6 @@
 //! `ferroprof record`: `exit()` from a signal handler, and children started through
-//! `posix_spawn`, `system()` and `popen()` (and what uses them: Rust's `Command`, Python's
-//! `subprocess`) with an environment lacking the preload library. The C program is
+//! `posix_spawn` (and what uses it: Rust's `Command`, Python's `subprocess`) with an
+//! environment lacking the preload library. The C program is
 //! tests/fixtures/spawn_fixture.c, compiled with gcc here.
 
 use std::os::unix::process::CommandExt;
@@ -91,6 +91,39 @@ fn record_within(dir: &Path, program: &Path, args: &[&str], limit: Duration) -> 
     }
 }
 
+fn record(dir: &Path, program: &Path, args: &[&str]) -> Output {
+    let out = record_within(dir, program, args, Duration::from_secs(120))
+        .unwrap_or_else(|| panic!("record -- {} {args:?} did not end", program.display()));
+    assert!(
+        out.status.success(),
+        "record -- {} {args:?}: {}\n{}\n{}",
+        program.display(),
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    out
+}
+
+/// `<command>.<pid>.<n>.pprof` files in `dir`: (pid, path).
+fn profiles(dir: &Path) -> Vec<(i32, PathBuf)> {
+    let mut v: Vec<(i32, PathBuf)> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.to_owned();
+            let stem = name.strip_suffix(".pprof")?;
+            let mut parts = stem.rsplitn(3, '.');
+            let _n: u32 = parts.next()?.parse().ok()?;
+            let pid: i32 = parts.next()?.parse().ok()?;
+            Some((pid, p))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// `exit()` from a `SIGALRM` handler that interrupts `malloc`, `free` or the profiler's own
 /// recording (which then hold their locks): the exit handlers run from the handler, and
 /// writing the profile there would wait for those locks for ever. Every run must end at once.
@@ -115,4 +148,99 @@ fn exit_from_a_signal_handler_ends_the_program_at_once() {
         );
     }
     eprintln!("16 runs in {:?}", started.elapsed());
+}
+
+/// The Rust fixture (tests/fixtures/spawn_env_clear.rs), compiled once with rustc.
+fn rust_fixture() -> &'static Path {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/spawn_env_clear.rs");
+        let out = work_dir("rustc").join("spawn_env_clear");
+        let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
+        let o = Command::new(rustc)
+            .args(["--edition", "2021", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .output()
+            .expect("rustc runs");
+        assert!(o.status.success(), "rustc failed: {}", text(&o.stderr));
+        out
+    })
+}
+
+/// Sum of `type_name` over the samples whose stack passes through `function`.
+fn through(p: &ferroprof_pprof::Profile, type_name: &str, function: &str) -> i64 {
+    let i = p
+        .value_index(type_name)
+        .unwrap_or_else(|| panic!("no {type_name} in the profile"));
+    p.sample
+        .iter()
+        .filter(|s| p.stack_names(s).iter().any(|n| n == function))
+        .map(|s| s.value[i])
+        .sum()
+}
+
+/// `record -- program args`, whose descendant ran the fixture's `spin` (it printed
+/// `child_pid=PID`): that child wrote a profile of its own, with CPU time in its spin.
+fn child_is_profiled(what: &str, program: &Path, args: &[&str]) {
+    let dir = work_dir(what);
+    let out = record(&dir, program, args);
+    let stdout = text(&out.stdout);
+    let pid: i32 = stdout
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("child_pid="))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{what}: the child did not run: {stdout}"));
+    let files = profiles(&dir);
+    let mine: Vec<&PathBuf> = files.iter().filter(|f| f.0 == pid).map(|f| &f.1).collect();
+    assert!(
+        !mine.is_empty(),
+        "{what}: no profile of the child (pid {pid}): {files:?}\n{stdout}\n{}",
+        text(&out.stderr)
+    );
+    let cpu: i64 = mine
+        .iter()
+        .map(|f| {
+            let p = ferroprof_pprof::decode(&std::fs::read(f).unwrap()).expect("a pprof profile");
+            through(&p, "cpu-time", "spawn_child_spin")
+        })
+        .sum();
+    assert!(
+        cpu > 0,
+        "{what}: no CPU time in the child's spawn_child_spin: {mine:?}"
+    );
+}
+
+/// `posix_spawn` and `posix_spawnp` with an environment of the program's own (only `PATH`).
+#[test]
+fn posix_spawn_with_an_environment_lacking_ld_preload_is_profiled() {
+    child_is_profiled("posix-spawn", fixture(), &["posix-spawn"]);
+    child_is_profiled("posix-spawnp", fixture(), &["posix-spawnp"]);
+}
+
+/// Rust's `Command::env_clear`: std spawns with `posix_spawnp` and an empty environment.
+#[test]
+fn rust_command_env_clear_child_is_profiled() {
+    child_is_profiled(
+        "rust-env-clear",
+        rust_fixture(),
+        &[fixture().to_str().unwrap()],
+    );
+}
+
+/// Python's `subprocess.run(..., env={})`, the default way (fork and exec) and through
+/// `posix_spawn` (which subprocess uses when `close_fds=False`).
+#[test]
+fn python_subprocess_with_an_empty_env_child_is_profiled() {
+    for (what, close_fds) in [("python-env", "True"), ("python-env-spawn", "False")] {
+        let script = format!(
+            "import subprocess, sys; \
+             subprocess.run([sys.argv[1], 'spin'], env={{}}, close_fds={close_fds}, check=True)"
+        );
+        child_is_profiled(
+            what,
+            Path::new("/usr/bin/python3"),
+            &["-c", &script, fixture().to_str().unwrap()],
+        );
+    }
 }

@@ -21,8 +21,8 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-type Argv = *const *const c_char;
-type Envp = *const *const c_char;
+pub(crate) type Argv = *const *const c_char;
+pub(crate) type Envp = *const *const c_char;
 
 extern "C" {
     static environ: Envp;
@@ -282,7 +282,7 @@ const STACK_TEXT: usize = 4096;
 ///
 /// # Safety
 /// As [`entries`].
-unsafe fn with_env(envp: Envp, f: impl FnOnce(Envp) -> c_int) -> c_int {
+pub(crate) unsafe fn with_env(envp: Envp, f: impl FnOnce(Envp) -> c_int) -> c_int {
     // SAFETY: forwarded contract.
     let Some(plan) = (unsafe { self::plan(envp) }) else {
         return f(envp);

@@ -16,12 +16,14 @@
 //!   signal takes its course, at `_exit` (outside signal handlers: [`_exit`], interposed), and
 //!   before an `exec`
 //!   (`exec`: the exec family, interposed; the new image gets the library and the settings
-//!   even when the program passes an environment without them).
+//!   even when the program passes an environment without them). `posix_spawn` and
+//!   `posix_spawnp` give their child the same (`spawn`).
 
 mod exec;
 mod exporter;
 mod hooks;
 mod progress;
+mod spawn;
 mod tls_check;
 
 use std::sync::Mutex;
@@ -46,7 +48,12 @@ static INIT: extern "C" fn() = init;
 extern "C" fn init() {
     hooks::init();
     // A panic must not unwind into the loader (nor abort the program): profiling just stays off.
-    if std::panic::catch_unwind(exec::init).is_err() {
+    if std::panic::catch_unwind(|| {
+        exec::init();
+        spawn::init();
+    })
+    .is_err()
+    {
         eprintln!("ferroprof: internal error while starting; exec'd programs may run unprofiled");
     }
     if std::panic::catch_unwind(start).is_err() {
