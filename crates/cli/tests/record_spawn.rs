@@ -1,6 +1,6 @@
 //! `ferroprof record`: `exit()` from a signal handler, and children started through
-//! `posix_spawn` (and what uses it: Rust's `Command`, Python's `subprocess`) with an
-//! environment lacking the preload library. The C program is
+//! `posix_spawn`, `system()` and `popen()` (and what uses them: Rust's `Command`, Python's
+//! `subprocess`) with an environment lacking the preload library. The C program is
 //! tests/fixtures/spawn_fixture.c, compiled with gcc here.
 
 use std::os::unix::process::CommandExt;
@@ -182,7 +182,7 @@ fn through(p: &ferroprof_pprof::Profile, type_name: &str, function: &str) -> i64
 
 /// `record -- program args`, whose descendant ran the fixture's `spin` (it printed
 /// `child_pid=PID`): that child wrote a profile of its own, with CPU time in its spin.
-fn child_is_profiled(what: &str, program: &Path, args: &[&str]) {
+fn child_is_profiled(what: &str, program: &Path, args: &[&str]) -> String {
     let dir = work_dir(what);
     let out = record(&dir, program, args);
     let stdout = text(&out.stdout);
@@ -209,6 +209,7 @@ fn child_is_profiled(what: &str, program: &Path, args: &[&str]) {
         cpu > 0,
         "{what}: no CPU time in the child's spawn_child_spin: {mine:?}"
     );
+    stdout
 }
 
 /// `posix_spawn` and `posix_spawnp` with an environment of the program's own (only `PATH`).
@@ -241,6 +242,32 @@ fn python_subprocess_with_an_empty_env_child_is_profiled() {
             what,
             Path::new("/usr/bin/python3"),
             &["-c", &script, fixture().to_str().unwrap()],
+        );
+    }
+}
+
+/// `system()` and `popen()` after the program removed `LD_PRELOAD` from its environment
+/// (reading from and writing to the `popen` child), with their statuses.
+#[test]
+fn system_and_popen_after_unsetenv_are_profiled() {
+    let out = child_is_profiled("system", fixture(), &["system"]);
+    assert!(out.contains("system_status=0"), "{out}");
+    for mode in ["popen", "popen-w"] {
+        let out = child_is_profiled(mode, fixture(), &[mode]);
+        assert!(out.contains("pclose_status=0"), "{mode}: {out}");
+    }
+}
+
+/// What `system()` done by the library keeps of glibc's: the shell's exit status, and
+/// `SIGINT` and `SIGQUIT` ignored by the caller while it waits.
+#[test]
+fn system_after_unsetenv_keeps_its_status_and_signals() {
+    let dir = work_dir("system-status");
+    for (mode, status) in [("system-status", 3), ("system-signals", 0)] {
+        let out = text(&record(&dir, fixture(), &[mode]).stdout);
+        assert!(
+            out.contains(&format!("system_status={status}")),
+            "{mode}: {out}"
         );
     }
 }

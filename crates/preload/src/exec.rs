@@ -270,6 +270,15 @@ unsafe fn plan(envp: Envp) -> Option<Plan> {
     })
 }
 
+/// Whether `envp` lacks the library or a carried setting (what [`with_env`] would add).
+///
+/// # Safety
+/// As [`entries`].
+pub(crate) unsafe fn needs_fixup(envp: Envp) -> bool {
+    // SAFETY: forwarded contract.
+    unsafe { plan(envp) }.is_some()
+}
+
 /// Room for the fixed-up environment on the stack; a larger one goes to an anonymous mapping.
 const STACK_POINTERS: usize = 512;
 const STACK_TEXT: usize = 4096;

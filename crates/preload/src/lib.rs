@@ -16,8 +16,8 @@
 //!   signal takes its course, at `_exit` (outside signal handlers: [`_exit`], interposed), and
 //!   before an `exec`
 //!   (`exec`: the exec family, interposed; the new image gets the library and the settings
-//!   even when the program passes an environment without them). `posix_spawn` and
-//!   `posix_spawnp` give their child the same (`spawn`).
+//!   even when the program passes an environment without them). `posix_spawn`, `posix_spawnp`,
+//!   `system` and `popen` give their child the same (`spawn`).
 
 mod exec;
 mod exporter;
