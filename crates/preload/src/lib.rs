@@ -11,7 +11,7 @@
 //! * Profiles go to `FERROPROF_OUTPUT_DIR` (default `./profiles`) as
 //!   `<command>.<pid>.<n>.pprof`: every process (forked or exec'd children too) writes its own.
 //! * The last profile is written at exit (`exit()` from any thread, or a return from `main`:
-//!   an `atexit` handler; not from a signal handler, see [`exit_handler`]) and on `SIGTERM`,
+//!   an `atexit` handler; not from a signal handler, see `exit_handler`) and on `SIGTERM`,
 //!   `SIGINT`, `SIGHUP` and `SIGQUIT` (the profiler's flush on termination), after which the
 //!   signal takes its course, at `_exit` (outside signal handlers: [`_exit`], interposed), and
 //!   before an `exec`
