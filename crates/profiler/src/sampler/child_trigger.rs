@@ -82,7 +82,7 @@ const RESTART_ROOM: u64 = 128 << 10;
 /// room left on the thread's stack: whether the profiler's threads can start right here (see
 /// the module's notes). Async-signal-safe.
 pub(super) fn can_restart_here(frames: &FrameBuf<'_>, n: usize, room: Option<u64>) -> bool {
-    if !room.is_some_and(|r| r >= RESTART_ROOM) || n < 3 {
+    if room.is_none_or(|r| r < RESTART_ROOM) || n < 3 {
         return false;
     }
     let in_profiler = crate::tls::STATE

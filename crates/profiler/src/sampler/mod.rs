@@ -353,7 +353,16 @@ impl Sampler {
             if let Some(mut t) = self.threads[idx].take() {
                 if !t.own && !t.probation && t.cpu_carry > 0 {
                     let cpu = std::mem::take(&mut t.cpu_carry) as i64;
-                    record(&self.shared, &mut self.frames, &t, &t.ran, &t.ran_ctx, cpu, 0, 0);
+                    record(
+                        &self.shared,
+                        &mut self.frames,
+                        &t,
+                        &t.ran,
+                        &t.ran_ctx,
+                        cpu,
+                        0,
+                        0,
+                    );
                 }
                 self.threads[idx] = Some(t);
             }
