@@ -21,6 +21,7 @@
 
 mod exec;
 mod exporter;
+mod forksafe;
 mod hooks;
 mod progress;
 mod spawn;

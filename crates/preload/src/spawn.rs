@@ -19,11 +19,11 @@
 
 use std::ffi::{c_char, c_int, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use libc::{pid_t, posix_spawn_file_actions_t, posix_spawnattr_t, FILE};
 
 use crate::exec::{needs_fixup, with_env, Argv, Envp};
+use crate::forksafe::ForkSafeLock;
 
 extern "C" {
     static environ: Envp;
@@ -49,6 +49,20 @@ pub(crate) fn init() {
     for (slot, name) in REAL.iter().zip(NAMES) {
         crate::hooks::next_symbol(slot, name);
     }
+    // SAFETY: registers plain extern "C" functions, valid for ever.
+    unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+}
+
+/// No thread holds the locks below when the child is made (see `forksafe`): a child's
+/// `pclose` or `system` never waits on one.
+extern "C" fn before_fork() {
+    IGNORING.acquire();
+    POPENED.acquire();
+}
+
+extern "C" fn after_fork() {
+    POPENED.release();
+    IGNORING.release();
 }
 
 type SpawnFn = unsafe extern "C" fn(
@@ -175,14 +189,14 @@ struct Ignoring {
     quit: libc::sigaction,
 }
 
-// SAFETY: plain data (handler addresses and masks), touched only under the mutex.
+// SAFETY: plain data (handler addresses and masks), touched only under the lock.
 unsafe impl Send for Ignoring {}
 
-static IGNORING: Mutex<Option<Ignoring>> = Mutex::new(None);
+static IGNORING: ForkSafeLock<Option<Ignoring>> = ForkSafeLock::new(None);
 
 /// The saved dispositions, after ignoring the signals if no other call has.
 fn ignore_interrupts() -> (libc::sigaction, libc::sigaction) {
-    let mut g = IGNORING.lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = IGNORING.lock();
     if let Some(i) = g.as_mut() {
         i.calls += 1;
         return (i.intr, i.quit);
@@ -209,7 +223,7 @@ fn ignore_interrupts() -> (libc::sigaction, libc::sigaction) {
 
 /// One `system` call done: the last puts the dispositions back.
 fn restore_interrupts() {
-    let mut g = IGNORING.lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = IGNORING.lock();
     let last = g.as_mut().is_some_and(|i| {
         i.calls -= 1;
         i.calls == 0
@@ -302,7 +316,7 @@ struct Popened {
 
 /// The streams `popen` made here and `pclose` has not closed yet (POSIX: a `popen` child
 /// closes those of the earlier calls; `pclose` waits for its stream's child).
-static POPENED: Mutex<Vec<Popened>> = Mutex::new(Vec::new());
+static POPENED: ForkSafeLock<Vec<Popened>> = ForkSafeLock::new(Vec::new());
 
 /// glibc's `popen`, with the environment fixed up (see the module's comment).
 ///
@@ -342,7 +356,7 @@ unsafe fn popen_here(command: *const c_char, mode: *const c_char) -> *mut FILE {
         (fds[1], fds[0])
     };
     let child_fd = if read { 1 } else { 0 };
-    let mut streams = POPENED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut streams = POPENED.lock();
     // SAFETY: descriptor and file-action calls on descriptors and actions of our own; the
     // actions are initialized before use and destroyed after.
     unsafe {
@@ -416,7 +430,7 @@ pub unsafe extern "C" fn popen(command: *const c_char, mode: *const c_char) -> *
 #[no_mangle]
 pub unsafe extern "C" fn pclose(file: *mut FILE) -> c_int {
     let mine = {
-        let mut streams = POPENED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut streams = POPENED.lock();
         let at = streams.iter().position(|s| s.file == file as usize);
         at.map(|i| streams.swap_remove(i))
     };
