@@ -1,6 +1,7 @@
 //! `ferroprof`: run the demo, or read pprof files (top, flamegraph, diff).
 
 mod demo;
+mod embedded;
 mod filter;
 mod record;
 mod report;

@@ -656,7 +656,8 @@ fn debug_cache(given: Option<&std::ffi::OsStr>) -> anyhow::Result<Option<OsStrin
 }
 
 /// The preload library: `$FERROPROF_PRELOAD`, else next to the `ferroprof` binary, else in
-/// `../lib` from it (an installed layout).
+/// `../lib` from it (an installed layout), else the copy this binary carries, written to the
+/// user's cache directory (see `embedded`): `cargo install` installs the binary alone.
 fn find_preload() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os(PRELOAD_ENV).filter(|p| !p.is_empty()) {
         let p = PathBuf::from(p);
@@ -678,10 +679,14 @@ fn find_preload() -> anyhow::Result<PathBuf> {
             return Ok(c.canonicalize().unwrap_or_else(|_| c.clone()));
         }
     }
+    if crate::embedded::available() {
+        return crate::embedded::install();
+    }
     Err(CliError(format!(
-        "the preload library {PRELOAD_NAME} is not next to {} (nor in ../lib); build it with \
-         `cargo build -p ferroprof-preload` (a plain `cargo build` builds it too), or name it \
-         with {PRELOAD_ENV}=/path/to/{PRELOAD_NAME}",
+        "the preload library {PRELOAD_NAME} is not next to {} (nor in ../lib), and this \
+         ferroprof does not carry one (it was built outside the ferroprof workspace); install \
+         it from the repository (`cargo install --path crates/cli`), or name the library with \
+         {PRELOAD_ENV}=/path/to/{PRELOAD_NAME}",
         exe.display()
     ))
     .into())
