@@ -19,6 +19,8 @@ cargo package -p ferroprof-recorder -p ferroprof-pprof -p ferroprof-export -p fe
     --allow-dirty --no-verify --offline --quiet
 echo "== cargo test (builds the examples too; tests/readme.rs checks the README against them)"
 cargo test --workspace
+echo "== install check: cargo install --path crates/cli, then record with the library it carries"
+./scripts/install_check.sh
 echo "== cargo test: fork and exec with the perf CPU engine (timers where perf is refused)"
 FERROPROF_CPU_ENGINE=auto cargo test -p ferroprof --test fork_exec
 echo "== cargo test: allocation stacks of a release build at debug = \"line-tables-only\" (short inlined names)"

@@ -147,13 +147,14 @@ fn write(path: &Path, bytes: &[u8]) {
 }
 
 /// `preload-embed` in the outer target directory (the ancestor of `OUT_DIR` holding cargo's
-/// `CACHEDIR.TAG`): one nested build for every outer profile and build script hash, kept
-/// across `cargo build`s so it stays incremental. Else (an unknown layout) under `OUT_DIR`.
+/// `.rustc_info.json` or `CACHEDIR.TAG`): one nested build for every outer profile and build
+/// script hash (`cargo clippy`, `cargo test`, `cargo install --target-dir target` share it),
+/// kept across builds so it stays incremental. Else (an unknown layout) under `OUT_DIR`.
 fn nested_target_dir(out_dir: &Path) -> PathBuf {
     out_dir
         .ancestors()
         .skip(1)
-        .find(|d| d.join("CACHEDIR.TAG").is_file())
+        .find(|d| d.join(".rustc_info.json").is_file() || d.join("CACHEDIR.TAG").is_file())
         .map(|d| d.join("preload-embed"))
         .unwrap_or_else(|| out_dir.join("preload-embed"))
 }
