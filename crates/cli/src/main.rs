@@ -1,4 +1,5 @@
-//! `ferroprof`: run the demo, or read pprof files (top, flamegraph, diff).
+//! `ferroprof`: record any program (`record`), read and compare pprof files (top, flamegraph,
+//! diff), run the demo.
 
 mod demo;
 mod embedded;
@@ -25,7 +26,8 @@ static GLOBAL: ferroprof::SamplingAllocator<std::alloc::System> =
 #[command(
     name = "ferroprof",
     version,
-    about = "Continuous profiler for Rust: demo and pprof tools"
+    about = "Profile any program (record: CPU, wall, allocations, live heap), read and compare \
+             pprof profiles (top, flamegraph, diff), run the demo"
 )]
 struct Cli {
     #[command(subcommand)]

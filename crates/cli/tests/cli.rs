@@ -311,7 +311,13 @@ fn usage_errors_exit_2() {
     assert_eq!(o.status.code(), Some(2));
     let o = run(&["--help"]);
     assert!(o.status.success());
-    for cmd in ["demo", "top", "flamegraph", "diff"] {
+    for cmd in ["demo", "record", "top", "flamegraph", "diff"] {
         assert!(stdout(&o).contains(cmd), "{}", stdout(&o));
     }
+    // The one-line description says what the command is: a profiler of any program first.
+    assert!(
+        stdout(&o).starts_with("Profile any program (record"),
+        "{}",
+        stdout(&o)
+    );
 }
