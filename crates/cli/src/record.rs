@@ -102,6 +102,14 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     }
     let program = resolve_command(cmd)?;
     check_injectable(&program, cmd)?;
+    let pymalloc_note = (profiles.alloc || profiles.heap)
+        && is_cpython(cmd, &program)
+        && !matches!(
+            std::env::var_os("PYTHONMALLOC")
+                .as_deref()
+                .and_then(|v| v.to_str()),
+            Some("malloc" | "malloc_debug")
+        );
     let preload = find_preload()?;
 
     let (dir, file) = output_paths(&args.output)?;
@@ -220,7 +228,38 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
         eprintln!("ferroprof record: {e:#}");
     }
     let _ = std::fs::remove_dir_all(&summary_dir);
+    if pymalloc_note {
+        println!("\n{PYMALLOC_NOTE}");
+    }
     Ok(code)
+}
+
+/// CPython serves objects of 512 bytes and less from its own arenas (pymalloc), which it maps
+/// with mmap: the preload library, which interposes malloc, never sees them.
+/// `PYTHONMALLOC=malloc` sends every object to malloc.
+const PYMALLOC_NOTE: &str = "python: objects of 512 bytes and less come from CPython's own \
+    arenas (pymalloc), not from malloc, so the allocation and heap profiles miss them. To see \
+    them, run with PYTHONMALLOC=malloc (slower):\n  \
+    PYTHONMALLOC=malloc ferroprof record -- python3 ...";
+
+/// Whether the command is CPython (`python`, `python3`, `python3.12`...): by the name it was
+/// given, or by the file it resolves to (`/usr/bin/python3` links to `python3.12`).
+fn is_cpython(cmd: &OsString, program: &Path) -> bool {
+    let named = |p: &Path| {
+        let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+            return false;
+        };
+        let Some(version) = name.strip_prefix("python") else {
+            return false;
+        };
+        // A free-threaded (`t`) or debug (`d`) build keeps pymalloc too.
+        let version = version.trim_end_matches(['t', 'd']);
+        version.is_empty()
+            || version
+                .split('.')
+                .all(|part| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()))
+    };
+    named(Path::new(cmd)) || named(program) || program.canonicalize().is_ok_and(|real| named(&real))
 }
 
 /// 128 + signal for a program killed by a signal, as shells report it.
@@ -936,6 +975,30 @@ mod tests {
             "{out}"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn cpython_is_known_by_its_name() {
+        let no_file = Path::new("/nonexistent/x");
+        for yes in [
+            "python",
+            "python3",
+            "python3.12",
+            "/usr/bin/python3.13t",
+            "python3.11d",
+        ] {
+            assert!(is_cpython(&OsString::from(yes), no_file), "{yes}");
+        }
+        for no in [
+            "pythonista",
+            "python3.",
+            "python3.x",
+            "ipython3",
+            "true",
+            "py",
+        ] {
+            assert!(!is_cpython(&OsString::from(no), no_file), "{no}");
+        }
     }
 
     #[test]

@@ -776,6 +776,42 @@ fn a_program_without_malloc_gets_cpu_and_a_no_allocations_note() {
     assert!(through(&load(&files[0].1), "cpu-time", "fixture_burn") > 0);
     // One process: no table of processes.
     assert!(!stdout.contains("CPU time by process"), "{stdout}");
+    // Not CPython: no word of pymalloc.
+    assert!(!stdout.contains("PYTHONMALLOC"), "{stdout}");
+}
+
+/// CPython's small objects come from its own arenas: the summary says so and how to see them
+/// (PYTHONMALLOC=malloc), unless that is already set.
+#[test]
+fn a_python_program_gets_the_pymalloc_note_unless_pythonmalloc_is_malloc() {
+    let script = "x = [str(i) * 3 for i in range(200000)]";
+    for (pythonmalloc, noted) in [(None, true), (Some("malloc"), false)] {
+        let dir = work_dir(&format!("python-{noted}"));
+        let mut cmd = Command::new(BIN);
+        cmd.env("FERROPROF_PRELOAD", preload())
+            .env_remove("PYTHONMALLOC")
+            .args([
+                "record",
+                "-o",
+                dir.to_str().unwrap(),
+                "--",
+                "python3",
+                "-c",
+                script,
+            ]);
+        if let Some(v) = pythonmalloc {
+            cmd.env("PYTHONMALLOC", v);
+        }
+        let out = cmd.output().expect("run ferroprof record -- python3");
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+        assert!(!profiles(&dir).is_empty(), "{stdout}");
+        assert_eq!(
+            stdout.contains("pymalloc") && stdout.contains("PYTHONMALLOC=malloc ferroprof record"),
+            noted,
+            "PYTHONMALLOC={pythonmalloc:?}: {stdout}"
+        );
+    }
 }
 
 /// A command that hands its work to a child (a shell script, make, git): the top tables are
