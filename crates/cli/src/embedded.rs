@@ -121,3 +121,59 @@ fn private_dir(dir: &Path) -> anyhow::Result<()> {
         None => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("ferroprof-embedded-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn the_cache_directory_is_created_private_and_reused() {
+        let d = scratch("ok").join("ferroprof");
+        private_dir(&d).unwrap();
+        let mode = std::fs::metadata(&d).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        private_dir(&d).unwrap();
+        let _ = std::fs::remove_dir_all(d.parent().unwrap());
+    }
+
+    #[test]
+    fn unsafe_cache_directories_are_refused_with_their_path() {
+        let base = scratch("refused");
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&open, &link).unwrap();
+        let file = base.join("file");
+        std::fs::write(&file, b"").unwrap();
+        for (dir, why) in [
+            (&open, "writable by everyone"),
+            (&link, "not a directory"),
+            (&file, "not a directory"),
+        ] {
+            let e = private_dir(dir).unwrap_err().to_string();
+            assert!(
+                e.contains(why) && e.contains(&dir.display().to_string()),
+                "{e}"
+            );
+        }
+        // Another user's directory (only root can make one here).
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            let theirs = base.join("theirs");
+            std::fs::create_dir(&theirs).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+            let e = private_dir(&theirs).unwrap_err().to_string();
+            assert!(e.contains("belongs to uid 65534"), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&base);
+    }
+}
