@@ -94,6 +94,7 @@ fn main() {
         .any(|p| k.starts_with(p));
         let outer = (k.starts_with("CARGO_") && !keep)
             || k.starts_with("DEP_")
+            || k.starts_with("__CARGO")
             || [
                 "OUT_DIR",
                 "TARGET",
@@ -106,7 +107,6 @@ fn main() {
                 "CLIPPY_ARGS",
                 "RUSTDOC",
                 "RUSTC_LINKER",
-                "__CARGO_FIX_PLZ",
             ]
             .contains(&k);
         if outer {
