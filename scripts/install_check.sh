@@ -50,10 +50,18 @@ lib=$(find "$XDG_CACHE_HOME/ferroprof" -name libferroprof_preload.so)
 [ -n "$lib" ] || fail "the carried library was not written under $XDG_CACHE_HOME/ferroprof"
 [ "$(stat -c %a "$(dirname "$lib")")" = 700 ] || fail "$(dirname "$lib") is not mode 700"
 
-# A damaged cached copy is replaced before it is used.
+# A damaged cached copy (cut short, or one byte changed) is replaced before it is used.
+good=$(sha256sum <"$lib")
+case "$(dirname "$lib")" in */preload-"$(echo "$good" | cut -c1-16)") ;;
+    *) fail "$lib is not in a directory named by its SHA-256 ($good)" ;;
+esac
 truncate -s 4096 "$lib"
 record_fixture
-[ "$(stat -c %s "$lib")" -gt 4096 ] || fail "the truncated $lib was not rewritten"
+[ "$(sha256sum <"$lib")" = "$good" ] || fail "the truncated $lib was not rewritten"
+printf 'X' | dd of="$lib" bs=1 seek=100000 conv=notrunc status=none
+[ "$(sha256sum <"$lib")" != "$good" ] || fail "the byte of $lib was not changed"
+record_fixture
+[ "$(sha256sum <"$lib")" = "$good" ] || fail "the edited $lib was not rewritten"
 
 # The README's demo command builds the CLI alone (`cargo run --release -p ferroprof-cli`):
 # the same build as the install above, so nothing is rebuilt here.

@@ -30,7 +30,9 @@ pub fn install() -> anyhow::Result<PathBuf> {
     let dir = cache_root()?.join(format!("preload-{}", &SHA256[..SHA256.len().min(16)]));
     private_dir(&dir)?;
     let lib = dir.join(PRELOAD_NAME);
-    if std::fs::read(&lib).is_ok_and(|b| b == LIBRARY) {
+    // The size first: a file of another size is not read at all.
+    let same_size = std::fs::metadata(&lib).is_ok_and(|m| m.len() == LIBRARY.len() as u64);
+    if same_size && std::fs::read(&lib).is_ok_and(|b| b == LIBRARY) {
         return Ok(lib);
     }
     // A temporary file renamed over the library: a program starting meanwhile (another
