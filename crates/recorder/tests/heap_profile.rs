@@ -562,3 +562,80 @@ fn heap_samples_native(r: &StackRecorder) -> (Vec<NativeSample>, u64) {
         .collect();
     (out, ser.stats.recorded_samples)
 }
+
+/// The managed model's live-heap samples carry the request that allocated the object (its
+/// local root span id, and its endpoint once named), immediate and deferred alike, for as long
+/// as the object lives; the request's context goes with its last object.
+#[test]
+fn managed_live_heap_samples_keep_their_request() {
+    use ferroprof_recorder::profile::{LOCAL_ROOT_SPAN_ID_LABEL, TRACE_ENDPOINT_LABEL};
+    for deferred in [false, true] {
+        let heap = Arc::new(ArcHeap {
+            deferred,
+            ..ArcHeap::default()
+        });
+        let r = managed_recorder(&heap, |_| {});
+        let values = SampleValues {
+            alloc_samples: 1,
+            alloc_samples_unscaled: 1,
+            heap_sample: true,
+            ..SampleValues::default()
+        };
+        let mut objs = Vec::new();
+        for (n, (size, root)) in [(100u64, 7u64), (200, 7), (400, 8), (800, 0)]
+            .into_iter()
+            .enumerate()
+        {
+            let (id, obj) = heap.new_object(size);
+            let given = if deferred { 1000 + n as u64 } else { id };
+            r.track_object_in(given, 1, Some("Obj"), root).unwrap();
+            r.record_sample(&site("alloc"), &values, &[], 0).unwrap();
+            heap.handles.lock().unwrap().insert(given, id);
+            objs.push(obj);
+        }
+        r.heap().unwrap().finalize_pending_recordings().unwrap();
+        r.record_endpoint(7, "GET /cache").unwrap();
+        r.record_endpoint(8, "POST /other").unwrap();
+        assert_eq!(
+            r.stats().heap.unwrap().num_contexts,
+            2,
+            "deferred {deferred}"
+        );
+        heap.gc();
+        let ser = r.serialize(None).unwrap();
+        let p = ferroprof_pprof::decode(&ser.encoded.bytes).unwrap();
+        let size = p.value_index("heap-live-size").unwrap();
+        let mut live: Vec<(i64, Option<i64>, Option<&str>)> = p
+            .sample
+            .iter()
+            .filter(|s| s.value[size] > 0)
+            .map(|s| {
+                (
+                    s.value[size],
+                    p.label_num(s, LOCAL_ROOT_SPAN_ID_LABEL),
+                    p.label_str(s, TRACE_ENDPOINT_LABEL),
+                )
+            })
+            .collect();
+        live.sort();
+        assert_eq!(
+            live,
+            vec![
+                // Request 7's two objects share a stack and labels: one sample.
+                (300, Some(7), Some("GET /cache")),
+                (400, Some(8), Some("POST /other")),
+                (800, None, None),
+            ],
+            "deferred {deferred}"
+        );
+        // The objects go: so do their requests' contexts (at the next update).
+        objs.clear();
+        heap.gc();
+        let _ = r.serialize(None).unwrap();
+        assert_eq!(
+            r.stats().heap.unwrap().num_contexts,
+            0,
+            "deferred {deferred}"
+        );
+    }
+}

@@ -209,7 +209,8 @@ pub struct HeapRecorder {
     stack_hints: Box<[AtomicU64]>,
 
     active: Mutex<Active>,
-    pending: Mutex<Vec<ObjRecord>>,
+    /// Deferred recordings, each with its request context (see `contexts`; 0: none).
+    pending: Mutex<Vec<(ObjRecord, u32)>>,
     deferred_skipped_full: AtomicU64,
     deferred_finalized: AtomicU64,
 
@@ -393,7 +394,7 @@ impl Drop for HeapRecorder {
                     .map(|r| r.class()),
             );
         }
-        for rec in self.pending.get_mut().iter() {
+        for (rec, _) in self.pending.get_mut().iter() {
             if rec.class != 0 {
                 ids.push(rec.class());
             }

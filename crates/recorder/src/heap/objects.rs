@@ -341,11 +341,6 @@ impl HeapRecorder {
         let _ = self.strings.unintern(class);
     }
 
-    /// Drops what one record references (its stack and class).
-    pub(super) fn release_record(&self, rec: &ObjRecord) {
-        self.release_record_ctx(rec, 0);
-    }
-
     /// Drops what one record references (its stack, class and context).
     pub(super) fn release_record_ctx(&self, rec: &ObjRecord, ctx: u32) {
         // Errors can only come from an internal refcount mistake; the record is gone either way.
@@ -359,14 +354,10 @@ impl HeapRecorder {
         }
     }
 
-    /// Inserts a fully built record; a duplicate id is an error describing both records (the
-    /// new one is dropped, the existing one kept).
-    pub(super) fn commit(&self, rec: ObjRecord) -> Result<(), HeapError> {
-        self.commit_ctx(rec, 0)
-    }
-
-    /// [`Self::commit`] with a context (one reference of it held, handed to the record).
-    fn commit_ctx(&self, rec: ObjRecord, ctx: u32) -> Result<(), HeapError> {
+    /// Inserts a fully built record with its context (one reference of it held, handed to the
+    /// record; 0: none); a duplicate id is an error describing both records (the new one is
+    /// dropped, the existing one kept).
+    pub(super) fn commit_ctx(&self, rec: ObjRecord, ctx: u32) -> Result<(), HeapError> {
         let hash = mix64(rec.id);
         let existing = self.objs[shard_of(hash, OBJ_SHARDS)]
             .lock()

@@ -19,9 +19,11 @@ pub(super) enum Active {
     /// Not sampled (or skipped): `end_recording` just clears it.
     Skipped,
     /// `rec.id` is a handle when `deferred`; `rec.stack_and_frozen` is filled in at the end.
+    /// `root`: the local root span id of the request that allocated it (0: none).
     Started {
         rec: ObjRecord,
         deferred: bool,
+        root: u64,
     },
 }
 
@@ -37,6 +39,20 @@ impl HeapRecorder {
         obj_id: u64,
         weight: u32,
         class: Option<&str>,
+    ) -> Result<bool, HeapError> {
+        self.start_recording_in(obj_id, weight, class, 0)
+    }
+
+    /// [`Self::start_recording`] for an object allocated inside the trace whose local root span
+    /// id is `local_root_span_id` (0: none): its heap sample carries that id and, once
+    /// [`Self::name_context`] named it, the trace's endpoint, as [`Self::track_in`] does for
+    /// the native model.
+    pub fn start_recording_in(
+        &self,
+        obj_id: u64,
+        weight: u32,
+        class: Option<&str>,
+        local_root_span_id: u64,
     ) -> Result<bool, HeapError> {
         let mut active = self.active.lock();
         if !matches!(*active, Active::Idle) {
@@ -75,6 +91,7 @@ impl HeapRecorder {
                 alloc_gen: self.current_gen() as u32,
             },
             deferred: self.deferred_ids,
+            root: local_root_span_id,
         };
         Ok(needs_callback)
     }
@@ -83,10 +100,14 @@ impl HeapRecorder {
     pub fn end_recording(&self, frames: &[Frame<'_>]) -> Result<(), HeapError> {
         // Cleared up front: whatever fails below, the next start finds the recorder idle.
         let state = std::mem::replace(&mut *self.active.lock(), Active::Idle);
-        let (mut rec, deferred) = match state {
+        let (mut rec, deferred, root) = match state {
             Active::Idle => return Err(HeapError::EndWithoutStart),
             Active::Skipped => return Ok(()),
-            Active::Started { rec, deferred } => (rec, deferred),
+            Active::Started {
+                rec,
+                deferred,
+                root,
+            } => (rec, deferred, root),
         };
         match self.acquire_stack(frames) {
             Ok(stack) => rec.stack_and_frozen = stack,
@@ -95,18 +116,23 @@ impl HeapRecorder {
                 return Err(e);
             }
         }
+        let ctx = if root == 0 {
+            0
+        } else {
+            self.contexts.lock().acquire(root)
+        };
         if !deferred {
-            return self.commit(rec);
+            return self.commit_ctx(rec, ctx);
         }
         let mut pending = self.pending.lock();
         if pending.len() < MAX_PENDING_RECORDINGS {
-            pending.push(rec);
+            pending.push((rec, ctx));
             return Ok(());
         }
         drop(pending);
         // Only reachable if the buffer filled between start and end (concurrent misuse).
         self.deferred_skipped_full.fetch_add(1, Ordering::Relaxed);
-        self.release_record(&rec);
+        self.release_record_ctx(&rec, ctx);
         Ok(())
     }
 
@@ -114,7 +140,7 @@ impl HeapRecorder {
     /// handle no longer resolves are dropped. Returns the first commit error, after processing
     /// all of them.
     pub fn finalize_pending_recordings(&self) -> Result<(), HeapError> {
-        let mut batch = [ObjRecord::EMPTY; MAX_PENDING_RECORDINGS];
+        let mut batch = [(ObjRecord::EMPTY, 0u32); MAX_PENDING_RECORDINGS];
         let n = {
             let mut pending = self.pending.lock();
             let n = pending.len().min(MAX_PENDING_RECORDINGS);
@@ -128,7 +154,7 @@ impl HeapRecorder {
         self.deferred_finalized
             .fetch_add(n as u64, Ordering::Relaxed);
         let mut first_err = None;
-        for rec in &mut batch[..n] {
+        for (rec, ctx) in &mut batch[..n] {
             let id = match &self.source {
                 Some(s) => s.resolve_handle(rec.id),
                 None => Some(rec.id),
@@ -136,11 +162,11 @@ impl HeapRecorder {
             match id {
                 Some(id) => {
                     rec.id = id;
-                    if let Err(e) = self.commit(*rec) {
+                    if let Err(e) = self.commit_ctx(*rec, *ctx) {
                         first_err.get_or_insert(e);
                     }
                 }
-                None => self.release_record(rec),
+                None => self.release_record_ctx(rec, *ctx),
             }
         }
         first_err.map_or(Ok(()), Err)
@@ -153,11 +179,12 @@ impl HeapRecorder {
         if let Active::Started {
             rec,
             deferred: true,
+            ..
         } = *self.active.lock()
         {
             active_handle = Some(rec.id);
         }
-        for rec in self.pending.lock().iter() {
+        for (rec, _) in self.pending.lock().iter() {
             f(rec.id);
         }
         if let Some(h) = active_handle {

@@ -90,6 +90,22 @@ impl StackRecorder {
         }
     }
 
+    /// [`Self::track_object`] for an object allocated inside the trace whose local root span id
+    /// is `local_root_span_id` (0: none): its live-heap sample carries the trace's labels, as
+    /// [`Self::track_allocation_in`]'s do.
+    pub fn track_object_in(
+        &self,
+        obj_id: u64,
+        weight: u32,
+        class: Option<&str>,
+        local_root_span_id: u64,
+    ) -> Result<bool, RecorderError> {
+        match &self.heap {
+            Some(heap) => Ok(heap.start_recording_in(obj_id, weight, class, local_root_span_id)?),
+            None => Ok(false),
+        }
+    }
+
     /// Managed model, deferred ids: commits the recordings awaiting their ids (from a safe
     /// point of the runtime). Nothing to do with heap profiling off.
     pub fn finalize_pending_heap_recordings(&self) -> Result<(), RecorderError> {
