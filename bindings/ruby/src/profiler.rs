@@ -758,8 +758,14 @@ extern "C" fn alloc_job(_data: *mut c_void) {
             // SAFETY: alive, as above.
             let visible = unsafe { visible(s.obj) };
             let class = class_name(s.class);
-            let tracked = visible
-                .then(|| rec.track_object(crate::heap::handle_of(obj), weight, class.as_deref()));
+            let tracked = visible.then(|| {
+                rec.track_object_in(
+                    crate::heap::handle_of(obj),
+                    weight,
+                    class.as_deref(),
+                    s.span,
+                )
+            });
             let values = SampleValues {
                 alloc_samples: s.weight as i64,
                 alloc_samples_unscaled: 1,
