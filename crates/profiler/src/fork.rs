@@ -12,15 +12,15 @@
 //!   not reported twice) and, unless disabled with `restart_after_fork(false)`, marks a restart
 //!   as pending. It starts no thread: most children exec at once, and a sampler started there
 //!   would queue signals to a thread about to exec; a signal pending across `execve` kills the
-//!   new program (its disposition is back to the default action). The sampler and export
-//!   threads start once the child shows it lives on: at its first sampled allocation or its
-//!   first call into the profiler (`forkgate::resume_if_pending`).
+//!   new program (its disposition is back to the default action). It arms a timer on the
+//!   child's CPU clock instead (`sampler::child_trigger`): the sampler and export threads start
+//!   once the child shows it lives on: from that timer's first expiry (a period of CPU), its
+//!   next allocation after it, its first sampled allocation or its first call into the profiler
+//!   (`forkgate::resume_if_pending`).
 //!
 //! A child that should not profile can stop its copy of the guard (cheap when nothing
 //! restarted yet), or the program builds with `restart_after_fork(false)` and calls
-//! [`crate::after_fork`] in the children that should profile. A child that only computes (never
-//! allocates through the sampling allocator nor calls the profiler) calls [`crate::after_fork`] to be
-//! profiled.
+//! [`crate::after_fork`] in the children that should profile.
 //! The locks a thread may hold at the fork are `forklock` mutexes: `parking_lot`'s unlock hands
 //! a contended lock to a waiter, which in the child is a thread that is not there, so its
 //! `force_unlock` left such a lock held for ever.

@@ -199,8 +199,9 @@ const PENDING: u8 = 1;
 const STARTING: u8 = 2;
 
 /// Starts the profiler's threads in a forked child that has shown it lives on as a process of
-/// its own: at its first sampled allocation or its first call into the profiler's API. One
-/// atomic load when nothing is pending.
+/// its own: from its CPU timer (`sampler::child_trigger`), at an allocation that timer asked
+/// for, its first sampled allocation or its first call into the profiler's API. One atomic
+/// load when nothing is pending.
 #[inline]
 pub(crate) fn resume_if_pending() {
     if RESTART.load(Ordering::Acquire) == PENDING {

@@ -247,8 +247,9 @@ impl ProfilerBuilder {
     }
 
     /// Whether a forked child restarts the sampler and export threads (default true). They
-    /// start at the child's first sampled allocation or profiler call, never in the fork
-    /// itself: a child that execs right away runs no profiler thread (see [`crate::after_fork`]).
+    /// start once the child used a period of CPU, or at its first sampled allocation or
+    /// profiler call, never in the fork itself: a child that execs right away runs no profiler
+    /// thread (see [`crate::after_fork`]).
     pub fn restart_after_fork(mut self, yes: bool) -> Self {
         self.restart_after_fork = yes;
         self

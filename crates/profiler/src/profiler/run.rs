@@ -15,9 +15,9 @@ pub(super) fn start_threads_if_stopped(sh: &Arc<Shared>) {
 }
 
 /// Restarts profiling in a forked child now: when the profiler was built with
-/// `restart_after_fork(false)`, or to have a child that neither allocates nor calls the
-/// profiler profiled from this point on (by default a child resumes at its first sampled
-/// allocation or profiler call). Does nothing when no profiler runs or its threads are alive.
+/// `restart_after_fork(false)`, or to start the child's profiler threads at once (by default
+/// they start after the child's first period of CPU, or at its first sampled allocation or
+/// profiler call). Does nothing when no profiler runs or its threads are alive.
 pub fn after_fork() {
     // Takes over a pending restart, or waits for the thread doing one.
     crate::forkgate::begin_restart();
