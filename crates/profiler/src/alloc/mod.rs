@@ -780,6 +780,14 @@ impl Prefilter {
     }
 }
 
+/// Whether rustc built (some of) the object: its `.comment` section names the compilers.
+fn built_by_rustc(elf: &object::File<'_>) -> bool {
+    use object::{Object, ObjectSection};
+    elf.section_by_name(".comment")
+        .and_then(|c| c.data().ok())
+        .is_some_and(|d| memchr::memmem::find(d, b"rustc").is_some())
+}
+
 /// The C allocation API's entry points (see [`allocator_ranges`]).
 fn is_c_allocation_entry(name: &str) -> bool {
     matches!(
@@ -824,6 +832,11 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
         let Ok(elf) = object::File::parse(&*map) else {
             continue;
         };
+        if !obj.contains(ours) && !built_by_rustc(&elf) {
+            // A main program in C or C++ (ferroprof preloaded): no Rust allocator path to find,
+            // and its symbol table can be large (a compiler's: 2 ms of each start).
+            continue;
+        }
         for sym in elf.symbols().chain(elf.dynamic_symbols()) {
             if sym.kind() != object::SymbolKind::Text || sym.size() == 0 {
                 continue;
