@@ -12,37 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-const BIN: &str = env!("CARGO_BIN_EXE_ferroprof");
-
-/// The preload library next to the binary, built (once per test run) when missing or stale:
-/// `cargo test -p ferroprof-cli` alone does not build it.
-fn preload() -> &'static Path {
-    static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let bin_dir = Path::new(BIN).parent().expect("the binary's directory");
-        let lib = bin_dir.join("libferroprof_preload.so");
-        let release = bin_dir.file_name().is_some_and(|n| n == "release");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-        let mut build = Command::new(cargo);
-        build.args(["build", "-q", "-p", "ferroprof-preload"]);
-        if release {
-            build.arg("--release");
-        }
-        let status = build
-            .status()
-            .expect("run cargo build -p ferroprof-preload");
-        assert!(status.success(), "cargo build -p ferroprof-preload failed");
-        assert!(lib.is_file(), "{} was not built", lib.display());
-        lib
-    })
-}
-
-fn work_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferroprof-record-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+mod common;
+use common::*;
 
 /// The fixture, compiled once: with frame pointers and debug info, as a C program built for
 /// profiling would be. `static_link`: a statically linked build (the refused case).
@@ -82,29 +53,6 @@ fn record(opts: &[&str], program: &Path, args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run ferroprof record")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-/// `<command>.<pid>.<n>.pprof` files in `dir`: (pid, path).
-fn profiles(dir: &Path) -> Vec<(i32, PathBuf)> {
-    let mut v: Vec<(i32, PathBuf)> = std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter_map(|p| {
-            let name = p.file_name()?.to_str()?.to_owned();
-            let stem = name.strip_suffix(".pprof")?;
-            let mut parts = stem.rsplitn(3, '.');
-            let _n: u32 = parts.next()?.parse().ok()?;
-            let pid: i32 = parts.next()?.parse().ok()?;
-            Some((pid, p))
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 fn load(path: &Path) -> ferroprof_pprof::Profile {

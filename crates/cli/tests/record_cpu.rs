@@ -7,35 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-const BIN: &str = env!("CARGO_BIN_EXE_ferroprof");
-
-/// The preload library next to the binary, built once per test run when missing or stale.
-fn preload() -> &'static Path {
-    static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let bin_dir = Path::new(BIN).parent().expect("the binary's directory");
-        let lib = bin_dir.join("libferroprof_preload.so");
-        let release = bin_dir.file_name().is_some_and(|n| n == "release");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-        let mut build = Command::new(cargo);
-        build.args(["build", "-q", "-p", "ferroprof-preload"]);
-        if release {
-            build.arg("--release");
-        }
-        let status = build
-            .status()
-            .expect("run cargo build -p ferroprof-preload");
-        assert!(status.success(), "cargo build -p ferroprof-preload failed");
-        lib
-    })
-}
-
-fn work_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferroprof-rcpu-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+mod common;
+use common::*;
 
 /// tests/fixtures/short_spin.c, compiled once.
 fn short_spin() -> &'static Path {
@@ -52,10 +25,6 @@ fn short_spin() -> &'static Path {
         assert!(o.status.success(), "gcc: {}", text(&o.stderr));
         out
     })
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 fn record(dir: &Path, program: &Path, args: &[&str]) -> Output {

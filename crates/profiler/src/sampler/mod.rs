@@ -340,9 +340,8 @@ impl Sampler {
         }
     }
 
-    /// Books every thread's CPU up to now (see `Shared::settle_sampler`): what it used since its
-    /// last capture, which would otherwise wait for the next one.
-    fn settle(&mut self, now: u64) {
+    /// Visits every application thread not visited in this tick.
+    fn visit_the_rest(&mut self, now: u64) {
         for idx in 0..self.threads.len() {
             let due = self.threads[idx]
                 .as_ref()
@@ -350,6 +349,14 @@ impl Sampler {
             if due {
                 self.visit(idx, now, &[]);
             }
+        }
+    }
+
+    /// Books every thread's CPU up to now (see `Shared::settle_sampler`): what it used since its
+    /// last capture, which would otherwise wait for the next one.
+    fn settle(&mut self, now: u64) {
+        self.visit_the_rest(now);
+        for idx in 0..self.threads.len() {
             if let Some(mut t) = self.threads[idx].take() {
                 if !t.own && !t.probation && t.cpu_carry > 0 {
                     let cpu = std::mem::take(&mut t.cpu_carry) as i64;
@@ -1143,14 +1150,7 @@ impl Sampler {
         self.drain();
         self.visit_captured(now);
         // Every thread's clock is read a last time: the CPU since its last capture is booked.
-        for idx in 0..self.threads.len() {
-            let due = self.threads[idx]
-                .as_ref()
-                .is_some_and(|t| !t.own && t.visited != self.tick);
-            if due {
-                self.visit(idx, now, &[]);
-            }
-        }
+        self.visit_the_rest(now);
         for idx in 0..self.threads.len() {
             self.finish_thread(idx, true);
         }

@@ -1,0 +1,69 @@
+//! Helpers of the `record` tests (record.rs, record_spawn.rs, record_cpu.rs): the binary, the
+//! preload library built next to it, scratch directories and the profiles a run wrote.
+
+// Each test file uses its own subset.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_ferroprof");
+
+/// The preload library next to the binary, built (once per test run) when missing or stale:
+/// `cargo test -p ferroprof-cli` alone does not build it.
+pub fn preload() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let bin_dir = Path::new(BIN).parent().expect("the binary's directory");
+        let lib = bin_dir.join("libferroprof_preload.so");
+        let release = bin_dir.file_name().is_some_and(|n| n == "release");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let mut build = Command::new(cargo);
+        build.args(["build", "-q", "-p", "ferroprof-preload"]);
+        if release {
+            build.arg("--release");
+        }
+        let status = build
+            .status()
+            .expect("run cargo build -p ferroprof-preload");
+        assert!(status.success(), "cargo build -p ferroprof-preload failed");
+        assert!(lib.is_file(), "{} was not built", lib.display());
+        lib
+    })
+}
+
+/// An empty scratch directory of this test binary's, named `name`.
+pub fn work_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "ferroprof-{}-{}-{name}",
+        env!("CARGO_CRATE_NAME"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// `<command>.<pid>.<n>.pprof` files in `dir`: (pid, path).
+pub fn profiles(dir: &Path) -> Vec<(i32, PathBuf)> {
+    let mut v: Vec<(i32, PathBuf)> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.to_owned();
+            let stem = name.strip_suffix(".pprof")?;
+            let mut parts = stem.rsplitn(3, '.');
+            let _n: u32 = parts.next()?.parse().ok()?;
+            let pid: i32 = parts.next()?.parse().ok()?;
+            Some((pid, p))
+        })
+        .collect();
+    v.sort();
+    v
+}
