@@ -122,6 +122,29 @@ fn a_forked_child_that_never_allocates_has_its_cpu() {
     );
 }
 
+/// A forked child that computes without calling malloc at all, then waits until its parent
+/// ends it with SIGTERM: its profiler threads started from its CPU timer's signal (nothing else
+/// would start them), so the signal writes its profile, with its CPU time. (Before, it wrote
+/// nothing: its threads never started, and SIGTERM passed through.)
+#[test]
+fn a_forked_child_that_never_calls_malloc_writes_its_profile_on_sigterm() {
+    let dir = work_dir("fork-term");
+    let out = record(&dir, short_spin(), &["80", "fork-term"]);
+    let stdout = text(&out.stdout);
+    let truth = field(&stdout, "cpu_ns");
+    let got = cpu_by_pid(&dir);
+    assert_eq!(
+        got.len(),
+        2,
+        "the parent's and the child's profiles: {got:?}\n{stdout}"
+    );
+    let child = *got.values().max().unwrap();
+    assert!(
+        (child as f64 - truth as f64).abs() <= truth as f64 * 0.1,
+        "child: profile {child} ns against its clock's {truth} ns ({got:?})"
+    );
+}
+
 fn python() -> Option<PathBuf> {
     // The interpreter itself: a version manager's shim would be a shell script run first.
     ["/usr/bin/python3", "/usr/local/bin/python3"]

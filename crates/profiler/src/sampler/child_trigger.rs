@@ -13,11 +13,12 @@
 //! A child that never allocates then (a `multiprocessing` worker computing in pymalloc's arenas,
 //! ended by `SIGTERM`, which only running profiler threads turn into a last profile) restarts
 //! from the expiry's handler itself, where that is safe: the interrupted thread is in no
-//! profiler code, holds no profiler lock, has room on its stack, and no frame of its stack but
-//! the thread's root is in the C library or the dynamic loader (the only code that could hold
-//! a lock starting a thread takes: the allocator's, the loader's, the thread stack cache).
-//! The stack is the one the expiry just captured; one with a walk cut short or a root not in
-//! the C library proves nothing, and the thread tries again at the next expiry.
+//! profiler code, holds no profiler lock, has room on its stack, and its stack, walked to the
+//! executable's `_start`, has no frame in the C library or the dynamic loader but those that
+//! call `main` (the only code that could hold a lock starting a thread takes: the allocator's,
+//! the loader's, the thread stack cache). The stack is the one the expiry just captured; a
+//! walk that did not reach `_start` proves nothing, and the thread tries again at the next
+//! expiry (and restarts at its next allocation meanwhile).
 //!
 //! A child that execs within a period of CPU time sees no expiry, and `execve` deletes the
 //! timer; the restarted sampler deletes it before arming threads its own way.
@@ -52,6 +53,11 @@ pub(crate) fn learn_system_objects() {
         let getpid = libc::getpid as *const () as usize as u64;
         // SAFETY: getauxval has no preconditions.
         let loader = unsafe { libc::getauxval(libc::AT_BASE) };
+        // SAFETY: as above.
+        ENTRY.store(
+            unsafe { libc::getauxval(libc::AT_ENTRY) },
+            Ordering::Relaxed,
+        );
         for o in crate::modules::loaded_objects() {
             let which = if o.executes(getpid + 1) {
                 0
@@ -94,14 +100,28 @@ pub(super) fn can_restart_here(frames: &FrameBuf<'_>, n: usize, room: Option<u64
     if (0..n).any(|i| crate::unwind::is_marker(frame(i))) {
         return false;
     }
-    // The thread's root: the C library's frames that call `main` or the thread's function
-    // (`__libc_start_call_main` and `__libc_start_main`, or `start_thread` and `clone3`), with
-    // the executable's `_start` outermost for the main thread.
+    // The walk must have reached the process's root, the executable's `_start` (a walk that
+    // stopped early proves nothing: the frames it did not reach may hold a lock), through the
+    // C library's frames that call `main` (`__libc_start_call_main`, `__libc_start_main`) and
+    // none other of the C library or the loader. A child forked from another thread than the
+    // main one (its root is `start_thread`, which no address tells apart from a walk cut short
+    // in the C library) restarts at its next allocation instead.
+    let entry = ENTRY.load(Ordering::Relaxed);
+    let last = frame(n - 1);
+    if entry == 0 || !(entry..entry + ENTRY_LEN).contains(&last) {
+        return false;
+    }
     let Some(first) = (0..n).find(|&i| in_system_object(frame(i))) else {
         return false;
     };
-    first > 0 && n - first <= 3 && (first..n - 1).all(|i| in_system_object(frame(i)))
+    first > 0 && n - 1 - first <= 2 && (first..n - 1).all(|i| in_system_object(frame(i)))
 }
+
+/// The executable's entry point (`_start`, from `AT_ENTRY`; 0: unknown), and how many bytes of
+/// it a return address into it may lie past (`_start` calls `__libc_start_main` within its
+/// first few dozen bytes).
+static ENTRY: AtomicU64 = AtomicU64::new(0);
+const ENTRY_LEN: u64 = 256;
 
 /// In the forked child's only thread, when CPU is profiled: arms its CPU timer (best effort;
 /// without it the child restarts as before, at its first sampled allocation).
