@@ -22,23 +22,13 @@ fn fixture(static_link: bool) -> &'static Path {
     static STATIC: OnceLock<PathBuf> = OnceLock::new();
     let cell = if static_link { &STATIC } else { &DYNAMIC };
     cell.get_or_init(|| {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/record_fixture.c");
         let dir = work_dir(if static_link { "cc-static" } else { "cc" });
         let out = dir.join("record_fixture");
-        let mut cc = Command::new("gcc");
-        cc.args(["-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o"])
-            .arg(&out)
-            .arg(&src)
-            .arg("-ldl");
+        let mut flags = vec!["-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-ldl"];
         if static_link {
-            cc.arg("-static");
+            flags.push("-static");
         }
-        let o = cc.output().expect("gcc runs (install gcc)");
-        assert!(
-            o.status.success(),
-            "gcc failed: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        gcc("record_fixture.c", &out, &flags);
         out
     })
 }
@@ -59,26 +49,6 @@ fn load(path: &Path) -> ferroprof_pprof::Profile {
     ferroprof_pprof::decode(&std::fs::read(path).unwrap()).expect("a pprof profile")
 }
 
-/// Sum of `type_name` over the samples whose stack passes through `function`.
-fn through(p: &ferroprof_pprof::Profile, type_name: &str, function: &str) -> i64 {
-    let i = p
-        .value_index(type_name)
-        .unwrap_or_else(|| panic!("no {type_name} in the profile"));
-    p.sample
-        .iter()
-        .filter(|s| p.stack_names(s).iter().any(|n| n == function))
-        .map(|s| s.value[i])
-        .sum()
-}
-
-fn field(stdout: &str, key: &str) -> u64 {
-    stdout
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in {stdout:?}"))
-}
-
 #[test]
 fn allocated_and_live_bytes_match_the_programs_own_count() {
     const INTERVAL: u64 = 16 << 10;
@@ -97,8 +67,8 @@ fn allocated_and_live_bytes_match_the_programs_own_count() {
     );
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    let churned = field(&stdout, "churn_bytes");
-    let live = field(&stdout, "live_bytes");
+    let churned: u64 = field(&stdout, "churn_bytes");
+    let live: u64 = field(&stdout, "live_bytes");
     let files = profiles(&dir);
     assert_eq!(
         files.len(),
@@ -178,7 +148,7 @@ fn peak_live_heap_is_estimated_within_the_sampling_error() {
     );
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    let truth = field(&stdout, "peak_bytes");
+    let truth: u64 = field(&stdout, "peak_bytes");
     let line = stdout
         .lines()
         .find(|l| l.starts_with("peak live heap ≈ "))

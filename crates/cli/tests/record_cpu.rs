@@ -14,15 +14,8 @@ use common::*;
 fn short_spin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/short_spin.c");
         let out = work_dir("cc").join("short_spin");
-        let o = Command::new("gcc")
-            .args(["-O1", "-g", "-o"])
-            .arg(&out)
-            .arg(&src)
-            .output()
-            .expect("gcc runs (install gcc)");
-        assert!(o.status.success(), "gcc: {}", text(&o.stderr));
+        gcc("short_spin.c", &out, &["-O1", "-g"]);
         out
     })
 }
@@ -70,14 +63,6 @@ fn cpu_by_pid(dir: &Path) -> std::collections::BTreeMap<i32, i64> {
     by_pid
 }
 
-fn field(stdout: &str, key: &str) -> i64 {
-    stdout
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in {stdout:?}"))
-}
-
 /// A process that lives a few milliseconds (less than one 10 ms sampling period, as most of a
 /// build's compiler and assembler runs do) has its main thread's whole CPU time in its profile:
 /// the loader's and constructors' time before the profiler started, and what no signal caught.
@@ -88,7 +73,7 @@ fn a_process_shorter_than_a_period_has_all_its_cpu() {
         let dir = work_dir(&format!("short-{ms}"));
         let out = record(&dir, short_spin(), &[ms]);
         let stdout = text(&out.stdout);
-        let truth = field(&stdout, "cpu_ns");
+        let truth: i64 = field(&stdout, "cpu_ns");
         let got = cpu_by_pid(&dir);
         assert_eq!(got.len(), 1, "one profile: {got:?}\n{stdout}");
         let cpu = *got.values().next().unwrap();
@@ -101,37 +86,13 @@ fn a_process_shorter_than_a_period_has_all_its_cpu() {
     }
 }
 
-/// A forked child that computes without a sampled allocation and ends with `_exit`: its CPU
-/// timer, armed at the fork, catches it, and its profile carries its CPU time.
-#[test]
-fn a_forked_child_that_never_allocates_has_its_cpu() {
-    let dir = work_dir("fork-spin");
-    let out = record(&dir, short_spin(), &["60", "fork"]);
+/// Runs short_spin with `args` (a forked child's modes): the parent's and the child's profiles,
+/// the child's CPU within 10% of what its clock said.
+fn child_has_its_cpu(name: &str, args: &[&str]) {
+    let dir = work_dir(name);
+    let out = record(&dir, short_spin(), args);
     let stdout = text(&out.stdout);
-    let truth = field(&stdout, "cpu_ns");
-    let got = cpu_by_pid(&dir);
-    assert_eq!(
-        got.len(),
-        2,
-        "the parent's and the child's profiles: {got:?}"
-    );
-    let child = *got.values().max().unwrap();
-    assert!(
-        (child as f64 - truth as f64).abs() <= truth as f64 * 0.1,
-        "child: profile {child} ns against its clock's {truth} ns ({got:?})"
-    );
-}
-
-/// A forked child that computes without calling malloc at all, then waits until its parent
-/// ends it with SIGTERM: its profiler threads started from its CPU timer's signal (nothing else
-/// would start them), so the signal writes its profile, with its CPU time. (Before, it wrote
-/// nothing: its threads never started, and SIGTERM passed through.)
-#[test]
-fn a_forked_child_that_never_calls_malloc_writes_its_profile_on_sigterm() {
-    let dir = work_dir("fork-term");
-    let out = record(&dir, short_spin(), &["80", "fork-term"]);
-    let stdout = text(&out.stdout);
-    let truth = field(&stdout, "cpu_ns");
+    let truth: i64 = field(&stdout, "cpu_ns");
     let got = cpu_by_pid(&dir);
     assert_eq!(
         got.len(),
@@ -143,6 +104,22 @@ fn a_forked_child_that_never_calls_malloc_writes_its_profile_on_sigterm() {
         (child as f64 - truth as f64).abs() <= truth as f64 * 0.1,
         "child: profile {child} ns against its clock's {truth} ns ({got:?})"
     );
+}
+
+/// A forked child that computes without a sampled allocation and ends with `_exit`: its CPU
+/// timer, armed at the fork, catches it, and its profile carries its CPU time.
+#[test]
+fn a_forked_child_that_never_allocates_has_its_cpu() {
+    child_has_its_cpu("fork-spin", &["60", "fork"]);
+}
+
+/// A forked child that computes without calling malloc at all, then waits until its parent
+/// ends it with SIGTERM: its profiler threads started from its CPU timer's signal (nothing else
+/// would start them), so the signal writes its profile, with its CPU time. (Before, it wrote
+/// nothing: its threads never started, and SIGTERM passed through.)
+#[test]
+fn a_forked_child_that_never_calls_malloc_writes_its_profile_on_sigterm() {
+    child_has_its_cpu("fork-term", &["80", "fork-term"]);
 }
 
 fn python() -> Option<PathBuf> {

@@ -16,15 +16,12 @@ use common::*;
 fn fixture() -> &'static Path {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
     EXE.get_or_init(|| {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/spawn_fixture.c");
         let out = work_dir("cc").join("spawn_fixture");
-        let o = Command::new("gcc")
-            .args(["-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o"])
-            .arg(&out)
-            .arg(&src)
-            .output()
-            .expect("gcc runs (install gcc)");
-        assert!(o.status.success(), "gcc failed: {}", text(&o.stderr));
+        gcc(
+            "spawn_fixture.c",
+            &out,
+            &["-O1", "-g", "-fno-omit-frame-pointer", "-pthread"],
+        );
         out
     })
 }
@@ -114,18 +111,6 @@ fn rust_fixture() -> &'static Path {
         assert!(o.status.success(), "rustc failed: {}", text(&o.stderr));
         out
     })
-}
-
-/// Sum of `type_name` over the samples whose stack passes through `function`.
-fn through(p: &ferroprof_pprof::Profile, type_name: &str, function: &str) -> i64 {
-    let i = p
-        .value_index(type_name)
-        .unwrap_or_else(|| panic!("no {type_name} in the profile"));
-    p.sample
-        .iter()
-        .filter(|s| p.stack_names(s).iter().any(|n| n == function))
-        .map(|s| s.value[i])
-        .sum()
 }
 
 /// `record -- program args`, whose descendant ran the fixture's `spin` (it printed

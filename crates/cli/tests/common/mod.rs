@@ -67,3 +67,39 @@ pub fn profiles(dir: &Path) -> Vec<(i32, PathBuf)> {
     v.sort();
     v
 }
+
+/// Compiles tests/fixtures/`src` into `out` with gcc and `flags`.
+pub fn gcc(src: &str, out: &Path, flags: &[&str]) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(src);
+    let o = Command::new("gcc")
+        .arg("-o")
+        .arg(out)
+        .arg(&src)
+        .args(flags)
+        .output()
+        .expect("gcc runs (install gcc)");
+    assert!(o.status.success(), "gcc failed: {}", text(&o.stderr));
+}
+
+/// Sum of `type_name` over the samples whose stack passes through `function`.
+pub fn through(p: &ferroprof_pprof::Profile, type_name: &str, function: &str) -> i64 {
+    let i = p
+        .value_index(type_name)
+        .unwrap_or_else(|| panic!("no {type_name} in the profile"));
+    p.sample
+        .iter()
+        .filter(|s| p.stack_names(s).iter().any(|n| n == function))
+        .map(|s| s.value[i])
+        .sum()
+}
+
+/// The number the program printed as `key=N`.
+pub fn field<T: std::str::FromStr>(stdout: &str, key: &str) -> T {
+    stdout
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in {stdout:?}"))
+}

@@ -358,18 +358,8 @@ impl Sampler {
         self.visit_the_rest(now);
         for idx in 0..self.threads.len() {
             if let Some(mut t) = self.threads[idx].take() {
-                if !t.own && !t.probation && t.cpu_carry > 0 {
-                    let cpu = std::mem::take(&mut t.cpu_carry) as i64;
-                    record(
-                        &self.shared,
-                        &mut self.frames,
-                        &t,
-                        &t.ran,
-                        &t.ran_ctx,
-                        cpu,
-                        0,
-                        0,
-                    );
+                if !t.own && !t.probation {
+                    self.book_carry(&mut t);
                 }
                 self.threads[idx] = Some(t);
             }
@@ -625,14 +615,7 @@ impl Sampler {
         // listing may come first) leaves nothing in the profile.
         if !t.own && gone {
             self.flush_idle(&mut t);
-            if t.cpu_carry > 0 {
-                // Where it last ran; where it never was caught running (a short thread, a short
-                // process's main thread) under `[cpu not sampled]` (see `record`), not where a
-                // wall visit found it waiting: its clock's time is never dropped.
-                let cpu = std::mem::take(&mut t.cpu_carry) as i64;
-                let (stack, ctx) = (&t.ran, &t.ran_ctx);
-                record(&self.shared, &mut self.frames, &t, stack, ctx, cpu, 0, 0);
-            }
+            self.book_carry(&mut t);
         }
         if gone {
             self.by_tid.remove(&t.tid);
@@ -641,6 +624,26 @@ impl Sampler {
         } else {
             t.own = true;
             self.threads[idx] = Some(t);
+        }
+    }
+
+    /// Records the CPU `t` used since its captures last accounted for it: where it last ran;
+    /// where it never was caught running (a short thread, a short process's main thread) under
+    /// `[cpu not sampled]` (see `record`), not where a wall visit found it waiting. Its clock's
+    /// time is never dropped.
+    fn book_carry(&mut self, t: &mut ThreadInfo) {
+        if t.cpu_carry > 0 {
+            let cpu = std::mem::take(&mut t.cpu_carry) as i64;
+            record(
+                &self.shared,
+                &mut self.frames,
+                t,
+                &t.ran,
+                &t.ran_ctx,
+                cpu,
+                0,
+                0,
+            );
         }
     }
 
