@@ -315,7 +315,7 @@ pub(super) unsafe fn handle(info: *mut libc::siginfo_t, ctx: *mut libc::c_void) 
     slot.wall_at.store(wall, Ordering::Relaxed);
     slot.state.store(DONE, Ordering::Release);
     if restart {
-        crate::forkgate::resume_if_pending();
+        super::child_trigger::restart_here();
     } else if child {
         tls::take_slow_path_next();
     }

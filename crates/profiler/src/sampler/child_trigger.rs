@@ -117,6 +117,23 @@ pub(super) fn can_restart_here(frames: &FrameBuf<'_>, n: usize, room: Option<u64
     first > 0 && n - 1 - first <= 2 && (first..n - 1).all(|i| in_system_object(frame(i)))
 }
 
+/// Starts the profiler's threads from the timer's handler, once [`can_restart_here`] said so.
+/// Every signal is blocked meanwhile: the restart allocates and takes the profiler's locks, and
+/// an application handler that interrupted it and allocated would wait for a lock this thread
+/// holds. The threads it starts inherit that mask, which suits them: the application's threads
+/// take the process's signals.
+pub(super) fn restart_here() {
+    // SAFETY: sigset operations on local sets; pthread_sigmask of the calling thread.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+        crate::forkgate::resume_if_pending();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+    }
+}
+
 /// The executable's entry point (`_start`, from `AT_ENTRY`; 0: unknown), and how many bytes of
 /// it a return address into it may lie past (`_start` calls `__libc_start_main` within its
 /// first few dozen bytes).
