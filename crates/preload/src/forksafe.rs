@@ -5,13 +5,25 @@
 //! `pclose` or `system` would hang on it.
 //!
 //! Contention is rare (`popen`, `pclose` and `system` calls), so waiting is a yield loop.
+//!
+//! A fork from a signal handler that interrupted the holder on its own thread (`fork` is
+//! async-signal-safe) does not wait for itself: the prepare handler leaves that lock to its
+//! holder, which goes on (and releases it) in the parent and in the child alike.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 pub(crate) struct ForkSafeLock<T> {
-    locked: AtomicBool,
+    /// The holder's thread id; 0 when free.
+    owner: AtomicI32,
+    /// Whether the prepare handler holds it (to release in the parent and child handlers).
+    held_for_fork: AtomicBool,
     data: UnsafeCell<T>,
+}
+
+fn current_tid() -> i32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() }
 }
 
 // SAFETY: the data is reached only through a guard, which the lock hands to one thread at a time.
@@ -22,30 +34,46 @@ pub(crate) struct Guard<'a, T>(&'a ForkSafeLock<T>);
 impl<T> ForkSafeLock<T> {
     pub(crate) const fn new(data: T) -> Self {
         ForkSafeLock {
-            locked: AtomicBool::new(false),
+            owner: AtomicI32::new(0),
+            held_for_fork: AtomicBool::new(false),
             data: UnsafeCell::new(data),
         }
     }
 
     pub(crate) fn lock(&self) -> Guard<'_, T> {
-        self.acquire();
+        self.acquire(current_tid());
         Guard(self)
     }
 
-    /// Takes the lock without a guard (the prepare handler); [`Self::release`] gives it back.
-    pub(crate) fn acquire(&self) {
+    fn acquire(&self, tid: i32) {
         while self
-            .locked
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .owner
+            .compare_exchange_weak(0, tid, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
             std::thread::yield_now();
         }
     }
 
-    /// Gives back what [`Self::acquire`] took (the parent and child handlers).
-    pub(crate) fn release(&self) {
-        self.locked.store(false, Ordering::Release);
+    fn release(&self) {
+        self.owner.store(0, Ordering::Release);
+    }
+
+    /// The prepare handler: holds the lock across the fork, unless this very thread holds it
+    /// (a handler forking while it interrupted the holder).
+    pub(crate) fn hold_for_fork(&self) {
+        let tid = current_tid();
+        if self.owner.load(Ordering::Relaxed) != tid {
+            self.acquire(tid);
+            self.held_for_fork.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The parent and child handlers: gives back what [`Self::hold_for_fork`] took.
+    pub(crate) fn release_after_fork(&self) {
+        if self.held_for_fork.swap(false, Ordering::Relaxed) {
+            self.release();
+        }
     }
 }
 

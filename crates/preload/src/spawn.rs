@@ -56,13 +56,13 @@ pub(crate) fn init() {
 /// No thread holds the locks below when the child is made (see `forksafe`): a child's
 /// `pclose` or `system` never waits on one.
 extern "C" fn before_fork() {
-    IGNORING.acquire();
-    POPENED.acquire();
+    IGNORING.hold_for_fork();
+    POPENED.hold_for_fork();
 }
 
 extern "C" fn after_fork() {
-    POPENED.release();
-    IGNORING.release();
+    POPENED.release_after_fork();
+    IGNORING.release_after_fork();
 }
 
 type SpawnFn = unsafe extern "C" fn(
