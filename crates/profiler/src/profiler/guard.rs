@@ -194,8 +194,11 @@ impl ProfilerGuard {
                     let _ = h.join();
                 }
                 state::deactivate(sh);
-                if sh.settings.profiles.heap {
-                    // No recorder holds tracked addresses any more.
+                let ending = crate::threads::PROCESS_ENDING.load(Ordering::SeqCst);
+                if sh.settings.profiles.heap && !ending {
+                    // No recorder holds tracked addresses any more. Not at the process's exit:
+                    // reading the whole table faults in its untouched pages (about 1 ms, as
+                    // long as a short process's symbolizing) for a table nobody reads again.
                     FILTER.clear_tracked();
                 }
                 let stuck = std::mem::take(&mut *self.deliveries.abandoned_names.lock());
