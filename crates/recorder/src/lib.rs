@@ -30,7 +30,7 @@ pub use sample_types::{
     ExtraValues, SampleLayout, SampleType, SampleTypeConfig, SampleTypeExtras, SampleValues,
 };
 pub use stack_recorder::{
-    LifetimeStats, ProfileStats, RecorderConfig, RecorderExtras, RecorderStats, SerializedProfile,
-    SharedStateGate, StackRecorder,
+    LateSamples, LifetimeStats, ProfileStats, RecorderConfig, RecorderExtras, RecorderStats,
+    SerializedProfile, SharedStateGate, StackRecorder,
 };
 pub use strings::{StringId, StringStorage};

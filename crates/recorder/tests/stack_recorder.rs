@@ -368,6 +368,95 @@ impl Symbolizer for BlockingSymbolizer {
     }
 }
 
+/// Answers every address with one frame, and counts the addresses `prepare` was asked for.
+struct CountingSymbolizer {
+    prepared: std::rc::Rc<std::cell::Cell<usize>>,
+}
+
+impl Symbolizer for CountingSymbolizer {
+    fn prepare(&mut self, addresses: &[u64]) {
+        self.prepared.set(self.prepared.get() + addresses.len());
+    }
+    fn symbolize(&mut self, address: u64, out: &mut Vec<ResolvedFrame>) {
+        out.push(ResolvedFrame {
+            name: format!("fn_{address:x}"),
+            filename: "s.rs".into(),
+            line: 1,
+            ..Default::default()
+        });
+    }
+}
+
+struct Ungated;
+
+impl ferroprof_recorder::SharedStateGate for Ungated {
+    fn enter(&self) {}
+    fn leave(&self) {}
+}
+
+#[test]
+fn late_samples_are_added_after_symbolizing_and_before_encoding() {
+    let r = StackRecorder::new(no_heap()).unwrap();
+    let values = SampleValues {
+        cpu_time_ns: 5_000,
+        cpu_or_wall_samples: 1,
+        ..Default::default()
+    };
+    r.record_sample(&[Frame::Address(0x1234)], &values, &[], 0)
+        .unwrap();
+    let prepared = std::rc::Rc::new(std::cell::Cell::new(0));
+    let mut sym = CountingSymbolizer {
+        prepared: prepared.clone(),
+    };
+    let mut seen_prepared = None;
+    let mut late = |s: &mut ferroprof_recorder::LateSamples<'_>| {
+        seen_prepared = Some(prepared.get());
+        let own = SampleValues {
+            cpu_time_ns: 7_000,
+            ..Default::default()
+        };
+        s.add(
+            &[Frame::sym("[late]", "", 0)],
+            &own,
+            &[Label::str("thread name", "late")],
+        )
+        .unwrap();
+    };
+    let p = r
+        .serialize_with_late(Some(&mut sym), &Ungated, Some(&mut late))
+        .unwrap();
+    assert_eq!(
+        seen_prepared,
+        Some(1),
+        "the address was prepared before `late`"
+    );
+    assert_eq!(p.stats.recorded_samples, 2);
+    let d = decode(&p);
+    let cpu = d.value_index("cpu-time").unwrap();
+    let mut got: Vec<(Vec<String>, i64, Option<String>)> = d
+        .sample
+        .iter()
+        .map(|s| {
+            (
+                d.stack_names(s),
+                s.value[cpu],
+                d.label_str(s, "thread name").map(str::to_owned),
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        vec![
+            (vec!["[late]".to_owned()], 7_000, Some("late".to_owned())),
+            (vec!["fn_1234".to_owned()], 5_000, None),
+        ]
+    );
+    // The next profile starts empty: the late sample was this one's only.
+    let next = decode(&r.serialize(None).unwrap());
+    assert!(next.sample.is_empty());
+}
+
 #[test]
 fn sampler_completes_while_a_serialization_holds_a_slot() {
     let r = Arc::new(StackRecorder::new(no_heap()).unwrap());

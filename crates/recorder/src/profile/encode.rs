@@ -151,6 +151,25 @@ impl Profile {
     }
 }
 
+/// The addresses of the profile's locations still to symbolize.
+fn address_locations(t: &Tables) -> Vec<u64> {
+    t.locations
+        .items
+        .iter()
+        .filter_map(|l| match *l {
+            Location::Address(a) => Some(a),
+            _ => None,
+        })
+        .collect()
+}
+
+impl Profile {
+    /// The addresses a symbolizer is asked for when this profile is encoded (unordered).
+    pub fn address_locations(&self) -> Vec<u64> {
+        address_locations(&self.t)
+    }
+}
+
 fn saturating_nanos(d: Duration) -> i64 {
     i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
 }
@@ -429,15 +448,7 @@ impl Extras {
         let Some(sym) = symbolizer else {
             return Ok(x);
         };
-        let addresses: Vec<u64> = t
-            .locations
-            .items
-            .iter()
-            .filter_map(|l| match *l {
-                Location::Address(a) => Some(a),
-                _ => None,
-            })
-            .collect();
+        let addresses = address_locations(t);
         sym.prepare(&addresses);
         drop(addresses);
         let mut out: Vec<ResolvedFrame> = Vec::new();

@@ -34,7 +34,7 @@ mod stats;
 
 pub use heap::{ALLOCATION_CLASS_LABEL, GC_GEN_AGE_LABEL};
 use serialize::SerializerState;
-pub use serialize::{SerializedProfile, SharedStateGate};
+pub use serialize::{LateSamples, SerializedProfile, SharedStateGate};
 pub use stats::{LifetimeStats, ProfileStats, RecorderStats};
 
 /// Stack recorder configuration.

@@ -6,8 +6,8 @@ use std::time::{Instant, SystemTime};
 
 use crate::error::RecorderError;
 use crate::pprof::{EncodeOptions, EncodedProfile, Symbolizer};
-
-use crate::profile::BulkBuffers;
+use crate::profile::{BulkBuffers, Frame, Label, Profile, Sample};
+use crate::sample_types::{ExtraValues, SampleLayout, SampleValues};
 
 use super::heap::StackRows;
 use super::{ProfileStats, StackRecorder};
@@ -73,6 +73,37 @@ pub struct SerializedProfile {
     pub stats: ProfileStats,
 }
 
+/// Where [`StackRecorder::serialize_with_late`] lets its caller add samples to the profile being
+/// serialized, once its addresses are symbolized and before it is encoded: what serializing
+/// costs (symbolizing most of it) can then be booked in the profile it is spent on, the last
+/// one of a process included.
+pub struct LateSamples<'a> {
+    profile: &'a mut Profile,
+    layout: &'a SampleLayout,
+    added: u64,
+}
+
+impl LateSamples<'_> {
+    /// Adds one aggregated sample (no heap part: `values.heap_sample` is ignored).
+    pub fn add(
+        &mut self,
+        frames: &[Frame<'_>],
+        values: &SampleValues,
+        labels: &[Label<'_>],
+    ) -> Result<(), RecorderError> {
+        let placed = self.layout.place_with(values, &ExtraValues::default());
+        let sample = Sample {
+            frames,
+            values: &placed[..self.layout.len()],
+            labels,
+            end_timestamp_ns: 0,
+        };
+        self.profile.add(&sample)?;
+        self.added += 1;
+        Ok(())
+    }
+}
+
 /// The serializer's bookkeeping; its mutex also makes serializations run one at a time.
 pub(super) struct SerializerState {
     /// 1 or 2. Samplers never read this: they find the active slot by its open gate.
@@ -98,6 +129,18 @@ impl StackRecorder {
         &self,
         symbolizer: Option<&mut dyn Symbolizer>,
         gate: &dyn SharedStateGate,
+    ) -> Result<SerializedProfile, RecorderError> {
+        self.serialize_with_late(symbolizer, gate, None)
+    }
+
+    /// [`Self::serialize_gated`], calling `late` once the profile's addresses are symbolized
+    /// (through [`Symbolizer::prepare`]) and before it is encoded, to add samples to it (see
+    /// [`LateSamples`]). Without a symbolizer `late` runs just before encoding.
+    pub fn serialize_with_late(
+        &self,
+        mut symbolizer: Option<&mut dyn Symbolizer>,
+        gate: &dyn SharedStateGate,
+        late: Option<&mut dyn FnMut(&mut LateSamples<'_>)>,
     ) -> Result<SerializedProfile, RecorderError> {
         // Taken by serializers only (and forced open in a forked child): held across steps.
         let mut ser = self.serializer.lock_long();
@@ -159,6 +202,19 @@ impl StackRecorder {
         };
         let heap_profile_build_time_ns = elapsed_ns(build_start);
 
+        if let (Ok(()), Some(late)) = (&heap_result, late) {
+            if let Some(sym) = symbolizer.as_deref_mut() {
+                // The encoder asks again for the same addresses: answered from what this did.
+                sym.prepare(&data.profile.address_locations());
+            }
+            let mut samples = LateSamples {
+                profile: &mut data.profile,
+                layout: &self.layout,
+                added: 0,
+            };
+            late(&mut samples);
+            data.recorded_samples += samples.added;
+        }
         let encoded = heap_result.and_then(|()| {
             let opts = EncodeOptions {
                 compression: self.config.compression,
