@@ -88,6 +88,8 @@ fn start() {
         .flush_on_termination(true)
         // Started with the process: the loader's and the constructors' CPU is the program's.
         .cpu_before_start(true)
+        // Every CPU nanosecond of the process in its profiles, the profiler's own included.
+        .book_own_cpu(true)
         .exporter(Box::new(exporter))
         // The exporter writes the directory: no second, `DirExporter`-named copy.
         .from_vars(|k| {

@@ -142,6 +142,9 @@ pub(crate) struct Settings {
     /// Threads' CPU from before the start is in the first profile (see
     /// `ProfilerBuilder::cpu_before_start`).
     pub cpu_before_start: bool,
+    /// The profiler's own threads' CPU is booked under `[ferroprof]` (see
+    /// `ProfilerBuilder::book_own_cpu`).
+    pub book_own_cpu: bool,
     /// The output directory's retention (0: no limit of that kind).
     pub keep_files: usize,
     pub keep_bytes: u64,

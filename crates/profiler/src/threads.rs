@@ -19,6 +19,10 @@ pub(crate) static PROCESS_ENDING: AtomicBool = AtomicBool::new(false);
 /// when they exit); its generation tells the sampler to look again.
 static OWN_TIDS: [AtomicI32; 64] = [const { AtomicI32::new(0) }; 64];
 static OWN_GEN: AtomicU64 = AtomicU64::new(0);
+/// CPU time of ferroprof's threads that left the table (each adds its own as it leaves).
+static ENDED_OWN_CPU: AtomicU64 = AtomicU64::new(0);
+/// What of ferroprof's threads' CPU time [`take_unbooked_own_cpu`] handed out.
+static BOOKED_OWN_CPU: AtomicU64 = AtomicU64::new(0);
 
 /// Registers the calling thread as one of ferroprof's until it exits.
 pub(crate) fn register_own_thread() {
@@ -77,7 +81,32 @@ impl Drop for OwnSlot {
     fn drop(&mut self) {
         OWN_TIDS[self.0].store(0, Ordering::SeqCst);
         OWN_GEN.fetch_add(1, Ordering::SeqCst);
+        // After leaving the table: a reader counts this thread's CPU once at most (see
+        // `own_threads_cpu_ns`).
+        ENDED_OWN_CPU.fetch_add(own_cpu_ns(), Ordering::SeqCst);
     }
+}
+
+/// CPU time of ferroprof's threads so far, ended ones included. Never more than the truth:
+/// the ended threads' sum is read before the table, and a thread adds itself to that sum only
+/// after leaving the table, so a thread ending meanwhile is counted once or, until the next
+/// call, not at all.
+pub(crate) fn own_threads_cpu_ns() -> u64 {
+    let ended = ENDED_OWN_CPU.load(Ordering::SeqCst);
+    let live: u64 = OWN_TIDS
+        .iter()
+        .map(|t| t.load(Ordering::SeqCst))
+        .filter(|&tid| tid != 0)
+        .filter_map(thread_cpu_ns)
+        .sum();
+    ended + live
+}
+
+/// ferroprof's threads' CPU time that no earlier call returned. Calls return disjoint parts of
+/// [`own_threads_cpu_ns`], never the same nanosecond twice.
+pub(crate) fn take_unbooked_own_cpu() -> u64 {
+    let total = own_threads_cpu_ns();
+    total.saturating_sub(BOOKED_OWN_CPU.fetch_max(total, Ordering::SeqCst))
 }
 
 /// Whether `tid` is one of ferroprof's threads.
@@ -95,6 +124,9 @@ pub(crate) fn forget_own_threads_after_fork() {
     for t in OWN_TIDS.iter() {
         t.store(0, Ordering::Relaxed);
     }
+    // Nor is their CPU time the child's.
+    ENDED_OWN_CPU.store(0, Ordering::SeqCst);
+    BOOKED_OWN_CPU.store(0, Ordering::SeqCst);
     OWN_GEN.fetch_add(1, Ordering::SeqCst);
 }
 
@@ -238,4 +270,37 @@ pub fn __late_own_thread(
             }
         })
         .expect("spawn a thread")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spin_cpu(ns: u64) {
+        let end = own_cpu_ns() + ns;
+        while own_cpu_ns() < end {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// The CPU of a profiler thread that ended is handed out once: after its end, and never
+    /// again by a later call.
+    #[test]
+    fn an_ended_own_threads_cpu_is_booked_once() {
+        take_unbooked_own_cpu();
+        std::thread::spawn(|| {
+            register_own_thread();
+            spin_cpu(30_000_000);
+        })
+        .join()
+        .unwrap();
+        let first = take_unbooked_own_cpu();
+        let second = take_unbooked_own_cpu();
+        assert!(first >= 30_000_000, "the thread's 30 ms: {first} ns");
+        // Other tests' profiler threads may run meanwhile, never for as long.
+        assert!(
+            second < first / 2,
+            "booked again: {second} ns after {first}"
+        );
+    }
 }

@@ -80,6 +80,7 @@ pub struct ProfilerBuilder {
     cpu_engine: CpuEngine,
     restart_after_fork: bool,
     cpu_before_start: bool,
+    book_own_cpu: bool,
     max_profile_bytes: u64,
     keep_files: usize,
     keep_bytes: u64,
@@ -108,6 +109,7 @@ impl Default for ProfilerBuilder {
             cpu_engine: CpuEngine::default(),
             restart_after_fork: true,
             cpu_before_start: false,
+            book_own_cpu: false,
             max_profile_bytes: DEFAULT_MAX_PROFILE_BYTES,
             keep_files: ferroprof_export::dir::DEFAULT_KEEP_FILES,
             keep_bytes: ferroprof_export::dir::DEFAULT_KEEP_BYTES,
@@ -262,6 +264,16 @@ impl ProfilerBuilder {
     /// sample caught is booked where the thread is next caught, else under `[cpu not sampled]`.
     pub fn cpu_before_start(mut self, yes: bool) -> Self {
         self.cpu_before_start = yes;
+        self
+    }
+
+    /// Whether the CPU time of the profiler's own threads (sampling, symbolizing and encoding
+    /// profiles) goes into the cpu-time profile, under a `[ferroprof]` frame and thread name
+    /// (default false). With it, a profile's CPU adds up to the process's CPU clock; each
+    /// profile holds what was spent up to its own symbolizing, that included. What `record`
+    /// uses, so that a build's profiles add up to the build's CPU time.
+    pub fn book_own_cpu(mut self, yes: bool) -> Self {
+        self.book_own_cpu = yes;
         self
     }
 
@@ -555,6 +567,7 @@ impl ProfilerBuilder {
             cpu_engine_perf,
             restart_after_fork: self.restart_after_fork,
             cpu_before_start: self.cpu_before_start,
+            book_own_cpu: self.book_own_cpu,
             keep_files: self.keep_files,
             keep_bytes: self.keep_bytes,
             max_profile_bytes: (self.max_profile_bytes > 0).then_some(self.max_profile_bytes),
@@ -613,6 +626,10 @@ impl ProfilerBuilder {
                 let dir =
                     DirExporter::new(d.clone())?.keep(settings.keep_files, settings.keep_bytes);
                 exporters.insert(0, Box::new(dir));
+            }
+            if settings.book_own_cpu {
+                // What an earlier profiler's threads spent is not this one's to book.
+                crate::threads::take_unbooked_own_cpu();
             }
             let (outbox, deliveries) =
                 Outbox::new(exporters).map_err(|source| ProfilerError::Spawn {

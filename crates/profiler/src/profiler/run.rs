@@ -2,6 +2,7 @@
 //! loop and one export.
 
 use super::*;
+use ferroprof_recorder::{Label, LateSamples};
 
 pub(super) fn start_threads_if_stopped(sh: &Arc<Shared>) {
     let running = {
@@ -142,8 +143,12 @@ pub(super) fn export_once(sh: &Shared) -> Option<u64> {
         // for symbolizing and encoding (see `crate::forkgate::SerializeSteps`).
         let steps = crate::forkgate::SerializeSteps::new();
         let (t0, c0) = (std::time::Instant::now(), crate::threads::own_cpu_ns());
-        let serialized =
-            tls::in_recorder(|| sym.pass(|sym| sh.recorder.serialize_gated(Some(sym), &steps)));
+        let mut own = |late: &mut LateSamples<'_>| book_own_cpu(late);
+        let late: Option<&mut dyn FnMut(&mut LateSamples<'_>)> =
+            (sh.settings.book_own_cpu && sh.settings.profiles.cpu).then_some(&mut own);
+        let serialized = tls::in_recorder(|| {
+            sym.pass(|sym| sh.recorder.serialize_with_late(Some(sym), &steps, late))
+        });
         let st = &sh.stats;
         st.last_export_ns
             .store(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -197,4 +202,24 @@ pub(super) fn export_once(sh: &Shared) -> Option<u64> {
     }
     sampler::trim_after_export();
     Some(round)
+}
+
+/// The frame (and thread name) of the profiler's own CPU time.
+pub(crate) const OWN_CPU_FRAME: &str = "[ferroprof]";
+
+/// Adds the profiler's own threads' CPU time since the last profile, this one's symbolizing
+/// included, as one sample (see `ProfilerBuilder::book_own_cpu`).
+fn book_own_cpu(late: &mut LateSamples<'_>) {
+    let ns = crate::threads::take_unbooked_own_cpu();
+    if ns == 0 {
+        return;
+    }
+    let values = SampleValues {
+        cpu_time_ns: i64::try_from(ns).unwrap_or(i64::MAX),
+        ..Default::default()
+    };
+    let frames = [Frame::sym(OWN_CPU_FRAME, "", 0)];
+    let labels = [Label::str(crate::threads::THREAD_NAME_LABEL, OWN_CPU_FRAME)];
+    // A profile that cannot take it (over its memory cap) counts the sample as dropped.
+    let _ = late.add(&frames, &values, &labels);
 }
