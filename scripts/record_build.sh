@@ -5,9 +5,9 @@
 #
 #   scripts/record_build.sh [RUNS]        (default 3; needs a release build, gcc, make, python3)
 #
-# The profiles hold every CPU nanosecond of the build's processes but the profiler's own threads'
-# (symbolizing and writing each process's profile at its exit), which the children's CPU time
-# includes.
+# The profiles hold every CPU nanosecond of the build's processes up to the symbolizing of their
+# last profile, the profiler's own threads' under [ferroprof]; the children's CPU time also has
+# what follows (encoding and writing that profile, the processes' exits).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-3}

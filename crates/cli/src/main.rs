@@ -4,6 +4,7 @@
 mod demo;
 mod embedded;
 mod filter;
+mod gzip_files;
 mod record;
 mod report;
 

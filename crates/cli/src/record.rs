@@ -222,6 +222,14 @@ pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
     );
 
     let written = new_profiles(&dir, &before);
+    for path in written.values().flatten() {
+        if let Err(e) = crate::gzip_files::gzip_in_place(path) {
+            eprintln!(
+                "ferroprof record: left {} uncompressed: {e}",
+                path.display()
+            );
+        }
+    }
     let heap_peak = |p: i32| summary_field(&summary_dir, p, "heap_peak_estimate_bytes");
     // The program's status stands whatever the report meets (an unreadable profile...).
     if let Err(e) = report(&written, pid, file.as_deref(), profiles, args.n, heap_peak) {

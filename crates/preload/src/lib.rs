@@ -83,7 +83,15 @@ fn start() {
         }
     };
     let service = exporter::command_name();
+    // Under `record`, profiles are written plain and `record` gzips them once the program
+    // ended: a gzip stream costs a short process more than encoding its profile does.
+    let compression = if std::env::var_os(exporter::SUMMARY_ENV).is_some() {
+        ferroprof::recorder::Compression::None
+    } else {
+        ferroprof::recorder::Compression::Gzip
+    };
     let started = Profiler::builder()
+        .compression(compression)
         .service(service)
         .flush_on_termination(true)
         // Started with the process: the loader's and the constructors' CPU is the program's.
