@@ -27,6 +27,7 @@
 
 mod debug_info;
 pub(crate) mod digest;
+pub mod foreign;
 pub(crate) mod disk_cache;
 pub(crate) mod dwarf_walk;
 mod inflate;
@@ -80,6 +81,15 @@ pub struct ProcessSymbolizer {
     mappings: Mappings,
     /// Where inflated debug sections are kept for later processes (see `disk_cache`).
     debug_cache: Option<Arc<Path>>,
+    /// Another process's objects, read again at each pass, for a symbolizer of that process
+    /// (`for_process`); `None`: this process's, from the loader.
+    foreign: Option<Foreign>,
+}
+
+/// The process a `for_process` symbolizer names addresses of, and its objects at the last pass.
+struct Foreign {
+    pid: i32,
+    objects: Vec<LoadedObject>,
 }
 
 /// One pprof mapping per executable segment of each loaded object, kept across passes and read
@@ -93,14 +103,25 @@ struct Mappings {
 }
 
 impl Mappings {
-    fn refresh(&mut self) {
-        let generation = crate::modules::objects_generation();
+    /// Reads the list again when the loader's changed; `foreign`: another process's objects
+    /// instead (the list is cleared by the symbolizer when they change), named by their path in
+    /// that process.
+    fn refresh(&mut self, foreign: Option<&[LoadedObject]>) {
+        let generation = match foreign {
+            Some(_) => (u64::MAX, u64::MAX),
+            None => crate::modules::objects_generation(),
+        };
         if self.generation == Some(generation) {
             return;
         }
         let old = std::mem::take(&mut self.list);
-        for obj in loaded_objects() {
+        let objects = match foreign {
+            Some(f) => f.to_vec(),
+            None => loaded_objects(),
+        };
+        for obj in objects {
             let filename = match &obj.path {
+                _ if foreign.is_some() => obj.name.clone(),
                 Some(p) => p.to_string_lossy().into_owned(),
                 // The vDSO: named as in /proc/self/maps, which viewers know not to open.
                 None if obj.name.contains("vdso") => "[vdso]".to_owned(),
@@ -283,7 +304,25 @@ impl ProcessSymbolizer {
             kept_bytes: 0,
             mappings: Mappings::default(),
             debug_cache: None,
+            foreign: None,
         }
+    }
+
+    /// A symbolizer of process `pid`'s addresses (the process keeps running): its objects are
+    /// read from `/proc/PID/maps` and the files it maps, again at every pass (see `foreign`).
+    pub fn for_process(pid: i32) -> std::io::Result<Self> {
+        let objects = foreign::mapped_files(pid)?
+            .iter()
+            .map(foreign::MappedFile::to_loaded)
+            .collect();
+        let mut s = Self::new();
+        s.foreign = Some(Foreign { pid, objects });
+        Ok(s)
+    }
+
+    /// Keeps inflated debug sections in `dir` (see `disk_cache`).
+    pub fn with_debug_cache_dir(self, dir: Option<PathBuf>) -> Self {
+        self.with_debug_cache(dir.map(Arc::from))
     }
 
     /// Keeps the compressed debug sections it inflates in `dir` (by build id) and maps them
@@ -295,8 +334,23 @@ impl ProcessSymbolizer {
 
     /// Runs `f` as one pass: debug info loaded during it is released when it returns.
     pub fn pass<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        if let Some(fo) = &mut self.foreign {
+            let now: Vec<LoadedObject> = foreign::mapped_files(fo.pid)
+                .map(|v| v.iter().map(foreign::MappedFile::to_loaded).collect())
+                .unwrap_or_default();
+            let key = |v: &[LoadedObject]| -> Vec<(u64, String)> {
+                v.iter().map(|o| (o.base, o.name.clone())).collect()
+            };
+            if key(&now) != key(&fo.objects) && !now.is_empty() {
+                fo.objects = now;
+                self.cache.clear();
+                self.strings = Strings::default();
+                self.indexes.clear();
+                self.mappings = Mappings::default();
+            }
+        }
         let unloads = crate::modules::objects_generation().1;
-        if unloads != self.unloads {
+        if self.foreign.is_none() && unloads != self.unloads {
             self.unloads = unloads;
             self.cache.clear();
             self.strings = Strings::default();
@@ -426,8 +480,11 @@ impl ProcessSymbolizer {
     }
 
     fn lookup_in_arena(&mut self, addresses: &[u64]) -> Vec<Vec<ResolvedFrame>> {
+        let foreign = self.foreign.as_ref().map(|f| &f.objects);
         let objects = self.objects.get_or_insert_with(|| {
-            loaded_objects()
+            foreign
+                .cloned()
+                .unwrap_or_else(loaded_objects)
                 .into_iter()
                 .map(|obj| ObjectDebug { obj, debug: None })
                 .collect()
@@ -683,14 +740,14 @@ impl Drop for ProcessSymbolizer {
 impl Symbolizer for ProcessSymbolizer {
     fn mapping(&mut self, address: u64) -> Option<&MappingInfo> {
         if self.mappings.generation.is_none() {
-            self.mappings.refresh();
+            self.mappings.refresh(self.foreign.as_ref().map(|f| &f.objects[..]));
         }
         self.mappings.find(address)
     }
 
     fn prepare(&mut self, addresses: &[u64]) {
         // Outside the arena: the list is kept across passes.
-        self.mappings.refresh();
+        self.mappings.refresh(self.foreign.as_ref().map(|f| &f.objects[..]));
         let mut todo: Vec<u64> = addresses
             .iter()
             .copied()

@@ -1,0 +1,226 @@
+//! The ELF objects mapped in another process, read from its `/proc/PID/maps` and from the files
+//! themselves: what `ferroprof record -p` symbolizes and unwinds a running process with.
+//!
+//! Nothing is read from the process's memory. Each file is opened through
+//! `/proc/PID/map_files/START-END` (the very file mapped, also when it was deleted or replaced
+//! since, or lies in another mount namespace), else through `/proc/PID/root/PATH`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use object::{Object, ObjectSegment};
+
+use crate::modules::{LoadedObject, Segment};
+
+/// One mapping line of `/proc/PID/maps`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapsLine {
+    pub start: u64,
+    pub end: u64,
+    pub perms: String,
+    pub offset: u64,
+    /// The path as the kernel shows it (` (deleted)` included), or a pseudo-name (`[stack]`).
+    pub path: String,
+}
+
+/// Parses `/proc/PID/maps` text; lines that do not parse are skipped.
+pub fn parse_maps(text: &str) -> Vec<MapsLine> {
+    text.lines()
+        .filter_map(|line| {
+            let mut f = line.splitn(6, ' ');
+            let range = f.next()?;
+            let perms = f.next()?.to_owned();
+            let offset = u64::from_str_radix(f.next()?, 16).ok()?;
+            let _dev = f.next()?;
+            let _inode = f.next()?;
+            let path = f.next().unwrap_or("").trim_start().to_owned();
+            let (s, e) = range.split_once('-')?;
+            Some(MapsLine {
+                start: u64::from_str_radix(s, 16).ok()?,
+                end: u64::from_str_radix(e, 16).ok()?,
+                perms,
+                offset,
+                path,
+            })
+        })
+        .collect()
+}
+
+/// A file mapped in process `pid`, opened from outside it: its openable path and the name to
+/// show (the path in the process's view).
+#[derive(Debug, Clone)]
+pub struct MappedFile {
+    pub open_path: PathBuf,
+    pub name: String,
+    /// The load bias: address in the process = address in the ELF file + `bias`.
+    pub bias: u64,
+    /// `PT_LOAD` segments as addresses in the process.
+    pub segments: Vec<(u64, u64, u32, u64)>,
+    pub build_id: Vec<u8>,
+}
+
+/// The ELF files with an executable mapping in process `pid`, by their name in its maps.
+pub fn mapped_files(pid: i32) -> std::io::Result<Vec<MappedFile>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let lines = parse_maps(&text);
+    // Every mapping of each file (by name), in address order: the executable one says the
+    // file is code; any of them (offset and start) gives the bias.
+    let mut by_name: BTreeMap<&str, Vec<&MapsLine>> = BTreeMap::new();
+    for l in &lines {
+        if l.path.starts_with('/') {
+            by_name.entry(l.path.as_str()).or_default().push(l);
+        }
+    }
+    let mut out = Vec::new();
+    for (name, maps) in by_name {
+        if !maps.iter().any(|m| m.perms.contains('x')) {
+            continue;
+        }
+        if let Some(f) = open_mapped(pid, name, &maps) {
+            out.push(f);
+        }
+    }
+    Ok(out)
+}
+
+fn open_mapped(pid: i32, name: &str, maps: &[&MapsLine]) -> Option<MappedFile> {
+    let first = maps[0];
+    let candidates = [
+        PathBuf::from(format!(
+            "/proc/{pid}/map_files/{:x}-{:x}",
+            first.start, first.end
+        )),
+        PathBuf::from(format!(
+            "/proc/{pid}/root{}",
+            name.strip_suffix(" (deleted)").unwrap_or(name)
+        )),
+    ];
+    for open_path in candidates {
+        let Ok(file) = std::fs::File::open(&open_path) else {
+            continue;
+        };
+        // SAFETY: a read-only private mapping of a file we only read; a file truncated
+        // meanwhile can fault the reads (as for any mapped ELF file the symbolizer reads).
+        let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
+            continue;
+        };
+        let Ok(elf) = object::File::parse(&map[..]) else {
+            return None;
+        };
+        let loads: Vec<(u64, u64, u64, u64, u32)> = elf
+            .segments()
+            .filter_map(|s| {
+                let (offset, filesz) = s.file_range();
+                let flags = match s.flags() {
+                    object::SegmentFlags::Elf { p_flags } => p_flags,
+                    _ => 0,
+                };
+                Some((s.address(), s.size(), offset, filesz, flags))
+            })
+            .collect();
+        // The bias from the mapping of a segment's start: the segment holding the mapped
+        // offset, at the mapped address.
+        let bias = maps.iter().find_map(|m| {
+            loads
+                .iter()
+                .find(|&&(_, _, off, filesz, _)| {
+                    off & !0xfff <= m.offset && m.offset < off + filesz.max(1)
+                })
+                .map(|&(vaddr, _, off, _, _)| {
+                    m.start
+                        .wrapping_sub(m.offset)
+                        .wrapping_sub(vaddr.wrapping_sub(off))
+                })
+        })?;
+        let segments = loads
+            .iter()
+            .map(|&(vaddr, size, off, _, flags)| {
+                (
+                    vaddr.wrapping_add(bias),
+                    vaddr.wrapping_add(bias).wrapping_add(size),
+                    flags,
+                    off,
+                )
+            })
+            .collect();
+        let build_id = elf.build_id().ok().flatten().unwrap_or_default().to_vec();
+        return Some(MappedFile {
+            open_path,
+            name: name.to_owned(),
+            bias,
+            segments,
+            build_id,
+        });
+    }
+    None
+}
+
+impl MappedFile {
+    pub(crate) fn to_loaded(&self) -> LoadedObject {
+        LoadedObject {
+            path: Some(self.open_path.clone()),
+            name: self.name.clone(),
+            base: self.bias,
+            segments: self
+                .segments
+                .iter()
+                .map(|&(start, end, flags, offset)| Segment {
+                    start,
+                    end,
+                    flags,
+                    offset,
+                })
+                .collect(),
+            eh_frame_hdr: None,
+            unwind_copy: None,
+            build_id: self.build_id.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_lines_parse_with_and_without_paths() {
+        let text = "55d0c0a00000-55d0c0a28000 r--p 00000000 08:01 1311 /usr/bin/xz\n\
+                    55d0c0a28000-55d0c0a4f000 r-xp 00028000 08:01 1311 /usr/bin/xz (deleted)\n\
+                    7ffd1c7e0000-7ffd1c801000 rw-p 00000000 00:00 0                          [stack]\n\
+                    7f0000000000-7f0000001000 rw-p 00000000 00:00 0\n\
+                    garbage\n";
+        let l = parse_maps(text);
+        assert_eq!(l.len(), 4);
+        assert_eq!(l[1].path, "/usr/bin/xz (deleted)");
+        assert_eq!(l[1].offset, 0x28000);
+        assert_eq!(l[1].perms, "r-xp");
+        assert_eq!(l[2].path, "[stack]");
+        assert_eq!(l[3].path, "");
+    }
+
+    /// This test process's own objects, read from outside as another process's are, have the
+    /// biases and segments the loader reports.
+    #[test]
+    fn own_objects_read_from_maps_match_the_loaders() {
+        let pid = std::process::id() as i32;
+        let files = mapped_files(pid).unwrap();
+        let loader = crate::modules::loaded_objects();
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let mine = files
+            .iter()
+            .find(|f| std::path::Path::new(&f.name) == exe)
+            .expect("the test binary among the mapped files");
+        let theirs = loader
+            .iter()
+            .find(|o| o.path.as_deref() == Some(exe.as_path()))
+            .expect("the test binary among the loaded objects");
+        assert_eq!(mine.bias, theirs.base);
+        let libc = files.iter().find(|f| f.name.contains("libc.so")).unwrap();
+        let theirs = loader
+            .iter()
+            .find(|o| o.name.contains("libc.so"))
+            .unwrap();
+        assert_eq!(libc.bias, theirs.base);
+        assert_eq!(libc.build_id, theirs.build_id);
+    }
+}
