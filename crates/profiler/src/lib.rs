@@ -108,5 +108,7 @@ pub use profiler::{
     DEFAULT_MAX_PROFILE_BYTES, DEFAULT_OUTPUT_DIR, DEFAULT_PERIOD, MAX_CPU_HZ, MIN_PERIOD,
 };
 pub use settings::{CpuEngine, Profiles};
+/// Another process's mapped objects, for symbolizing and unwinding it from outside (`record -p`).
+pub use symbolize::foreign;
 pub use symbolize::ProcessSymbolizer;
 pub use unwind::MAX_FRAMES;

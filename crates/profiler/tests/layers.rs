@@ -52,6 +52,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "symbolize/digest",
             "symbolize/disk_cache",
             "symbolize/dwarf_walk",
+            "symbolize/foreign",
             "http",
             "error",
         ],

@@ -3,21 +3,31 @@
 //!
 //! Nothing is read from the process's memory. Each file is opened through
 //! `/proc/PID/map_files/START-END` (the very file mapped, also when it was deleted or replaced
-//! since, or lies in another mount namespace), else through `/proc/PID/root/PATH`.
+//! since, or lies in another mount namespace), else through `/proc/PID/root/PATH`, and kept
+//! open: it is read again through `/proc/self/fd/N`, also after the process ended.
 
 use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use object::{Object, ObjectSegment};
 
 use crate::modules::{LoadedObject, Segment};
 
+/// Where the files of another process's objects are opened from (they are kept open).
+pub const OPEN_DIR: &str = "/proc/self/fd/";
+
 /// One mapping line of `/proc/PID/maps`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MapsLine {
+    /// First address.
     pub start: u64,
+    /// One past the last address.
     pub end: u64,
+    /// `rwxp` as the kernel shows it.
     pub perms: String,
+    /// Offset in the file of the first byte.
     pub offset: u64,
     /// The path as the kernel shows it (` (deleted)` included), or a pseudo-name (`[stack]`).
     pub path: String,
@@ -50,12 +60,17 @@ pub fn parse_maps(text: &str) -> Vec<MapsLine> {
 /// show (the path in the process's view).
 #[derive(Debug, Clone)]
 pub struct MappedFile {
+    /// `/proc/self/fd/N` of `file`.
     pub open_path: PathBuf,
+    /// The file, kept open.
+    pub file: Arc<std::fs::File>,
+    /// The path in the process's view (as its maps show it).
     pub name: String,
     /// The load bias: address in the process = address in the ELF file + `bias`.
     pub bias: u64,
-    /// `PT_LOAD` segments as addresses in the process.
+    /// `PT_LOAD` segments as (start, end, `p_flags`, `p_offset`).
     pub segments: Vec<(u64, u64, u32, u64)>,
+    /// The GNU build id (empty: none).
     pub build_id: Vec<u8>,
 }
 
@@ -95,8 +110,8 @@ fn open_mapped(pid: i32, name: &str, maps: &[&MapsLine]) -> Option<MappedFile> {
             name.strip_suffix(" (deleted)").unwrap_or(name)
         )),
     ];
-    for open_path in candidates {
-        let Ok(file) = std::fs::File::open(&open_path) else {
+    for path in candidates {
+        let Ok(file) = std::fs::File::open(&path) else {
             continue;
         };
         // SAFETY: a read-only private mapping of a file we only read; a file truncated
@@ -109,13 +124,13 @@ fn open_mapped(pid: i32, name: &str, maps: &[&MapsLine]) -> Option<MappedFile> {
         };
         let loads: Vec<(u64, u64, u64, u64, u32)> = elf
             .segments()
-            .filter_map(|s| {
+            .map(|s| {
                 let (offset, filesz) = s.file_range();
                 let flags = match s.flags() {
                     object::SegmentFlags::Elf { p_flags } => p_flags,
                     _ => 0,
                 };
-                Some((s.address(), s.size(), offset, filesz, flags))
+                (s.address(), s.size(), offset, filesz, flags)
             })
             .collect();
         // The bias from the mapping of a segment's start: the segment holding the mapped
@@ -144,8 +159,11 @@ fn open_mapped(pid: i32, name: &str, maps: &[&MapsLine]) -> Option<MappedFile> {
             })
             .collect();
         let build_id = elf.build_id().ok().flatten().unwrap_or_default().to_vec();
+        drop(elf);
+        drop(map);
         return Some(MappedFile {
-            open_path,
+            open_path: PathBuf::from(format!("{OPEN_DIR}{}", file.as_raw_fd())),
+            file: Arc::new(file),
             name: name.to_owned(),
             bias,
             segments,
@@ -216,10 +234,7 @@ mod tests {
             .expect("the test binary among the loaded objects");
         assert_eq!(mine.bias, theirs.base);
         let libc = files.iter().find(|f| f.name.contains("libc.so")).unwrap();
-        let theirs = loader
-            .iter()
-            .find(|o| o.name.contains("libc.so"))
-            .unwrap();
+        let theirs = loader.iter().find(|o| o.name.contains("libc.so")).unwrap();
         assert_eq!(libc.bias, theirs.base);
         assert_eq!(libc.build_id, theirs.build_id);
     }

@@ -27,9 +27,9 @@
 
 mod debug_info;
 pub(crate) mod digest;
-pub mod foreign;
 pub(crate) mod disk_cache;
 pub(crate) mod dwarf_walk;
+pub mod foreign;
 mod inflate;
 mod names;
 
@@ -90,6 +90,8 @@ pub struct ProcessSymbolizer {
 struct Foreign {
     pid: i32,
     objects: Vec<LoadedObject>,
+    /// The files `objects` name through `/proc/self/fd`, kept open.
+    _files: Vec<foreign::MappedFile>,
 }
 
 /// One pprof mapping per executable segment of each loaded object, kept across passes and read
@@ -311,12 +313,14 @@ impl ProcessSymbolizer {
     /// A symbolizer of process `pid`'s addresses (the process keeps running): its objects are
     /// read from `/proc/PID/maps` and the files it maps, again at every pass (see `foreign`).
     pub fn for_process(pid: i32) -> std::io::Result<Self> {
-        let objects = foreign::mapped_files(pid)?
-            .iter()
-            .map(foreign::MappedFile::to_loaded)
-            .collect();
+        let files = foreign::mapped_files(pid)?;
+        let objects = files.iter().map(foreign::MappedFile::to_loaded).collect();
         let mut s = Self::new();
-        s.foreign = Some(Foreign { pid, objects });
+        s.foreign = Some(Foreign {
+            pid,
+            objects,
+            _files: files,
+        });
         Ok(s)
     }
 
@@ -335,14 +339,15 @@ impl ProcessSymbolizer {
     /// Runs `f` as one pass: debug info loaded during it is released when it returns.
     pub fn pass<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
         if let Some(fo) = &mut self.foreign {
-            let now: Vec<LoadedObject> = foreign::mapped_files(fo.pid)
-                .map(|v| v.iter().map(foreign::MappedFile::to_loaded).collect())
-                .unwrap_or_default();
+            // A process that ended keeps the objects it had (their files are still open).
+            let files = foreign::mapped_files(fo.pid).unwrap_or_default();
+            let now: Vec<LoadedObject> = files.iter().map(foreign::MappedFile::to_loaded).collect();
             let key = |v: &[LoadedObject]| -> Vec<(u64, String)> {
                 v.iter().map(|o| (o.base, o.name.clone())).collect()
             };
             if key(&now) != key(&fo.objects) && !now.is_empty() {
                 fo.objects = now;
+                fo._files = files;
                 self.cache.clear();
                 self.strings = Strings::default();
                 self.indexes.clear();
@@ -629,19 +634,19 @@ fn resolve_object<'k>(
                 .as_ref()
                 .and_then(|d| d.function_start(probe))
                 .unwrap_or(probe);
-            let module = od
-                .obj
-                .path
-                .as_deref()
+            // Another process's object is opened through /proc/self/fd: named by its path
+            // in that process.
+            let shown = match od.obj.path.as_deref() {
+                Some(p) if p.starts_with(foreign::OPEN_DIR) => Some(Path::new(&od.obj.name)),
+                p => p,
+            };
+            let module = shown
                 .and_then(Path::file_name)
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| od.obj.name.clone());
             f.push(ResolvedFrame {
                 name: format!("{module}+{at:#x}"),
-                filename: od
-                    .obj
-                    .path
-                    .as_deref()
+                filename: shown
                     .map(|p| p.to_string_lossy().into_owned())
                     .unwrap_or_default(),
                 ..ResolvedFrame::default()
@@ -740,14 +745,16 @@ impl Drop for ProcessSymbolizer {
 impl Symbolizer for ProcessSymbolizer {
     fn mapping(&mut self, address: u64) -> Option<&MappingInfo> {
         if self.mappings.generation.is_none() {
-            self.mappings.refresh(self.foreign.as_ref().map(|f| &f.objects[..]));
+            self.mappings
+                .refresh(self.foreign.as_ref().map(|f| &f.objects[..]));
         }
         self.mappings.find(address)
     }
 
     fn prepare(&mut self, addresses: &[u64]) {
         // Outside the arena: the list is kept across passes.
-        self.mappings.refresh(self.foreign.as_ref().map(|f| &f.objects[..]));
+        self.mappings
+            .refresh(self.foreign.as_ref().map(|f| &f.objects[..]));
         let mut todo: Vec<u64> = addresses
             .iter()
             .copied()
