@@ -1,6 +1,7 @@
 //! `ferroprof`: record any program (`record`), read and compare pprof files (top, flamegraph,
 //! diff), run the demo.
 
+mod attach;
 mod demo;
 mod embedded;
 mod filter;

@@ -65,6 +65,18 @@ pub struct RecordArgs {
     /// Functions shown per profile type.
     #[arg(short = 'n', default_value_t = 8)]
     pub n: usize,
+    /// Profile the running process PID instead of starting a command (CPU only, through
+    /// perf events; nothing is injected into it).
+    #[arg(
+        short = 'p',
+        long = "pid",
+        value_name = "PID",
+        conflicts_with = "command"
+    )]
+    pub pid: Option<i32>,
+    /// With --pid: seconds to profile [default: until Ctrl-C or the process's end].
+    #[arg(long, value_name = "SECONDS", requires = "pid")]
+    pub duration: Option<f64>,
     /// The program and its arguments, after `--`.
     #[arg(last = true, value_name = "CMD")]
     pub command: Vec<OsString>,
@@ -72,9 +84,14 @@ pub struct RecordArgs {
 
 /// Runs the command; returns the exit status `ferroprof` exits with.
 pub fn run(args: RecordArgs) -> anyhow::Result<u8> {
+    if let Some(pid) = args.pid {
+        return crate::attach::run(pid, &args);
+    }
     let Some((cmd, cmd_args)) = args.command.split_first() else {
         return Err(CliError(
-            "no command to run: ferroprof record [OPTIONS] -- CMD [ARGS...]".to_owned(),
+            "no command to run: ferroprof record [OPTIONS] -- CMD [ARGS...] \
+             (or record -p PID for a running process)"
+                .to_owned(),
         )
         .into());
     };
@@ -280,7 +297,7 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
     }
 }
 
-fn forwarded_set() -> libc::sigset_t {
+pub(crate) fn forwarded_set() -> libc::sigset_t {
     // SAFETY: sigemptyset initializes the zeroed set; sigaddset with valid signal numbers.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -741,7 +758,7 @@ fn find_preload() -> anyhow::Result<PathBuf> {
 
 /// The directory the program writes into, and the file the main process's last profile is
 /// renamed to (for an output ending in `.pprof`).
-fn output_paths(out: &Path) -> anyhow::Result<(PathBuf, Option<PathBuf>)> {
+pub(crate) fn output_paths(out: &Path) -> anyhow::Result<(PathBuf, Option<PathBuf>)> {
     if out.extension().is_some_and(|e| e == "pprof") && !out.is_dir() {
         let parent = out
             .parent()
@@ -755,7 +772,7 @@ fn output_paths(out: &Path) -> anyhow::Result<(PathBuf, Option<PathBuf>)> {
 /// Profile files in the directory and their modification times.
 type Snapshot = BTreeMap<PathBuf, SystemTime>;
 
-fn snapshot(dir: &Path) -> Snapshot {
+pub(crate) fn snapshot(dir: &Path) -> Snapshot {
     std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -769,7 +786,7 @@ fn snapshot(dir: &Path) -> Snapshot {
 }
 
 /// Profiles written since `before`, by (command, pid), each process's in order.
-fn new_profiles(dir: &Path, before: &Snapshot) -> BTreeMap<(String, i32), Vec<PathBuf>> {
+pub(crate) fn new_profiles(dir: &Path, before: &Snapshot) -> BTreeMap<(String, i32), Vec<PathBuf>> {
     let mut out: BTreeMap<(String, i32), Vec<(u32, PathBuf)>> = BTreeMap::new();
     for (path, mtime) in snapshot(dir) {
         if before.get(&path) == Some(&mtime) {
@@ -803,7 +820,7 @@ fn parse_name(name: &str) -> Option<(String, i32, u32)> {
     Some((comm, pid, n))
 }
 
-fn report(
+pub(crate) fn report(
     written: &BTreeMap<(String, i32), Vec<PathBuf>>,
     pid: i32,
     file: Option<&Path>,

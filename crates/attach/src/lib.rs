@@ -1,0 +1,387 @@
+//! Profiles a running Linux process from outside it, without stopping or restarting it:
+//! CPU time through perf events on each of its threads (the user registers and a copy of the
+//! top of the user stack with each sample), unwound with the process's own `.eh_frame` tables
+//! and symbolized with ferroprof's symbolizer from the files it maps. Nothing is written into
+//! the process and no signal is sent to it. No allocation or heap profile: nothing is
+//! injected.
+
+#![warn(missing_docs)]
+
+mod perf;
+mod unwind;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferroprof::ProcessSymbolizer;
+use ferroprof_recorder::{
+    Compression, EncodedProfile, Frame, Label, RecorderConfig, SampleTypeConfig, SampleValues,
+    StackRecorder,
+};
+
+pub use perf::paranoid;
+
+/// The label keys in-process profiles use for threads.
+const THREAD_ID_LABEL: &str = "thread id";
+const THREAD_NAME_LABEL: &str = "thread name";
+
+/// How to attach.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AttachConfig {
+    /// The process.
+    pub pid: i32,
+    /// Samples per second of each thread's CPU time.
+    pub hz: u32,
+    /// How long to profile (`None`: until `stop` is set or the process ends).
+    pub duration: Option<Duration>,
+    /// One profile per period (`None`: one profile at the end).
+    pub period: Option<Duration>,
+    /// Set to end the run (Ctrl-C).
+    pub stop: Arc<AtomicBool>,
+}
+
+impl AttachConfig {
+    /// 100 Hz, until `stop` or the process's end, one profile.
+    pub fn new(pid: i32) -> Self {
+        AttachConfig {
+            pid,
+            hz: 100,
+            duration: None,
+            period: None,
+            stop: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Samples per second (1-1000).
+    pub fn hz(mut self, hz: u32) -> Self {
+        self.hz = hz;
+        self
+    }
+
+    /// How long to profile.
+    pub fn duration(mut self, d: Option<Duration>) -> Self {
+        self.duration = d;
+        self
+    }
+
+    /// One profile per period.
+    pub fn period(mut self, p: Option<Duration>) -> Self {
+        self.period = p;
+        self
+    }
+
+    /// The flag that ends the run when set.
+    pub fn stop_flag(mut self, stop: Arc<AtomicBool>) -> Self {
+        self.stop = stop;
+        self
+    }
+}
+
+/// Why attaching failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AttachError {
+    /// No process has that id.
+    #[error("no process with pid {pid}")]
+    NoSuchProcess {
+        /// The pid asked for.
+        pid: i32,
+    },
+    /// The process is not ours to read.
+    #[error(
+        "permission denied for pid {pid} (another user's process: run as that user or as root)"
+    )]
+    PermissionDenied {
+        /// The pid asked for.
+        pid: i32,
+    },
+    /// The kernel refused perf events.
+    #[error(
+        "perf_event_open refused for pid {pid}: {source} (kernel.perf_event_paranoid is {}: \
+         at 2 or below a user may profile their own processes, at -1 anyone's, and root \
+         always may; a seccomp filter, as container runtimes install, denies it whatever \
+         the setting)",
+        paranoid.map_or("unreadable".to_owned(), |p| p.to_string())
+    )]
+    PerfRefused {
+        /// The pid asked for.
+        pid: i32,
+        /// `/proc/sys/kernel/perf_event_paranoid`.
+        paranoid: Option<i32>,
+        /// The kernel's error.
+        source: std::io::Error,
+    },
+    /// `hz` out of range.
+    #[error("sampling rate {hz} Hz is not in 1-1000")]
+    BadRate {
+        /// The rate asked for.
+        hz: u32,
+    },
+    /// Reading the process's files, or making the profile.
+    #[error("{what}: {source}")]
+    Io {
+        /// What failed.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The recorder refused.
+    #[error("recording: {0}")]
+    Recorder(#[from] ferroprof_recorder::RecorderError),
+}
+
+/// What a run saw.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct AttachSummary {
+    /// Samples recorded.
+    pub samples: u64,
+    /// Samples the kernel lost (ring buffers full).
+    pub lost: u64,
+    /// Threads seen running.
+    pub threads: usize,
+    /// Threads present at the start that no event could be opened on.
+    pub threads_refused: usize,
+    /// Whether the process ended during the run.
+    pub process_ended: bool,
+    /// Whether time in the kernel was counted (else user time only).
+    pub kernel_time: bool,
+}
+
+/// Profiles process `config.pid` until the duration passes, `stop` is set or the process
+/// ends; calls `on_attached` once its threads' events are open, and hands each profile (one
+/// per period, and the last one) to `on_profile`.
+pub fn attach(
+    config: &AttachConfig,
+    on_attached: impl FnOnce(),
+    mut on_profile: impl FnMut(EncodedProfile),
+) -> Result<AttachSummary, AttachError> {
+    let pid = config.pid;
+    if !(1..=1000).contains(&config.hz) {
+        return Err(AttachError::BadRate { hz: config.hz });
+    }
+    check_access(pid)?;
+    let period_ns = 1_000_000_000 / u64::from(config.hz);
+    let recorder = StackRecorder::new(RecorderConfig {
+        sample_types: SampleTypeConfig {
+            cpu_time: true,
+            alloc_samples: false,
+            heap_samples: false,
+            heap_size: false,
+            timeline: false,
+        },
+        compression: Compression::Gzip,
+        ..RecorderConfig::default()
+    })?;
+    let mut symbolizer = ProcessSymbolizer::for_process(pid).map_err(|e| access_error(pid, e))?;
+    let mut files = ferroprof::foreign::mapped_files(pid).map_err(|e| access_error(pid, e))?;
+    let mut unwinder = unwind::RemoteUnwinder::new(&files);
+    // By thread; `None`: no event could be opened on it.
+    let mut events: HashMap<i32, Option<perf::ThreadEvent>> = HashMap::new();
+    let mut names: HashMap<i32, String> = HashMap::new();
+    let mut on_attached = Some(on_attached);
+    let mut summary = AttachSummary {
+        kernel_time: true,
+        ..AttachSummary::default()
+    };
+    let start = Instant::now();
+    let mut next_profile = config.period.map(|p| start + p);
+    let mut next_names = start;
+    let mut next_maps = start + Duration::from_secs(1);
+    let mut frames_buf: Vec<u64> = Vec::with_capacity(unwind::MAX_FRAMES);
+    loop {
+        let now = Instant::now();
+        let ended = !alive(pid);
+        let done = ended
+            || config.stop.load(Ordering::SeqCst)
+            || config.duration.is_some_and(|d| now >= start + d);
+        if !ended {
+            // Threads started since the last look (every loop: a new thread's first CPU is
+            // missed by one loop at most).
+            for tid in list_threads(pid) {
+                if events.contains_key(&tid) {
+                    continue;
+                }
+                let opened = match perf::ThreadEvent::open(tid, period_ns, summary.kernel_time) {
+                    Err(perf::OpenError::Refused(_))
+                        if summary.kernel_time && events.is_empty() =>
+                    {
+                        // Kernel time not allowed (perf_event_paranoid): user time only.
+                        summary.kernel_time = false;
+                        perf::ThreadEvent::open(tid, period_ns, false)
+                    }
+                    r => r,
+                };
+                match opened {
+                    Ok(event) => {
+                        events.insert(tid, Some(event));
+                    }
+                    Err(perf::OpenError::Gone) => {}
+                    Err(perf::OpenError::Refused(source)) if events.is_empty() => {
+                        return Err(AttachError::PerfRefused {
+                            pid,
+                            paranoid: perf::paranoid(),
+                            source,
+                        });
+                    }
+                    Err(perf::OpenError::Refused(_)) | Err(perf::OpenError::Other) => {
+                        // Tried once.
+                        events.insert(tid, None);
+                        summary.threads_refused += 1;
+                    }
+                }
+            }
+            if let Some(f) = on_attached.take() {
+                f();
+            }
+        }
+        if now >= next_names && !ended {
+            next_names = now + Duration::from_millis(200);
+            for (tid, name) in names.iter_mut() {
+                if let Some(n) = read_comm(pid, *tid) {
+                    *name = n;
+                }
+            }
+        }
+        if now >= next_maps && !ended {
+            next_maps = now + Duration::from_secs(1);
+            if let Ok(f) = ferroprof::foreign::mapped_files(pid) {
+                if !unwinder.is_for(&f) {
+                    unwinder = unwind::RemoteUnwinder::new(&f);
+                }
+                files = f;
+            }
+        }
+        // Drain every ring.
+        for event in events.values_mut().flatten() {
+            summary.lost += event.drain(|s| {
+                if s.pid != pid {
+                    // A forked child of the process: not the process profiled.
+                    return;
+                }
+                let name = names
+                    .entry(s.tid)
+                    .or_insert_with(|| thread_name(pid, s.tid))
+                    .clone();
+                unwinder.unwind(s.ip, s.sp, s.bp, s.stack, &mut frames_buf);
+                let frames: Vec<Frame<'_>> = if frames_buf.is_empty() {
+                    // No user registers: the sample fell in the kernel (a kernel thread's
+                    // time, or a thread's with no user context).
+                    vec![Frame::sym("[kernel]", "", 0)]
+                } else {
+                    frames_buf.iter().map(|&a| Frame::Address(a)).collect()
+                };
+                let labels = [
+                    Label::num(THREAD_ID_LABEL, i64::from(s.tid)),
+                    Label::str(THREAD_NAME_LABEL, &name),
+                ];
+                let values = SampleValues {
+                    cpu_time_ns: i64::try_from(s.period).unwrap_or(i64::MAX),
+                    cpu_or_wall_samples: 1,
+                    ..Default::default()
+                };
+                if recorder.record_sample(&frames, &values, &labels, 0).is_ok() {
+                    summary.samples += 1;
+                }
+            });
+        }
+        let period_due = next_profile.is_some_and(|t| now >= t);
+        if period_due || done {
+            let p = symbolizer.pass(|sym| recorder.serialize(Some(sym)))?;
+            on_profile(p.encoded);
+            if let (Some(t), Some(period)) = (&mut next_profile, config.period) {
+                *t += period;
+            }
+        }
+        if done {
+            summary.process_ended = ended;
+            summary.threads = names.len();
+            let _ = files;
+            return Ok(summary);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The process exists and its maps are ours to read.
+fn check_access(pid: i32) -> Result<(), AttachError> {
+    if pid <= 0 || !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        return Err(AttachError::NoSuchProcess { pid });
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map(|_| ())
+        .map_err(|e| access_error(pid, e))?;
+    // Readable maps of an empty file: a process of another user (no ptrace access).
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    if maps.is_empty() && alive(pid) {
+        return Err(AttachError::PermissionDenied { pid });
+    }
+    Ok(())
+}
+
+fn access_error(pid: i32, e: std::io::Error) -> AttachError {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => AttachError::NoSuchProcess { pid },
+        std::io::ErrorKind::PermissionDenied => AttachError::PermissionDenied { pid },
+        _ => AttachError::Io {
+            what: format!("reading /proc/{pid}"),
+            source: e,
+        },
+    }
+}
+
+/// Whether the process still runs (a zombie counts as ended).
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // The state follows the command's closing parenthesis.
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.trim_start().chars().next());
+            !matches!(state, Some('Z') | Some('X') | None)
+        }
+        Err(_) => false,
+    }
+}
+
+fn list_threads(pid: i32) -> Vec<i32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+fn read_comm(pid: i32, tid: i32) -> Option<String> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).ok()?;
+    Some(s.trim_end_matches('\n').to_owned())
+}
+
+fn thread_name(pid: i32, tid: i32) -> String {
+    read_comm(pid, tid).unwrap_or_default()
+}
+
+/// The process's command name (its `comm`), safe in a file name.
+pub fn command_name(pid: i32) -> String {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    let name: String = comm
+        .trim_end_matches('\n')
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if name.is_empty() {
+        "program".to_owned()
+    } else {
+        name
+    }
+}

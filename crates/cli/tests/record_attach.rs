@@ -1,0 +1,193 @@
+//! `ferroprof record -p PID`: a running process profiled from outside. Truth is taken inside
+//! the target (its threads' CPU clocks); stacks are checked whole, from the thread's root to
+//! the leaf. Refusals are one line and a non-zero exit.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+mod common;
+use common::*;
+
+fn fixture(name: &str, flags: &[&str]) -> PathBuf {
+    let out = work_dir(&format!("cc-{name}")).join(name);
+    gcc(&format!("{name}.c"), &out, flags);
+    out
+}
+
+/// tests/fixtures/attach_target.c, built as users build (optimized, line tables).
+fn target() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| fixture("attach_target", &["-O2", "-g1", "-pthread"]))
+}
+
+/// The target started and waiting for its go line.
+fn start_target(spin_ms: &str) -> Child {
+    Command::new(target())
+        .arg(spin_ms)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the target")
+}
+
+fn attach(args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.arg("record").args(args);
+    c
+}
+
+/// Attaches to a process whose three threads (more than this machine's cores) spin in
+/// outer_N -> middle -> spin_leaf: each thread's CPU in the profile within 2% of its clock,
+/// every sample of a worker on the whole stack from the thread's start to the leaf, labels
+/// naming the thread. The run ends with the process.
+#[test]
+fn a_running_process_threads_cpu_on_whole_stacks() {
+    let dir = work_dir("threads");
+    let mut t = start_target("1500");
+    let pid = t.id().to_string();
+    let run = attach(&["-p", &pid, "-o", dir.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run ferroprof record -p");
+    // Let the events open (the target is blocked on its stdin meanwhile, using no CPU).
+    std::thread::sleep(Duration::from_millis(700));
+    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let target_out = t.wait_with_output().unwrap();
+    assert!(target_out.status.success());
+    let out = run.wait_with_output().unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let truth: Vec<(i64, i64)> = text(&target_out.stdout)
+        .lines()
+        .map(|l| (field(l, "tid"), field(l, "cpu_ns")))
+        .collect();
+    assert_eq!(truth.len(), 3, "{truth:?}");
+    let files = profiles(&dir);
+    assert_eq!(files.len(), 1, "{files:?}\n{stdout}");
+    let p = ferroprof_pprof::decode(&std::fs::read(&files[0].1).unwrap()).unwrap();
+    let cpu = p.value_index("cpu-time").unwrap();
+    for (n, &(tid, ns)) in truth.iter().enumerate() {
+        let mine: Vec<_> = p
+            .sample
+            .iter()
+            .filter(|s| p.label_num(s, "thread id") == Some(tid))
+            .collect();
+        let got: i64 = mine.iter().map(|s| s.value[cpu]).sum();
+        assert!(
+            (got - ns).abs() as f64 <= ns as f64 * 0.02,
+            "thread {tid}: profile {got} ns against its clock's {ns} ns"
+        );
+        let outer = mine
+            .iter()
+            .map(|s| p.stack_names(s))
+            .find(|st| st.iter().any(|f| f.starts_with("outer_")))
+            .unwrap_or_else(|| panic!("thread {tid}: no stack through an outer_N"));
+        let which = outer
+            .iter()
+            .find(|f| f.starts_with("outer_"))
+            .unwrap()
+            .clone();
+        for s in &mine {
+            let st = p.stack_names(s);
+            let leaf_pos = st.iter().position(|f| f == "spin_leaf");
+            // Leaf first: spin_leaf (or what it calls: the vDSO's clock), middle, this
+            // thread's outer_N, then the thread's start in libc.
+            let Some(leaf) = leaf_pos else {
+                panic!("thread {tid} ({n}): a sample outside spin_leaf: {st:?}");
+            };
+            assert_eq!(
+                st.get(leaf + 1).map(String::as_str),
+                Some("middle"),
+                "{st:?}"
+            );
+            assert_eq!(st.get(leaf + 2), Some(&which), "{st:?}");
+            assert!(
+                st[leaf + 3..].iter().any(|f| f.contains("start_thread")),
+                "thread {tid}: no root under {which}: {st:?}"
+            );
+        }
+        assert_eq!(
+            mine.iter()
+                .filter_map(|s| p.label_str(s, "thread name"))
+                .next(),
+            Some("attach_target"),
+        );
+    }
+    assert!(
+        stdout.contains("no allocation or heap profile"),
+        "the summary says what attaching cannot give: {stdout}"
+    );
+}
+
+fn refused(cmd: &mut Command) -> (String, Output) {
+    let out = cmd.output().expect("run ferroprof");
+    assert!(!out.status.success(), "refusal exits non-zero");
+    let err = text(&out.stderr);
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "one line of refusal: {err:?}"
+    );
+    (err, out)
+}
+
+#[test]
+fn no_such_process_is_refused_in_one_line() {
+    let (err, _) = refused(&mut attach(&["-p", "999999999", "--duration", "1"]));
+    assert!(err.contains("no process with pid 999999999"), "{err}");
+}
+
+/// A seccomp filter that denies perf_event_open (container runtimes' default): the refusal
+/// names the call and the paranoid setting.
+#[test]
+fn perf_event_open_denied_by_seccomp_is_refused_in_one_line() {
+    let deny = fixture("deny_perf", &["-O1"]);
+    let mut t = start_target("10");
+    let pid = t.id().to_string();
+    let dir = work_dir("seccomp");
+    let mut cmd = Command::new(&deny);
+    cmd.args([BIN, "record", "-p", &pid, "--duration", "1", "-o"])
+        .arg(&dir);
+    let (err, _) = refused(&mut cmd);
+    assert!(
+        err.contains("perf_event_open refused") && err.contains("perf_event_paranoid"),
+        "{err}"
+    );
+    drop(t.stdin.take());
+    let _ = t.wait();
+}
+
+/// Another user's process, as a user who is not root: refused, naming the permission.
+#[test]
+fn another_users_process_is_refused_in_one_line() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run the check as another user");
+        return;
+    }
+    let mut t = start_target("10");
+    let pid = t.id().to_string();
+    // The binary and a directory the other user can reach.
+    let dir = work_dir("other-user");
+    let bin = dir.join("ferroprof");
+    std::fs::copy(BIN, &bin).unwrap();
+    let out_dir = dir.join("out");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    for p in [&dir, &out_dir] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(&bin)
+        .args(["record", "-p", &pid, "--duration", "1", "-o"])
+        .arg(&out_dir);
+    let (err, _) = refused(&mut cmd);
+    assert!(err.contains("permission denied for pid"), "{err}");
+    drop(t.stdin.take());
+    let _ = t.wait();
+}
