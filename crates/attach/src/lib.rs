@@ -1,14 +1,16 @@
 //! Profiles a running Linux process from outside it, without stopping or restarting it:
 //! CPU time through perf events on each of its threads (the user registers and a copy of the
-//! top of the user stack with each sample), unwound with the process's own `.eh_frame` tables
-//! and symbolized with ferroprof's symbolizer from the files it maps. Nothing is written into
-//! the process and no signal is sent to it. No allocation or heap profile: nothing is
-//! injected.
+//! top of the user stack with each sample), wall time from where each thread is at every tick
+//! (a running thread at its last CPU sample, a waiting one at its system call, its stack copied
+//! with `process_vm_readv`), all unwound with the process's own `.eh_frame` tables and
+//! symbolized with ferroprof's symbolizer from the files it maps. Nothing is written into the
+//! process and no signal is sent to it. No allocation or heap profile: nothing is injected.
 
 #![warn(missing_docs)]
 
 mod perf;
 mod unwind;
+mod wall;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -149,6 +151,9 @@ pub struct AttachSummary {
     pub process_ended: bool,
     /// Whether time in the kernel was counted (else user time only).
     pub kernel_time: bool,
+    /// Whether waiting threads' stacks could be read (the wall profile); without the right to
+    /// trace the process it has running threads only.
+    pub wall_of_waiting: bool,
 }
 
 /// Profiles process `config.pid` until the duration passes, `stop` is set or the process
@@ -185,9 +190,19 @@ pub fn attach(
     let mut on_attached = Some(on_attached);
     let mut summary = AttachSummary {
         kernel_time: true,
+        wall_of_waiting: true,
         ..AttachSummary::default()
     };
     let start = Instant::now();
+    // Each thread's stack where it was last seen (its last CPU sample, or where it last
+    // waited): where a running thread's wall time goes. A thread woken from a wait and not
+    // yet back on a CPU (runnable, no sample since) is still at its waiting site.
+    let mut last_stack: HashMap<i32, Vec<u64>> = HashMap::new();
+    let mut next_wall = start + Duration::from_nanos(period_ns);
+    let mut last_wall = start;
+    let mut stack_buf = vec![0u8; perf::STACK_BYTES as usize];
+    let mut wall_frames: Vec<u64> = Vec::with_capacity(unwind::MAX_FRAMES);
+
     let mut next_profile = config.period.map(|p| start + p);
     let mut next_names = start;
     let mut next_maps = start + Duration::from_secs(1);
@@ -267,6 +282,11 @@ pub fn attach(
                     .or_insert_with(|| thread_name(pid, s.tid))
                     .clone();
                 unwinder.unwind(s.ip, s.sp, s.bp, s.stack, &mut frames_buf);
+                if !frames_buf.is_empty() {
+                    let kept = last_stack.entry(s.tid).or_default();
+                    kept.clear();
+                    kept.extend_from_slice(&frames_buf);
+                }
                 let frames: Vec<Frame<'_>> = if frames_buf.is_empty() {
                     // No user registers: the sample fell in the kernel (a kernel thread's
                     // time, or a thread's with no user context).
@@ -288,6 +308,59 @@ pub fn attach(
                 }
             });
         }
+        if now >= next_wall && !ended {
+            // Every thread's wall time since the last tick, where it is now.
+            let wall_ns = now.duration_since(last_wall).as_nanos() as i64;
+            last_wall = now;
+            next_wall = now + Duration::from_nanos(period_ns);
+            for &tid in events.keys() {
+                let Some(st) = wall::state(pid, tid) else {
+                    continue;
+                };
+                wall_frames.clear();
+                if st == 'R' {
+                    if let Some(f) = last_stack.get(&tid) {
+                        wall_frames.extend_from_slice(f);
+                    }
+                } else if summary.wall_of_waiting {
+                    match wall::blocked_at(pid, tid) {
+                        Ok(Some((sp, pc))) => {
+                            let n = wall::read_memory(pid, sp, &mut stack_buf);
+                            unwinder.unwind(pc, sp, 0, &stack_buf[..n], &mut wall_frames);
+                            if !wall_frames.is_empty() {
+                                let kept = last_stack.entry(tid).or_default();
+                                kept.clear();
+                                kept.extend_from_slice(&wall_frames);
+                            }
+                        }
+                        Ok(None) => {
+                            if let Some(f) = last_stack.get(&tid) {
+                                wall_frames.extend_from_slice(f);
+                            }
+                        }
+                        Err(_) => summary.wall_of_waiting = false,
+                    }
+                }
+                if wall_frames.is_empty() {
+                    continue;
+                }
+                let name = names
+                    .entry(tid)
+                    .or_insert_with(|| thread_name(pid, tid))
+                    .clone();
+                let frames: Vec<Frame<'_>> =
+                    wall_frames.iter().map(|&a| Frame::Address(a)).collect();
+                let labels = [
+                    Label::num(THREAD_ID_LABEL, i64::from(tid)),
+                    Label::str(THREAD_NAME_LABEL, &name),
+                ];
+                let values = SampleValues {
+                    wall_time_ns: wall_ns,
+                    ..Default::default()
+                };
+                let _ = recorder.record_sample(&frames, &values, &labels, 0);
+            }
+        }
         let period_due = next_profile.is_some_and(|t| now >= t);
         if period_due || done {
             let p = symbolizer.pass(|sym| recorder.serialize(Some(sym)))?;
@@ -302,7 +375,8 @@ pub fn attach(
             let _ = files;
             return Ok(summary);
         }
-        std::thread::sleep(Duration::from_millis(10));
+        let wake = next_wall.min(Instant::now() + Duration::from_millis(10));
+        std::thread::sleep(wake.saturating_duration_since(Instant::now()));
     }
 }
 

@@ -99,7 +99,7 @@ pub fn run(pid: i32, args: &RecordArgs) -> anyhow::Result<u8> {
         return Err(CliError(e).into());
     }
     eprintln!(
-        "ferroprof record: {} after {:.1}s: {} samples of {} thread(s){}{}",
+        "ferroprof record: {} after {:.1}s: {} samples of {} thread(s){}{}{}",
         if summary.process_ended {
             "the process ended"
         } else {
@@ -117,10 +117,16 @@ pub fn run(pid: i32, args: &RecordArgs) -> anyhow::Result<u8> {
             format!("; {} samples lost (ring buffers full)", summary.lost)
         } else {
             String::new()
+        },
+        if summary.wall_of_waiting {
+            ""
+        } else {
+            "; waiting threads' stacks unreadable (no right to trace the process: Yama's \
+             ptrace_scope, or another user's), so the wall profile has running threads only"
         }
     );
     let written = record::new_profiles(&dir, &before);
-    let profiles: ferroprof::Profiles = "cpu"
+    let profiles: ferroprof::Profiles = "cpu,wall"
         .parse()
         .map_err(|e| CliError(format!("profiles: {e}")))?;
     if let Err(e) = record::report(&written, pid, file.as_deref(), profiles, args.n, |_| None) {

@@ -42,7 +42,9 @@ fn attach(args: &[&str]) -> Command {
 /// Attaches to a process whose three threads (more than this machine's cores) spin in
 /// outer_N -> middle -> spin_leaf: each thread's CPU in the profile within 2% of its clock,
 /// every sample of a worker on the whole stack from the thread's start to the leaf, labels
-/// naming the thread. The run ends with the process.
+/// naming the thread; a fourth thread's wall time in nanosleep, reached through real callers,
+/// within 5% of what its clock measured around those calls, on the whole stack. The run ends
+/// with the process.
 #[test]
 fn a_running_process_threads_cpu_on_whole_stacks() {
     let dir = work_dir("threads");
@@ -61,10 +63,14 @@ fn a_running_process_threads_cpu_on_whole_stacks() {
     let out = run.wait_with_output().unwrap();
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    let truth: Vec<(i64, i64)> = text(&target_out.stdout)
+    let target_stdout = text(&target_out.stdout);
+    let truth: Vec<(i64, i64)> = target_stdout
         .lines()
+        .filter(|l| l.starts_with("tid="))
         .map(|l| (field(l, "tid"), field(l, "cpu_ns")))
         .collect();
+    let sleeper: i64 = field(&target_stdout, "sleeper");
+    let blocked: i64 = field(&target_stdout, "blocked_ns");
     assert_eq!(truth.len(), 3, "{truth:?}");
     let files = profiles(&dir);
     assert_eq!(files.len(), 1, "{files:?}\n{stdout}");
@@ -74,7 +80,7 @@ fn a_running_process_threads_cpu_on_whole_stacks() {
         let mine: Vec<_> = p
             .sample
             .iter()
-            .filter(|s| p.label_num(s, "thread id") == Some(tid))
+            .filter(|s| p.label_num(s, "thread id") == Some(tid) && s.value[cpu] > 0)
             .collect();
         let got: i64 = mine.iter().map(|s| s.value[cpu]).sum();
         assert!(
@@ -117,6 +123,32 @@ fn a_running_process_threads_cpu_on_whole_stacks() {
             Some("attach_target"),
         );
     }
+    // The sleeper's wall time, all of it on the whole stack of its blocking call.
+    let wall = p.value_index("wall-time").unwrap();
+    let slept: Vec<_> = p
+        .sample
+        .iter()
+        .filter(|s| p.label_num(s, "thread id") == Some(sleeper) && s.value[wall] > 0)
+        .collect();
+    let total: i64 = slept.iter().map(|s| s.value[wall]).sum();
+    let on_site: i64 = slept
+        .iter()
+        .filter(|s| {
+            let st = p.stack_names(s);
+            let m = st.iter().position(|f| f == "wait_middle");
+            m.is_some_and(|m| {
+                st.get(m + 1).map(String::as_str) == Some("wait_outer")
+                    && st[m + 2..].iter().any(|f| f.contains("start_thread"))
+                    && st[..m].iter().any(|f| f.contains("nanosleep"))
+            })
+        })
+        .map(|s| s.value[wall])
+        .sum();
+    assert!(
+        (on_site - blocked).abs() as f64 <= blocked as f64 * 0.05,
+        "sleeper: {on_site} ns of wall time on nanosleep <- wait_middle <- wait_outer <- \
+         start_thread ({total} ns in all) against {blocked} ns inside its calls"
+    );
     assert!(
         stdout.contains("no allocation or heap profile"),
         "the summary says what attaching cannot give: {stdout}"
