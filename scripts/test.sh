@@ -15,6 +15,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features ferroprof/
 echo "== cargo package (publishable crates: metadata, versions on workspace dependencies)"
 # --no-verify: building each package again takes minutes; `cargo package` without it passes too.
 cargo package -p ferroprof-recorder -p ferroprof-pprof -p ferroprof-export -p ferroprof \
+    -p ferroprof-attach \
     -p ferroprof-cli \
     --allow-dirty --no-verify --offline --quiet
 echo "== cargo test (builds the examples too; tests/readme.rs checks the README against them)"

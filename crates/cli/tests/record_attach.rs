@@ -155,6 +155,54 @@ fn a_running_process_threads_cpu_on_whole_stacks() {
     );
 }
 
+/// A statically linked program whose file was deleted after it started: its functions are
+/// still named (the file is read through /proc/PID/map_files), its stacks whole.
+#[test]
+fn a_static_program_whose_file_was_deleted_is_named() {
+    let dir = work_dir("static-deleted");
+    let bin = dir.join("static_target");
+    gcc(
+        "attach_target.c",
+        &bin,
+        &["-O2", "-g1", "-pthread", "-static"],
+    );
+    let mut t = Command::new(&bin)
+        .arg("600")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the static target");
+    std::fs::remove_file(&bin).unwrap();
+    let out_dir = dir.join("out");
+    let run = attach(&["-p", &t.id().to_string(), "-o", out_dir.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    assert!(t.wait().unwrap().success());
+    let out = run.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let files = profiles(&out_dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let p = ferroprof_pprof::decode(&std::fs::read(&files[0].1).unwrap()).unwrap();
+    let total = p.total("cpu-time").unwrap();
+    let named = through(&p, "cpu-time", "spin_leaf");
+    assert!(
+        named as f64 >= total as f64 * 0.9 && total > 1_000_000_000,
+        "{named} of {total} ns through spin_leaf"
+    );
+    let cpu = p.value_index("cpu-time").unwrap();
+    for s in p.sample.iter().filter(|s| s.value[cpu] > 0) {
+        let st = p.stack_names(s);
+        if let Some(l) = st.iter().position(|f| f == "spin_leaf") {
+            assert_eq!(st.get(l + 1).map(String::as_str), Some("middle"), "{st:?}");
+            assert!(st[l + 2].starts_with("outer_"), "{st:?}");
+        }
+    }
+}
+
 fn refused(cmd: &mut Command) -> (String, Output) {
     let out = cmd.output().expect("run ferroprof");
     assert!(!out.status.success(), "refusal exits non-zero");
