@@ -87,12 +87,26 @@ pub fn mapped_files(pid: i32) -> std::io::Result<Vec<MappedFile>> {
         }
     }
     let mut out = Vec::new();
+    if let (Some(line), Some(file)) = (lines.iter().find(|l| l.path == "[vdso]"), own_vdso()) {
+        out.extend(describe(file, "[vdso]", &[line]));
+    }
     for (name, maps) in by_name {
-        if !maps.iter().any(|m| m.perms.contains('x')) {
-            continue;
+        // A file loaded twice (`dlmopen` into another namespace) is two objects: a mapping of
+        // its start (offset 0) begins each.
+        let mut loads: Vec<Vec<&MapsLine>> = Vec::new();
+        for m in maps {
+            match loads.last_mut() {
+                Some(load) if m.offset != 0 => load.push(m),
+                _ => loads.push(vec![m]),
+            }
         }
-        if let Some(f) = open_mapped(pid, name, &maps) {
-            out.push(f);
+        for load in loads {
+            if !load.iter().any(|m| m.perms.contains('x')) {
+                continue;
+            }
+            if let Some(f) = open_mapped(pid, name, &load) {
+                out.push(f);
+            }
         }
     }
     Ok(out)
@@ -110,18 +124,43 @@ fn open_mapped(pid: i32, name: &str, maps: &[&MapsLine]) -> Option<MappedFile> {
             name.strip_suffix(" (deleted)").unwrap_or(name)
         )),
     ];
-    for path in candidates {
-        let Ok(file) = std::fs::File::open(&path) else {
-            continue;
-        };
+    candidates.iter().find_map(|path| {
+        let file = std::fs::File::open(path).ok()?;
+        describe(Arc::new(file), name, maps)
+    })
+}
+
+/// This process's vDSO image in a memory file, made once: the kernel maps the same image into
+/// every process (of one architecture), so another process's `[vdso]` is unwound and named
+/// with it, at that process's address.
+fn own_vdso() -> Option<Arc<std::fs::File>> {
+    static VDSO: std::sync::OnceLock<Option<Arc<std::fs::File>>> = std::sync::OnceLock::new();
+    VDSO.get_or_init(|| {
+        let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+        let line = parse_maps(&maps).into_iter().find(|l| l.path == "[vdso]")?;
+        let len = usize::try_from(line.end - line.start).ok()?;
+        // SAFETY: the vDSO's pages are mapped readable for the life of the process.
+        let image = unsafe { std::slice::from_raw_parts(line.start as *const u8, len) };
+        // SAFETY: a NUL-terminated name and valid flags; the descriptor is owned below.
+        let fd = unsafe { libc::memfd_create(c"ferroprof-vdso".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: a fresh descriptor we own.
+        let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        std::io::Write::write_all(&mut file, image).ok()?;
+        Some(Arc::new(file))
+    })
+    .clone()
+}
+
+/// The mapped file `file` of the load `maps` (its mappings, in address order), named `name`.
+fn describe(file: Arc<std::fs::File>, name: &str, maps: &[&MapsLine]) -> Option<MappedFile> {
+    {
         // SAFETY: a read-only private mapping of a file we only read; a file truncated
         // meanwhile can fault the reads (as for any mapped ELF file the symbolizer reads).
-        let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
-            continue;
-        };
-        let Ok(elf) = object::File::parse(&map[..]) else {
-            return None;
-        };
+        let map = (unsafe { memmap2::Mmap::map(&*file) }).ok()?;
+        let elf = object::File::parse(&map[..]).ok()?;
         let loads: Vec<(u64, u64, u64, u64, u32)> = elf
             .segments()
             .map(|s| {
@@ -161,16 +200,15 @@ fn open_mapped(pid: i32, name: &str, maps: &[&MapsLine]) -> Option<MappedFile> {
         let build_id = elf.build_id().ok().flatten().unwrap_or_default().to_vec();
         drop(elf);
         drop(map);
-        return Some(MappedFile {
+        Some(MappedFile {
             open_path: PathBuf::from(format!("{OPEN_DIR}{}", file.as_raw_fd())),
-            file: Arc::new(file),
+            file,
             name: name.to_owned(),
             bias,
             segments,
             build_id,
-        });
+        })
     }
-    None
 }
 
 impl MappedFile {
@@ -233,8 +271,17 @@ mod tests {
             .find(|o| o.path.as_deref() == Some(exe.as_path()))
             .expect("the test binary among the loaded objects");
         assert_eq!(mine.bias, theirs.base);
-        let libc = files.iter().find(|f| f.name.contains("libc.so")).unwrap();
-        let theirs = loader.iter().find(|o| o.name.contains("libc.so")).unwrap();
+        // libc, found by address (a test may have loaded another copy in another namespace,
+        // and the loader and the maps may spell its path differently).
+        let theirs = loader
+            .iter()
+            .find(|o| o.name.contains("libc.so"))
+            .expect("libc among the loaded objects");
+        let at = theirs.segments[0].start;
+        let libc = files
+            .iter()
+            .find(|f| f.segments.iter().any(|s| s.0 <= at && at < s.1))
+            .expect("libc's first segment among the mapped files");
         assert_eq!(libc.bias, theirs.base);
         assert_eq!(libc.build_id, theirs.build_id);
     }
