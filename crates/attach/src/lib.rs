@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use ferroprof::ProcessSymbolizer;
 use ferroprof_recorder::{
-    Compression, EncodedProfile, Frame, Label, RecorderConfig, SampleTypeConfig, SampleValues,
+    Compression, Frame, Label, RecorderConfig, SampleTypeConfig, SampleValues, SerializedProfile,
     StackRecorder,
 };
 
@@ -135,6 +135,16 @@ pub enum AttachError {
     Recorder(#[from] ferroprof_recorder::RecorderError),
 }
 
+/// One profile of the run.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AttachProfile {
+    /// The encoded profile (gzip pprof) and its recording figures.
+    pub profile: SerializedProfile,
+    /// Names of its sample types, in profile order (`cpu-time`...).
+    pub sample_types: Vec<String>,
+}
+
 /// What a run saw.
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
@@ -162,7 +172,7 @@ pub struct AttachSummary {
 pub fn attach(
     config: &AttachConfig,
     on_attached: impl FnOnce(),
-    mut on_profile: impl FnMut(EncodedProfile),
+    mut on_profile: impl FnMut(AttachProfile),
 ) -> Result<AttachSummary, AttachError> {
     let pid = config.pid;
     if !(1..=1000).contains(&config.hz) {
@@ -364,7 +374,15 @@ pub fn attach(
         let period_due = next_profile.is_some_and(|t| now >= t);
         if period_due || done {
             let p = symbolizer.pass(|sym| recorder.serialize(Some(sym)))?;
-            on_profile(p.encoded);
+            on_profile(AttachProfile {
+                profile: p,
+                sample_types: recorder
+                    .layout()
+                    .types()
+                    .iter()
+                    .map(|t| t.name().to_owned())
+                    .collect(),
+            });
             if let (Some(t), Some(period)) = (&mut next_profile, config.period) {
                 *t += period;
             }
@@ -437,6 +455,27 @@ fn read_comm(pid: i32, tid: i32) -> Option<String> {
 
 fn thread_name(pid: i32, tid: i32) -> String {
     read_comm(pid, tid).unwrap_or_default()
+}
+
+/// When the process started (from `/proc/PID/stat` and the boot time), for exporters.
+pub fn process_start(pid: i32) -> Option<std::time::SystemTime> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Field 22, counted after the command's closing parenthesis (field 2).
+    let ticks: u64 = stat
+        .rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()?;
+    let btime: u64 = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let since_boot = Duration::from_nanos(ticks.saturating_mul(1_000_000_000) / hz);
+    Some(std::time::UNIX_EPOCH + Duration::from_secs(btime) + since_boot)
 }
 
 /// The process's command name (its `comm`), safe in a file name.

@@ -65,7 +65,16 @@ pub fn run(pid: i32, args: &RecordArgs) -> anyhow::Result<u8> {
             });
     }
 
+    // The network exporters the environment asks for, as a linked-in profiler's.
+    let mut exporters = ferroprof::export::queue::network_exporters_from_env()
+        .map_err(|e| CliError(format!("cannot attach: {e}")))?;
     let comm = ferroprof_attach::command_name(pid);
+    let service = std::env::var("FERROPROF_SERVICE")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| comm.clone());
+    let process_start =
+        ferroprof_attach::process_start(pid).unwrap_or_else(std::time::SystemTime::now);
     let config = AttachConfig::new(pid)
         .hz(args.hz.unwrap_or(100))
         .duration(duration)
@@ -87,10 +96,28 @@ pub fn run(pid: i32, args: &RecordArgs) -> anyhow::Result<u8> {
     let outcome = ferroprof_attach::attach(&config, announce, |p| {
         n += 1;
         let path = dir.join(format!("{comm}.{pid}.{n}.pprof"));
-        if let Err(e) = std::fs::write(&path, &p.bytes) {
+        if let Err(e) = std::fs::write(&path, &p.profile.encoded.bytes) {
             write_error.get_or_insert(format!("cannot write {}: {e}", path.display()));
         }
+        let exported = ferroprof::export::ExportedProfile {
+            encoded: p.profile.encoded,
+            stats: p.profile.stats,
+            service: service.clone(),
+            tags: vec![("pid".to_owned(), pid.to_string())],
+            sample_types: p.sample_types,
+            process_start,
+        };
+        for e in exporters.iter_mut() {
+            // Network exporters queue and return at once.
+            if let Err(err) = e.export(&exported) {
+                eprintln!("ferroprof record: {} exporter: {err}", e.name());
+            }
+        }
     });
+    // What they still hold: up to 5 s to deliver.
+    for e in exporters.iter_mut() {
+        e.shutdown(Duration::from_secs(5));
+    }
     let summary = match outcome {
         Ok(s) => s,
         Err(e) => return Err(CliError(refusal(e)).into()),

@@ -47,8 +47,53 @@ fn attach(args: &[&str]) -> Command {
 /// with the process.
 #[test]
 fn a_running_process_threads_cpu_on_whole_stacks() {
-    let dir = work_dir("threads");
-    let mut t = start_target("1500");
+    threads_and_sleeper(target(), "threads", "attach_target", "nanosleep");
+}
+
+/// The same of a Rust program built as users build (optimized, line tables only): its
+/// threads named by Rust, the sleeper in `std::thread::sleep`.
+#[test]
+fn a_running_rust_program_threads_cpu_on_whole_stacks() {
+    threads_and_sleeper(rust_target(), "rust", "worker", "nanosleep");
+}
+
+/// tests/fixtures/attach_target_rs.rs, compiled once with rustc.
+fn rust_target() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/attach_target_rs.rs");
+        let out = work_dir("rustc").join("attach_target_rs");
+        let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
+        let o = Command::new(rustc)
+            .args([
+                "-C",
+                "opt-level=3",
+                "-C",
+                "debuginfo=line-tables-only",
+                "-o",
+            ])
+            .arg(&out)
+            .arg(&src)
+            .output()
+            .expect("rustc runs");
+        assert!(o.status.success(), "rustc failed: {}", text(&o.stderr));
+        out
+    })
+}
+
+/// `f` is function `name` (C) or a Rust path ending in it.
+fn is(f: &str, name: &str) -> bool {
+    f == name || f.ends_with(&format!("::{name}"))
+}
+
+fn threads_and_sleeper(bin: &Path, dir_name: &str, worker_name: &str, sleep_leaf: &str) {
+    let dir = work_dir(dir_name);
+    let mut t = Command::new(bin)
+        .arg("1500")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the target");
     let pid = t.id().to_string();
     let run = attach(&["-p", &pid, "-o", dir.to_str().unwrap()])
         .stdout(Stdio::piped())
@@ -90,38 +135,33 @@ fn a_running_process_threads_cpu_on_whole_stacks() {
         let outer = mine
             .iter()
             .map(|s| p.stack_names(s))
-            .find(|st| st.iter().any(|f| f.starts_with("outer_")))
-            .unwrap_or_else(|| panic!("thread {tid}: no stack through an outer_N"));
-        let which = outer
-            .iter()
-            .find(|f| f.starts_with("outer_"))
-            .unwrap()
-            .clone();
+            .find(|st| st.iter().any(|f| f.contains("outer_")))
+            .unwrap_or_else(|| {
+                let some: Vec<_> = mine.iter().take(3).map(|s| p.stack_names(s)).collect();
+                panic!("thread {tid}: no stack through an outer_N, among {some:?}")
+            });
+        let which = outer.iter().find(|f| f.contains("outer_")).unwrap().clone();
         for s in &mine {
             let st = p.stack_names(s);
-            let leaf_pos = st.iter().position(|f| f == "spin_leaf");
+            let leaf_pos = st.iter().position(|f| is(f, "spin_leaf"));
             // Leaf first: spin_leaf (or what it calls: the vDSO's clock), middle, this
             // thread's outer_N, then the thread's start in libc.
             let Some(leaf) = leaf_pos else {
                 panic!("thread {tid} ({n}): a sample outside spin_leaf: {st:?}");
             };
-            assert_eq!(
-                st.get(leaf + 1).map(String::as_str),
-                Some("middle"),
-                "{st:?}"
-            );
+            assert!(st.get(leaf + 1).is_some_and(|f| is(f, "middle")), "{st:?}");
             assert_eq!(st.get(leaf + 2), Some(&which), "{st:?}");
             assert!(
                 st[leaf + 3..].iter().any(|f| f.contains("start_thread")),
                 "thread {tid}: no root under {which}: {st:?}"
             );
         }
-        assert_eq!(
-            mine.iter()
-                .filter_map(|s| p.label_str(s, "thread name"))
-                .next(),
-            Some("attach_target"),
-        );
+        let name = mine
+            .iter()
+            .filter_map(|s| p.label_str(s, "thread name"))
+            .next()
+            .unwrap_or_default();
+        assert!(name.starts_with(worker_name), "thread {tid} named {name:?}");
     }
     // The sleeper's wall time, all of it on the whole stack of its blocking call.
     let wall = p.value_index("wall-time").unwrap();
@@ -135,11 +175,11 @@ fn a_running_process_threads_cpu_on_whole_stacks() {
         .iter()
         .filter(|s| {
             let st = p.stack_names(s);
-            let m = st.iter().position(|f| f == "wait_middle");
+            let m = st.iter().position(|f| is(f, "wait_middle"));
             m.is_some_and(|m| {
-                st.get(m + 1).map(String::as_str) == Some("wait_outer")
+                st.get(m + 1).is_some_and(|f| is(f, "wait_outer"))
                     && st[m + 2..].iter().any(|f| f.contains("start_thread"))
-                    && st[..m].iter().any(|f| f.contains("nanosleep"))
+                    && st[..m].iter().any(|f| f.contains(sleep_leaf))
             })
         })
         .map(|s| s.value[wall])
@@ -200,6 +240,126 @@ fn a_static_program_whose_file_was_deleted_is_named() {
             assert_eq!(st.get(l + 1).map(String::as_str), Some("middle"), "{st:?}");
             assert!(st[l + 2].starts_with("outer_"), "{st:?}");
         }
+    }
+}
+
+/// One HTTP request read from `stream` (Content-Length body), answered 200: (request line,
+/// body).
+fn serve_one(stream: &mut std::net::TcpStream) -> (String, Vec<u8>) {
+    use std::io::{BufRead, BufReader, Read};
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut r = BufReader::new(stream.try_clone().unwrap());
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let mut len = 0;
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).unwrap();
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            if k.eq_ignore_ascii_case("content-length") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+    }
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).unwrap();
+    stream
+        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    (line.trim_end().to_owned(), body)
+}
+
+/// The network exporters the environment names get the profiles, as from a linked-in
+/// profiler: here Pyroscope, on a server of the test's on 127.0.0.1.
+#[test]
+fn profiles_go_to_the_exporters_the_environment_names() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        serve_one(&mut s)
+    });
+    let mut t = start_target("300");
+    let dir = work_dir("exporters");
+    let run = attach(&["-p", &t.id().to_string(), "-o", dir.to_str().unwrap()])
+        .env(
+            "FERROPROF_PYROSCOPE_URL",
+            format!("http://127.0.0.1:{port}"),
+        )
+        .env("FERROPROF_PYROSCOPE_APP", "attached-app")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    assert!(t.wait().unwrap().success());
+    let out = run.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let (line, body) = server.join().unwrap();
+    assert!(
+        line.starts_with("POST /ingest?name=attached-app") && line.contains("format=pprof"),
+        "{line}"
+    );
+    // The multipart body carries the gzip pprof the file holds.
+    let file = std::fs::read(&profiles(&dir)[0].1).unwrap();
+    assert!(
+        body.windows(file.len()).any(|w| w == file.as_slice()),
+        "the uploaded body holds the profile written to {}",
+        dir.display()
+    );
+}
+
+/// With --period, one profile per period and the last at the end: consecutive profiles tile
+/// the run, each holding its own period's CPU.
+#[test]
+fn a_periodic_run_writes_one_profile_per_period() {
+    let mut t = start_target("3000");
+    let dir = work_dir("periods");
+    let run = attach(&[
+        "-p",
+        &t.id().to_string(),
+        "--period",
+        "1",
+        "--duration",
+        "2.5",
+        "-o",
+        dir.to_str().unwrap(),
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let out = run.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let _ = t.kill();
+    let _ = t.wait();
+    let files = profiles(&dir);
+    assert_eq!(files.len(), 3, "{files:?}\n{}", text(&out.stderr));
+    let decoded: Vec<_> = files
+        .iter()
+        .map(|(_, f)| ferroprof_pprof::decode(&std::fs::read(f).unwrap()).unwrap())
+        .collect();
+    for w in decoded.windows(2) {
+        assert_eq!(
+            w[0].time_nanos + w[0].duration_nanos,
+            w[1].time_nanos,
+            "consecutive profiles tile the run"
+        );
+    }
+    for p in &decoded[..2] {
+        // Three busy threads throughout: CPU in every full period (about 2 s on a quiet
+        // 2-core machine; much less on a loaded one).
+        let cpu = p.total("cpu-time").unwrap();
+        assert!(cpu > 100_000_000, "{cpu} ns in a 1 s period");
     }
 }
 
