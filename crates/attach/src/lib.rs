@@ -155,8 +155,11 @@ pub struct AttachSummary {
     pub lost: u64,
     /// Threads seen running.
     pub threads: usize,
-    /// Threads present at the start that no event could be opened on.
+    /// Threads no event could be opened on.
     pub threads_refused: usize,
+    /// Threads whose event's ring buffer the locked-memory limit refused
+    /// (`kernel.perf_event_mlock_kb` and `RLIMIT_MEMLOCK`, for an unprivileged user).
+    pub threads_without_ring: usize,
     /// Whether the process ended during the run.
     pub process_ended: bool,
     /// Whether time in the kernel was counted (else user time only).
@@ -180,6 +183,7 @@ pub fn attach(
     }
     check_access(pid)?;
     let period_ns = 1_000_000_000 / u64::from(config.hz);
+    let ring_pages = perf::ring_pages(config.hz);
     let recorder = StackRecorder::new(RecorderConfig {
         sample_types: SampleTypeConfig {
             cpu_time: true,
@@ -230,13 +234,18 @@ pub fn attach(
                 if events.contains_key(&tid) {
                     continue;
                 }
-                let opened = match perf::ThreadEvent::open(tid, period_ns, summary.kernel_time) {
+                let opened = match perf::ThreadEvent::open(
+                    tid,
+                    period_ns,
+                    summary.kernel_time,
+                    ring_pages,
+                ) {
                     Err(perf::OpenError::Refused(_))
                         if summary.kernel_time && events.is_empty() =>
                     {
                         // Kernel time not allowed (perf_event_paranoid): user time only.
                         summary.kernel_time = false;
-                        perf::ThreadEvent::open(tid, period_ns, false)
+                        perf::ThreadEvent::open(tid, period_ns, false, ring_pages)
                     }
                     r => r,
                 };
@@ -252,8 +261,12 @@ pub fn attach(
                             source,
                         });
                     }
-                    Err(perf::OpenError::Refused(_)) | Err(perf::OpenError::Other) => {
+                    Err(perf::OpenError::NoRing) => {
                         // Tried once.
+                        events.insert(tid, None);
+                        summary.threads_without_ring += 1;
+                    }
+                    Err(perf::OpenError::Refused(_)) | Err(perf::OpenError::Other) => {
                         events.insert(tid, None);
                         summary.threads_refused += 1;
                     }

@@ -52,9 +52,22 @@ const REG_IP: u64 = 8;
 /// Bytes of user stack each sample copies: deep enough for most stacks' frames past the
 /// leaf (frames above the copy are cut; the rest of the profile stays right).
 pub const STACK_BYTES: u32 = 32 << 10;
-/// Data pages of each ring buffer (a power of two): room for a few dozen samples between two
-/// reads.
-const RING_PAGES: usize = 256;
+/// Fewest data pages of a ring: room for two samples.
+const MIN_RING_PAGES: usize = 32;
+/// Most data pages of a ring.
+const MAX_RING_PAGES: usize = 256;
+
+/// Data pages of each ring (a power of two) at `hz`: room for four 10 ms reads' worth of one
+/// busy thread's samples. Rings are locked memory: an unprivileged user has
+/// `kernel.perf_event_mlock_kb` plus `RLIMIT_MEMLOCK` for all of them, so they are no larger
+/// than that needs (256 KiB a thread at 100 Hz).
+pub fn ring_pages(hz: u32) -> usize {
+    let per_sample = (STACK_BYTES as usize + 512).div_ceil(page());
+    let samples = (hz as usize).div_ceil(100).max(1) * 4;
+    (per_sample * samples)
+        .next_power_of_two()
+        .clamp(MIN_RING_PAGES, MAX_RING_PAGES)
+}
 
 /// One CPU sample.
 pub struct Sample<'a> {
@@ -77,7 +90,9 @@ pub enum OpenError {
     Gone,
     /// `perf_event_open` refused (EACCES, EPERM): the kernel's policy or a seccomp filter.
     Refused(io::Error),
-    /// Anything else (out of descriptors or memory for the ring).
+    /// The ring could not be mapped even at its smallest: past the locked-memory limit.
+    NoRing,
+    /// Anything else (out of descriptors).
     Other,
 }
 
@@ -104,7 +119,14 @@ impl ThreadEvent {
     /// Opens the event on thread `tid`, sampling every `period_ns` of its CPU time; with
     /// `kernel` false only time in user space is counted (what an unprivileged user may be
     /// allowed).
-    pub fn open(tid: i32, period_ns: u64, kernel: bool) -> Result<ThreadEvent, OpenError> {
+    /// `pages`: the ring's data pages ([`ring_pages`]); halved down to the smallest ring while
+    /// the locked-memory limit refuses it.
+    pub fn open(
+        tid: i32,
+        period_ns: u64,
+        kernel: bool,
+        pages: usize,
+    ) -> Result<ThreadEvent, OpenError> {
         let mut flags = FLAG_DISABLED | FLAG_EXCLUDE_HV | FLAG_USE_CLOCKID;
         if !kernel {
             flags |= FLAG_EXCLUDE_KERNEL;
@@ -147,24 +169,33 @@ impl ThreadEvent {
             });
         }
         let fd = fd as libc::c_int;
-        let ring_len = (RING_PAGES + 1) * page();
-        // SAFETY: a shared read-write mapping of the event's ring (the kernel's required
-        // shape: one metadata page and 2^n data pages); checked below.
-        let ring = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                ring_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
+        let mut pages = pages
+            .clamp(MIN_RING_PAGES, MAX_RING_PAGES)
+            .next_power_of_two();
+        let (ring, ring_len) = loop {
+            let ring_len = (pages + 1) * page();
+            // SAFETY: a shared read-write mapping of the event's ring (the kernel's required
+            // shape: one metadata page and 2^n data pages); checked below.
+            let ring = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    ring_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                )
+            };
+            if ring != libc::MAP_FAILED {
+                break (ring, ring_len);
+            }
+            if pages <= MIN_RING_PAGES {
+                // SAFETY: our descriptor, closed once.
+                unsafe { libc::close(fd) };
+                return Err(OpenError::NoRing);
+            }
+            pages /= 2;
         };
-        if ring == libc::MAP_FAILED {
-            // SAFETY: our descriptor, closed once.
-            unsafe { libc::close(fd) };
-            return Err(OpenError::Other);
-        }
         // SAFETY: our event's descriptor.
         if unsafe { libc::ioctl(fd, PERF_EVENT_IOC_ENABLE as _, 0) } != 0 {
             // SAFETY: our mapping and descriptor, released once.
@@ -317,6 +348,14 @@ mod tests {
         assert_eq!((s.pid, s.tid, s.period), (7, 9, 10_000_000));
         assert_eq!((s.bp, s.sp, s.ip), (0x1000, 0x2000, 0x3000));
         assert_eq!(s.stack, &[0xaa; 8]);
+    }
+
+    #[test]
+    fn rings_hold_four_reads_of_samples_within_bounds() {
+        // 32 KiB of stack and a header: 9 pages a sample; 4 samples at 100 Hz.
+        assert_eq!(ring_pages(100), 64);
+        assert_eq!(ring_pages(1), 64);
+        assert_eq!(ring_pages(1000), MAX_RING_PAGES);
     }
 
     #[test]

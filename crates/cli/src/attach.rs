@@ -126,7 +126,7 @@ pub fn run(pid: i32, args: &RecordArgs) -> anyhow::Result<u8> {
         return Err(CliError(e).into());
     }
     eprintln!(
-        "ferroprof record: {} after {:.1}s: {} samples of {} thread(s){}{}{}",
+        "ferroprof record: {} after {:.1}s: {} samples of {} thread(s){}{}{}{}",
         if summary.process_ended {
             "the process ended"
         } else {
@@ -142,6 +142,16 @@ pub fn run(pid: i32, args: &RecordArgs) -> anyhow::Result<u8> {
         },
         if summary.lost > 0 {
             format!("; {} samples lost (ring buffers full)", summary.lost)
+        } else {
+            String::new()
+        },
+        if summary.threads_without_ring + summary.threads_refused > 0 {
+            format!(
+                "; {} thread(s) without CPU samples ({} past the locked-memory limit for perf \
+                 buffers: kernel.perf_event_mlock_kb and ulimit -l; root has none)",
+                summary.threads_without_ring + summary.threads_refused,
+                summary.threads_without_ring
+            )
         } else {
             String::new()
         },
