@@ -201,6 +201,8 @@ pub fn attach(
     // By thread; `None`: no event could be opened on it.
     let mut events: HashMap<i32, Option<perf::ThreadEvent>> = HashMap::new();
     let mut names: HashMap<i32, String> = HashMap::new();
+    // Threads met during the run (the summary's count).
+    let mut seen = 0usize;
     let mut on_attached = Some(on_attached);
     let mut summary = AttachSummary {
         kernel_time: true,
@@ -227,10 +229,12 @@ pub fn attach(
         let done = ended
             || config.stop.load(Ordering::SeqCst)
             || config.duration.is_some_and(|d| now >= start + d);
+        let mut live: Vec<i32> = Vec::new();
         if !ended {
+            live = list_threads(pid);
             // Threads started since the last look (every loop: a new thread's first CPU is
             // missed by one loop at most).
-            for tid in list_threads(pid) {
+            for &tid in &live {
                 if events.contains_key(&tid) {
                     continue;
                 }
@@ -249,6 +253,7 @@ pub fn attach(
                     }
                     r => r,
                 };
+                seen += 1;
                 match opened {
                     Ok(event) => {
                         events.insert(tid, Some(event));
@@ -384,6 +389,14 @@ pub fn attach(
                 let _ = recorder.record_sample(&frames, &values, &labels, 0);
             }
         }
+        if !ended {
+            // Threads that ended: their last samples are drained above; their events (a
+            // descriptor and locked memory each) go, so a run of hours over a program that
+            // starts and ends threads holds only the live ones'.
+            events.retain(|tid, _| live.contains(tid));
+            last_stack.retain(|tid, _| live.contains(tid));
+            names.retain(|tid, _| live.contains(tid));
+        }
         let period_due = next_profile.is_some_and(|t| now >= t);
         if period_due || done {
             let p = symbolizer.pass(|sym| recorder.serialize(Some(sym)))?;
@@ -402,7 +415,7 @@ pub fn attach(
         }
         if done {
             summary.process_ended = ended;
-            summary.threads = names.len();
+            summary.threads = seen;
             let _ = files;
             return Ok(summary);
         }

@@ -363,6 +363,49 @@ fn a_periodic_run_writes_one_profile_per_period() {
     }
 }
 
+/// A program that starts and ends threads all along: the events of ended threads are closed, so
+/// a run of hours holds descriptors (and locked ring memory) for the live threads only. (Before,
+/// each ended thread kept its event: 150 descriptors here.)
+#[test]
+fn ended_threads_release_their_events() {
+    let mut t = Command::new(target())
+        .args(["25", "churn"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let dir = work_dir("churn");
+    let run = attach(&["-p", &t.id().to_string(), "-o", dir.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let fds = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let at_start = fds(run.id());
+    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut most = at_start;
+    while t.try_wait().unwrap().is_none() {
+        most = most.max(fds(run.id()));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = run.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        most <= at_start + 10,
+        "descriptors grew from {at_start} to {most} over 150 threads started one by one"
+    );
+    let p = ferroprof_pprof::decode(&std::fs::read(&profiles(&dir)[0].1).unwrap()).unwrap();
+    assert!(
+        through(&p, "cpu-time", "spin_leaf") > 1_000_000_000,
+        "the threads' CPU is there"
+    );
+}
+
 fn refused(cmd: &mut Command) -> (String, Output) {
     let out = cmd.output().expect("run ferroprof");
     assert!(!out.status.success(), "refusal exits non-zero");
