@@ -25,6 +25,9 @@ use ferroprof_recorder::{
 
 pub use perf::paranoid;
 
+/// The frame of CPU time no sample caught on a thread with no stack seen.
+const CPU_NOT_SAMPLED: &str = "[cpu not sampled]";
+
 /// The label keys in-process profiles use for threads.
 const THREAD_ID_LABEL: &str = "thread id";
 const THREAD_NAME_LABEL: &str = "thread name";
@@ -201,6 +204,8 @@ pub fn attach(
     // By thread; `None`: no event could be opened on it.
     let mut events: HashMap<i32, Option<perf::ThreadEvent>> = HashMap::new();
     let mut names: HashMap<i32, String> = HashMap::new();
+    // Per thread, the CPU time booked so far (its samples' periods and carries).
+    let mut booked: HashMap<i32, u64> = HashMap::new();
     // Threads met during the run (the summary's count).
     let mut seen = 0usize;
     let mut on_attached = Some(on_attached);
@@ -214,6 +219,8 @@ pub fn attach(
     // waited): where a running thread's wall time goes. A thread woken from a wait and not
     // yet back on a CPU (runnable, no sample since) is still at its waiting site.
     let mut last_stack: HashMap<i32, Vec<u64>> = HashMap::new();
+    // Each thread's stack at its last CPU sample: where CPU no sample carried goes.
+    let mut last_cpu_stack: HashMap<i32, Vec<u64>> = HashMap::new();
     let mut next_wall = start + Duration::from_nanos(period_ns);
     let mut last_wall = start;
     let mut stack_buf = vec![0u8; perf::STACK_BYTES as usize];
@@ -311,9 +318,11 @@ pub fn attach(
                     .clone();
                 unwinder.unwind(s.ip, s.sp, s.bp, s.stack, &mut frames_buf);
                 if !frames_buf.is_empty() {
-                    let kept = last_stack.entry(s.tid).or_default();
-                    kept.clear();
-                    kept.extend_from_slice(&frames_buf);
+                    for map in [&mut last_stack, &mut last_cpu_stack] {
+                        let kept = map.entry(s.tid).or_default();
+                        kept.clear();
+                        kept.extend_from_slice(&frames_buf);
+                    }
                 }
                 let frames: Vec<Frame<'_>> = if frames_buf.is_empty() {
                     // No user registers: the sample fell in the kernel (a kernel thread's
@@ -334,6 +343,7 @@ pub fn attach(
                 if recorder.record_sample(&frames, &values, &labels, 0).is_ok() {
                     summary.samples += 1;
                 }
+                *booked.entry(s.tid).or_default() += s.period;
             });
         }
         if now >= next_wall && !ended {
@@ -389,15 +399,52 @@ pub fn attach(
                 let _ = recorder.record_sample(&frames, &values, &labels, 0);
             }
         }
+        let period_due = next_profile.is_some_and(|t| now >= t);
+        // CPU the threads' clocks counted that no sample carries (the time since a thread's
+        // last sample when it ends or the run does; its time in the kernel when only user
+        // samples are allowed): booked where the thread was last seen. At a period's end, all
+        // but one period of it (the rest may still come as a sample).
+        for (&tid, ev) in events.iter() {
+            let Some(count) = ev.as_ref().and_then(|e| e.count()) else {
+                continue;
+            };
+            let final_ = done || ended || !live.contains(&tid);
+            let keep = if final_ { 0 } else { period_ns };
+            let b = booked.entry(tid).or_default();
+            if !(final_ || period_due) || count <= *b + keep {
+                continue;
+            }
+            let carry = count - *b - keep;
+            *b += carry;
+            let name = names
+                .entry(tid)
+                .or_insert_with(|| thread_name(pid, tid))
+                .clone();
+            // Its last CPU sample's stack, else where it was last seen.
+            let frames: Vec<Frame<'_>> = match last_cpu_stack.get(&tid).or(last_stack.get(&tid)) {
+                Some(st) => st.iter().map(|&a| Frame::Address(a)).collect(),
+                None => vec![Frame::sym(CPU_NOT_SAMPLED, "", 0)],
+            };
+            let labels = [
+                Label::num(THREAD_ID_LABEL, i64::from(tid)),
+                Label::str(THREAD_NAME_LABEL, &name),
+            ];
+            let values = SampleValues {
+                cpu_time_ns: i64::try_from(carry).unwrap_or(i64::MAX),
+                ..Default::default()
+            };
+            let _ = recorder.record_sample(&frames, &values, &labels, 0);
+        }
         if !ended {
             // Threads that ended: their last samples are drained above; their events (a
             // descriptor and locked memory each) go, so a run of hours over a program that
             // starts and ends threads holds only the live ones'.
             events.retain(|tid, _| live.contains(tid));
+            booked.retain(|tid, _| live.contains(tid));
             last_stack.retain(|tid, _| live.contains(tid));
+            last_cpu_stack.retain(|tid, _| live.contains(tid));
             names.retain(|tid, _| live.contains(tid));
         }
-        let period_due = next_profile.is_some_and(|t| now >= t);
         if period_due || done {
             let p = symbolizer.pass(|sym| recorder.serialize(Some(sym)))?;
             on_profile(AttachProfile {

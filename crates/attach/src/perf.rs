@@ -214,6 +214,15 @@ impl ThreadEvent {
         })
     }
 
+    /// The thread's CPU time since the event was enabled, in nanoseconds: all of it, also when
+    /// only user-space samples are taken (the task clock counts kernel time regardless).
+    pub fn count(&self) -> Option<u64> {
+        let mut v = 0u64;
+        // SAFETY: reading an event with no read_format flags gives one u64.
+        let n = unsafe { libc::read(self.fd, (&mut v as *mut u64).cast(), 8) };
+        (n == 8).then_some(v)
+    }
+
     /// Hands every sample written since the last call to `f`. Returns the samples the
     /// kernel lost for want of room (`PERF_RECORD_LOST`).
     pub fn drain(&mut self, mut f: impl FnMut(&Sample<'_>)) -> u64 {

@@ -138,7 +138,8 @@ pub fn run(pid: i32, args: &RecordArgs) -> anyhow::Result<u8> {
         if summary.kernel_time {
             ""
         } else {
-            "; user time only (kernel.perf_event_paranoid)"
+            "; samples in user space only (kernel.perf_event_paranoid): time in the kernel \
+             goes to the stack that entered it"
         },
         if summary.lost > 0 {
             format!("; {} samples lost (ring buffers full)", summary.lost)
