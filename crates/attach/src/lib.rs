@@ -96,12 +96,17 @@ pub enum AttachError {
         pid: i32,
     },
     /// The process is not ours to read.
-    #[error(
-        "permission denied for pid {pid} (another user's process: run as that user or as root)"
-    )]
+    #[error("permission denied for pid {pid}: {}", if *as_root {
+        "it holds capabilities this process lacks (a container's init, say), which tracing \
+         it needs"
+    } else {
+        "another user's process (run as that user or as root)"
+    })]
     PermissionDenied {
         /// The pid asked for.
         pid: i32,
+        /// Whether this process runs as root (then the target holds more capabilities).
+        as_root: bool,
     },
     /// The kernel refused perf events.
     #[error(
@@ -482,7 +487,10 @@ fn check_access(pid: i32) -> Result<(), AttachError> {
     // Readable maps of an empty file: a process of another user (no ptrace access).
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
     if maps.is_empty() && alive(pid) {
-        return Err(AttachError::PermissionDenied { pid });
+        return Err(AttachError::PermissionDenied {
+            pid,
+            as_root: is_root(),
+        });
     }
     Ok(())
 }
@@ -490,12 +498,20 @@ fn check_access(pid: i32) -> Result<(), AttachError> {
 fn access_error(pid: i32, e: std::io::Error) -> AttachError {
     match e.kind() {
         std::io::ErrorKind::NotFound => AttachError::NoSuchProcess { pid },
-        std::io::ErrorKind::PermissionDenied => AttachError::PermissionDenied { pid },
+        std::io::ErrorKind::PermissionDenied => AttachError::PermissionDenied {
+            pid,
+            as_root: is_root(),
+        },
         _ => AttachError::Io {
             what: format!("reading /proc/{pid}"),
             source: e,
         },
     }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
 }
 
 /// Whether the process still runs (a zombie counts as ended).

@@ -65,8 +65,8 @@ pub struct RecordArgs {
     /// Functions shown per profile type.
     #[arg(short = 'n', default_value_t = 8)]
     pub n: usize,
-    /// Profile the running process PID instead of starting a command (CPU only, through
-    /// perf events; nothing is injected into it).
+    /// Profile the running process PID instead of starting a command: CPU and wall time, from
+    /// perf events and /proc (nothing is injected into it, so no allocation or heap profile).
     #[arg(
         short = 'p',
         long = "pid",
