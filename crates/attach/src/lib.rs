@@ -476,6 +476,12 @@ pub fn attach(
     }
 }
 
+/// Whether process `pid` exists and is ours to read (what [`attach`] checks first): for a
+/// caller to refuse before it prepares anything.
+pub fn check(pid: i32) -> Result<(), AttachError> {
+    check_access(pid)
+}
+
 /// The process exists and its maps are ours to read.
 fn check_access(pid: i32) -> Result<(), AttachError> {
     if pid <= 0 || !std::path::Path::new(&format!("/proc/{pid}")).exists() {

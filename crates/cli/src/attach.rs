@@ -35,6 +35,8 @@ pub fn run(pid: i32, args: &RecordArgs) -> anyhow::Result<u8> {
         }
         p => p.map(Duration::from_secs_f64),
     };
+    // Refused before the output directory is made.
+    ferroprof_attach::check(pid).map_err(|e| CliError(refusal(e)))?;
     let (dir, file) = record::output_paths(&args.output)?;
     std::fs::create_dir_all(&dir)
         .map_err(|e| CliError(format!("cannot create {}: {e}", dir.display())))?;
