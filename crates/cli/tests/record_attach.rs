@@ -39,6 +39,44 @@ fn attach(args: &[&str]) -> Command {
     c
 }
 
+/// Starts `program ARGS` (waiting for its go line), calls `started`, attaches `record -p PID
+/// -o out` with `env` until it ends, lets it go once the events are open, and returns both
+/// outputs (each checked for success).
+fn attach_run(
+    program: &Path,
+    args: &[&str],
+    out: &Path,
+    env: &[(&str, String)],
+    started: impl FnOnce(),
+) -> (Output, Output) {
+    let mut t = Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the target");
+    started();
+    let run = attach(&["-p", &t.id().to_string(), "-o", out.to_str().unwrap()])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run ferroprof record -p");
+    // Let the events open (the target is blocked on its stdin meanwhile, using no CPU).
+    std::thread::sleep(Duration::from_millis(700));
+    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let target_out = t.wait_with_output().unwrap();
+    assert!(target_out.status.success());
+    let run_out = run.wait_with_output().unwrap();
+    assert!(
+        run_out.status.success(),
+        "{}\n{}",
+        text(&run_out.stdout),
+        text(&run_out.stderr)
+    );
+    (target_out, run_out)
+}
+
 /// Attaches to a process whose three threads (more than this machine's cores) spin in
 /// outer_N -> middle -> spin_leaf: each thread's CPU in the profile within 2% of its clock,
 /// every sample of a worker on the whole stack from the thread's start to the leaf, labels
@@ -88,26 +126,8 @@ fn is(f: &str, name: &str) -> bool {
 
 fn threads_and_sleeper(bin: &Path, dir_name: &str, worker_name: &str, sleep_leaf: &str) {
     let dir = work_dir(dir_name);
-    let mut t = Command::new(bin)
-        .arg("1500")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start the target");
-    let pid = t.id().to_string();
-    let run = attach(&["-p", &pid, "-o", dir.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run ferroprof record -p");
-    // Let the events open (the target is blocked on its stdin meanwhile, using no CPU).
-    std::thread::sleep(Duration::from_millis(700));
-    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    let target_out = t.wait_with_output().unwrap();
-    assert!(target_out.status.success());
-    let out = run.wait_with_output().unwrap();
+    let (target_out, out) = attach_run(bin, &["1500"], &dir, &[], || {});
     let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
     let target_stdout = text(&target_out.stdout);
     let truth: Vec<(i64, i64)> = target_stdout
         .lines()
@@ -206,24 +226,11 @@ fn a_static_program_whose_file_was_deleted_is_named() {
         &bin,
         &["-O2", "-g1", "-pthread", "-static"],
     );
-    let mut t = Command::new(&bin)
-        .arg("600")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start the static target");
-    std::fs::remove_file(&bin).unwrap();
+    // Deleted once started, before the attach.
     let out_dir = dir.join("out");
-    let run = attach(&["-p", &t.id().to_string(), "-o", out_dir.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(700));
-    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    assert!(t.wait().unwrap().success());
-    let out = run.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    attach_run(&bin, &["600"], &out_dir, &[], || {
+        std::fs::remove_file(&bin).unwrap()
+    });
     let files = profiles(&out_dir);
     assert_eq!(files.len(), 1, "{files:?}");
     let p = ferroprof_pprof::decode(&std::fs::read(&files[0].1).unwrap()).unwrap();
@@ -285,23 +292,20 @@ fn profiles_go_to_the_exporters_the_environment_names() {
         let (mut s, _) = listener.accept().unwrap();
         serve_one(&mut s)
     });
-    let mut t = start_target("300");
     let dir = work_dir("exporters");
-    let run = attach(&["-p", &t.id().to_string(), "-o", dir.to_str().unwrap()])
-        .env(
-            "FERROPROF_PYROSCOPE_URL",
-            format!("http://127.0.0.1:{port}"),
-        )
-        .env("FERROPROF_PYROSCOPE_APP", "attached-app")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    t.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    assert!(t.wait().unwrap().success());
-    let out = run.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    attach_run(
+        target(),
+        &["300"],
+        &dir,
+        &[
+            (
+                "FERROPROF_PYROSCOPE_URL",
+                format!("http://127.0.0.1:{port}"),
+            ),
+            ("FERROPROF_PYROSCOPE_APP", "attached-app".to_owned()),
+        ],
+        || {},
+    );
     let (line, body) = server.join().unwrap();
     assert!(
         line.starts_with("POST /ingest?name=attached-app") && line.contains("format=pprof"),

@@ -99,16 +99,8 @@ fn exit_from_a_signal_handler_ends_the_program_at_once() {
 fn rust_fixture() -> &'static Path {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
     EXE.get_or_init(|| {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/spawn_env_clear.rs");
         let out = work_dir("rustc").join("spawn_env_clear");
-        let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
-        let o = Command::new(rustc)
-            .args(["--edition", "2021", "-o"])
-            .arg(&out)
-            .arg(&src)
-            .output()
-            .expect("rustc runs");
-        assert!(o.status.success(), "rustc failed: {}", text(&o.stderr));
+        rustc("spawn_env_clear.rs", &out, &["--edition", "2021"]);
         out
     })
 }

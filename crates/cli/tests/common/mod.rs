@@ -83,6 +83,22 @@ pub fn gcc(src: &str, out: &Path, flags: &[&str]) {
     assert!(o.status.success(), "gcc failed: {}", text(&o.stderr));
 }
 
+/// Compiles tests/fixtures/`src` into `out` with rustc (`$RUSTC`, else `rustc`) and `flags`.
+pub fn rustc(src: &str, out: &Path, flags: &[&str]) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(src);
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
+    let o = Command::new(rustc)
+        .args(flags)
+        .arg("-o")
+        .arg(out)
+        .arg(&src)
+        .output()
+        .expect("rustc runs");
+    assert!(o.status.success(), "rustc failed: {}", text(&o.stderr));
+}
+
 /// Sum of `type_name` over the samples whose stack passes through `function`.
 pub fn through(p: &ferroprof_pprof::Profile, type_name: &str, function: &str) -> i64 {
     let i = p
