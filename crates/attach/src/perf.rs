@@ -4,45 +4,12 @@
 
 use std::io;
 
-/// `perf_event_attr` up to `sample_max_stack` (its fifth version, 112 bytes).
-#[repr(C)]
-#[derive(Default)]
-struct PerfEventAttr {
-    kind: u32,
-    size: u32,
-    config: u64,
-    sample_period: u64,
-    sample_type: u64,
-    read_format: u64,
-    flags: u64,
-    wakeup_events: u32,
-    bp_type: u32,
-    config1: u64,
-    config2: u64,
-    branch_sample_type: u64,
-    sample_regs_user: u64,
-    sample_stack_user: u32,
-    clockid: i32,
-    sample_regs_intr: u64,
-    aux_watermark: u32,
-    sample_max_stack: u16,
-    reserved: u16,
-}
-
-const PERF_TYPE_SOFTWARE: u32 = 1;
-const PERF_COUNT_SW_TASK_CLOCK: u64 = 1;
-const SAMPLE_TID: u64 = 1 << 1;
-const SAMPLE_TIME: u64 = 1 << 2;
-const SAMPLE_PERIOD: u64 = 1 << 8;
-const SAMPLE_REGS_USER: u64 = 1 << 12;
-const SAMPLE_STACK_USER: u64 = 1 << 13;
-const FLAG_DISABLED: u64 = 1 << 0;
-const FLAG_EXCLUDE_KERNEL: u64 = 1 << 5;
-const FLAG_EXCLUDE_HV: u64 = 1 << 6;
-const FLAG_USE_CLOCKID: u64 = 1 << 25;
-const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 1 << 3;
-const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
-const PERF_RECORD_SAMPLE: u32 = 9;
+use ferroprof::perf_abi::{
+    PerfEventAttr, COUNT_SW_TASK_CLOCK, FLAG_DISABLED, FLAG_EXCLUDE_HV, FLAG_EXCLUDE_KERNEL,
+    FLAG_USE_CLOCKID, IOC_ENABLE as PERF_EVENT_IOC_ENABLE, RECORD_LOST,
+    RECORD_SAMPLE as PERF_RECORD_SAMPLE, SAMPLE_PERIOD, SAMPLE_REGS_USER, SAMPLE_STACK_USER,
+    SAMPLE_TID, SAMPLE_TIME, TYPE_SOFTWARE,
+};
 
 /// x86-64's perf register numbers of the three registers the unwinder starts from.
 const REG_BP: u64 = 6;
@@ -132,9 +99,8 @@ impl ThreadEvent {
             flags |= FLAG_EXCLUDE_KERNEL;
         }
         let attr = PerfEventAttr {
-            kind: PERF_TYPE_SOFTWARE,
-            size: std::mem::size_of::<PerfEventAttr>() as u32,
-            config: PERF_COUNT_SW_TASK_CLOCK,
+            kind: TYPE_SOFTWARE,
+            config: COUNT_SW_TASK_CLOCK,
             sample_period: period_ns.max(1),
             sample_type: SAMPLE_TID
                 | SAMPLE_TIME
@@ -148,26 +114,12 @@ impl ThreadEvent {
             clockid: libc::CLOCK_MONOTONIC,
             ..PerfEventAttr::default()
         };
-        // SAFETY: a valid attr of the size it declares; `tid` names a thread, any CPU, no
-        // group.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_perf_event_open,
-                &attr as *const PerfEventAttr,
-                tid as libc::pid_t,
-                -1 as libc::c_int,
-                -1 as libc::c_int,
-                PERF_FLAG_FD_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return Err(match e.raw_os_error() {
-                Some(libc::ESRCH) => OpenError::Gone,
-                Some(libc::EACCES) | Some(libc::EPERM) => OpenError::Refused(e),
-                _ => OpenError::Other,
-            });
-        }
+        // `tid` names a thread, any CPU.
+        let fd = ferroprof::perf_abi::open(&attr, tid, -1).map_err(|e| match e.raw_os_error() {
+            Some(libc::ESRCH) => OpenError::Gone,
+            Some(libc::EACCES) | Some(libc::EPERM) => OpenError::Refused(e),
+            _ => OpenError::Other,
+        })?;
         let fd = fd as libc::c_int;
         let mut pages = pages
             .clamp(MIN_RING_PAGES, MAX_RING_PAGES)
@@ -251,8 +203,8 @@ impl ThreadEvent {
                         f(&s);
                     }
                 }
-                // PERF_RECORD_LOST: id, count.
-                2 if rec.len() >= 24 => {
+                // id, count.
+                RECORD_LOST if rec.len() >= 24 => {
                     lost += u64::from_ne_bytes(rec[16..24].try_into().unwrap_or_default());
                 }
                 _ => {}

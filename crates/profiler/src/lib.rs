@@ -76,6 +76,7 @@ pub mod http;
 #[doc(hidden)]
 pub mod internals;
 pub mod labels;
+pub mod perf_abi;
 #[cfg(feature = "tracing")]
 pub mod tracing;
 

@@ -15,6 +15,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "1 runtime primitives (async-signal-safe, know nothing of profiles)",
         &[
             "tls",
+            "perf_abi",
             "threads",
             "sharded",
             "forklock",

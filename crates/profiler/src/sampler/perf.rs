@@ -20,30 +20,10 @@ static TOKENS: [AtomicU64; MAX_FDS] = [const { AtomicU64::new(0) }; MAX_FDS];
 /// One past the highest descriptor ever given a token (bounds the scan after a fork).
 static HIGH: AtomicUsize = AtomicUsize::new(0);
 
-/// `perf_event_attr` as of its first version (64 bytes), all this engine sets.
-#[repr(C)]
-#[derive(Default)]
-struct PerfEventAttr {
-    kind: u32,
-    size: u32,
-    config: u64,
-    sample_period: u64,
-    sample_type: u64,
-    read_format: u64,
-    flags: u64,
-    wakeup_events: u32,
-    bp_type: u32,
-    config1: u64,
-}
-
-const PERF_TYPE_SOFTWARE: u32 = 1;
-const PERF_COUNT_SW_TASK_CLOCK: u64 = 1;
-const FLAG_DISABLED: u64 = 1 << 0;
-const FLAG_EXCLUDE_KERNEL: u64 = 1 << 5;
-const FLAG_EXCLUDE_HV: u64 = 1 << 6;
-const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 1 << 3;
-const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
-const PERF_EVENT_IOC_DISABLE: libc::c_ulong = 0x2401;
+use crate::perf_abi::{
+    PerfEventAttr, COUNT_SW_TASK_CLOCK, FLAG_DISABLED, FLAG_EXCLUDE_HV, FLAG_EXCLUDE_KERNEL,
+    IOC_DISABLE as PERF_EVENT_IOC_DISABLE, IOC_ENABLE as PERF_EVENT_IOC_ENABLE, TYPE_SOFTWARE,
+};
 
 /// `struct f_owner_ex`.
 #[repr(C)]
@@ -95,29 +75,15 @@ pub(super) struct PerfEvent {
 /// or the kernel's error.
 fn open(tid: i32, period_ns: u64) -> std::io::Result<libc::c_int> {
     let attr = PerfEventAttr {
-        kind: PERF_TYPE_SOFTWARE,
-        size: std::mem::size_of::<PerfEventAttr>() as u32,
-        config: PERF_COUNT_SW_TASK_CLOCK,
+        kind: TYPE_SOFTWARE,
+        config: COUNT_SW_TASK_CLOCK,
         sample_period: period_ns.max(1),
         flags: FLAG_DISABLED | FLAG_EXCLUDE_KERNEL | FLAG_EXCLUDE_HV,
         wakeup_events: 1,
         ..PerfEventAttr::default()
     };
-    // SAFETY: a valid attr of the size it declares; pid is a thread of ours, any CPU, no group.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_perf_event_open,
-            &attr as *const PerfEventAttr,
-            tid as libc::pid_t,
-            -1 as libc::c_int,
-            -1 as libc::c_int,
-            PERF_FLAG_FD_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(fd as libc::c_int)
+    // A thread of ours, any CPU.
+    crate::perf_abi::open(&attr, tid, -1)
 }
 
 /// Whether this process may open a perf task-clock event on its own threads: an error names
