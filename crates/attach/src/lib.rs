@@ -204,7 +204,7 @@ pub fn attach(
         ..RecorderConfig::default()
     })?;
     let mut symbolizer = ProcessSymbolizer::for_process(pid).map_err(|e| access_error(pid, e))?;
-    let mut files = ferroprof::foreign::mapped_files(pid).map_err(|e| access_error(pid, e))?;
+    let files = ferroprof::foreign::mapped_files(pid).map_err(|e| access_error(pid, e))?;
     let mut unwinder = unwind::RemoteUnwinder::new(&files);
     // By thread; `None`: no event could be opened on it.
     let mut events: HashMap<i32, Option<perf::ThreadEvent>> = HashMap::new();
@@ -307,7 +307,6 @@ pub fn attach(
                 if !unwinder.is_for(&f) {
                     unwinder = unwind::RemoteUnwinder::new(&f);
                 }
-                files = f;
             }
         }
         // Drain every ring.
@@ -468,7 +467,6 @@ pub fn attach(
         if done {
             summary.process_ended = ended;
             summary.threads = seen;
-            let _ = files;
             return Ok(summary);
         }
         let wake = next_wall.min(Instant::now() + Duration::from_millis(10));
@@ -573,23 +571,8 @@ pub fn process_start(pid: i32) -> Option<std::time::SystemTime> {
     Some(std::time::UNIX_EPOCH + Duration::from_secs(btime) + since_boot)
 }
 
-/// The process's command name (its `comm`), safe in a file name.
+/// The process's command name (its `comm`), safe in a file name (as `record` names files).
 pub fn command_name(pid: i32) -> String {
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-    let name: String = comm
-        .trim_end_matches('\n')
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+') {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    if name.is_empty() {
-        "program".to_owned()
-    } else {
-        name
-    }
+    ferroprof::export::dir::command_file_name(&comm)
 }

@@ -191,6 +191,29 @@ fn timestamp_key(name: &str) -> (String, u64) {
     }
 }
 
+/// The command part of the `<command>.<pid>.<n>.pprof` names `ferroprof record` writes (and
+/// reads back): a process's `comm` (its trailing newline dropped) with every character but
+/// letters, digits, `_`, `-` and `+` made `_` (no `.`: it separates the parts), `program` when
+/// empty.
+pub fn command_file_name(comm: &str) -> String {
+    let name: String = comm
+        .trim_end_matches('\n')
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if name.is_empty() {
+        "program".to_owned()
+    } else {
+        name
+    }
+}
+
 /// Keeps a service name file-name safe.
 fn sanitize(service: &str) -> String {
     let s: String = service
@@ -238,6 +261,16 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
     let year = yoe + era * 400 + if month <= 2 { 1 } else { 0 };
     (year, month, day)
+}
+
+#[cfg(test)]
+mod command_name_tests {
+    #[test]
+    fn command_names_keep_no_dot_and_name_the_nameless() {
+        assert_eq!(super::command_file_name("python3.12\n"), "python3_12");
+        assert_eq!(super::command_file_name("g++ x/y"), "g++_x_y");
+        assert_eq!(super::command_file_name("\n"), "program");
+    }
 }
 
 #[cfg(test)]

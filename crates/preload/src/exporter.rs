@@ -52,22 +52,7 @@ impl PerProcessFiles {
 /// The process's command name (the kernel's `comm`), safe in a file name.
 pub(crate) fn command_name() -> String {
     let comm = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
-    let name: String = comm
-        .trim_end_matches('\n')
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+') {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    if name.is_empty() {
-        "program".to_owned()
-    } else {
-        name
-    }
+    ferroprof::export::dir::command_file_name(&comm)
 }
 
 impl Exporter for PerProcessFiles {

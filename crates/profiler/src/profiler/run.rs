@@ -143,7 +143,7 @@ pub(super) fn export_once(sh: &Shared) -> Option<u64> {
         // for symbolizing and encoding (see `crate::forkgate::SerializeSteps`).
         let steps = crate::forkgate::SerializeSteps::new();
         let (t0, c0) = (std::time::Instant::now(), crate::threads::own_cpu_ns());
-        let mut own = |late: &mut LateSamples<'_>| book_own_cpu(late);
+        let mut own = book_own_cpu;
         let late: Option<&mut dyn FnMut(&mut LateSamples<'_>)> =
             (sh.settings.book_own_cpu && sh.settings.profiles.cpu).then_some(&mut own);
         let serialized = tls::in_recorder(|| {
