@@ -7,8 +7,7 @@
 /// The thread's scheduler state (`R` running or runnable, `S` and `D` waiting...), `None`
 /// when it is gone.
 pub fn state(pid: i32, tid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
+    crate::procfs::state(&format!("/proc/{pid}/task/{tid}/stat"))
 }
 
 /// Where a waiting thread entered the kernel: (sp, pc). `Err` when the file cannot be read
