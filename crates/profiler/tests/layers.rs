@@ -31,6 +31,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "alloc/keep",
             "alloc/bigblock",
             "alloc/filter",
+            "alloc/tracked",
             "alloc/peak",
             "alloc/totals",
             "modules",

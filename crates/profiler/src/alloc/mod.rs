@@ -71,6 +71,7 @@ pub(crate) mod filter;
 pub(crate) mod keep;
 pub(crate) mod peak;
 pub(crate) mod totals;
+pub(crate) mod tracked;
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -79,6 +80,7 @@ use std::sync::OnceLock;
 use ferroprof_recorder::{ExtraValues, Frame, Label, SampleValues};
 
 use crate::alloc::filter::FILTER;
+use crate::alloc::tracked::TRACKED;
 use crate::frame_names::is_allocator_path;
 use crate::state::{self, Shared, TapKind};
 use crate::tls::{self, ThreadState, STATE};
@@ -691,6 +693,7 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
                 {
                     Ok(bytes) => {
                         FILTER.insert(p as usize);
+                        TRACKED.insert(p as usize);
                         peak::HEAP_ESTIMATE.tracked(bytes);
                     }
                     Err(_) => {
@@ -878,6 +881,11 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
 #[cold]
 #[inline(never)]
 fn on_free_slow(p: *mut u8) {
+    // Most frees the filter lets through share a page with a tracked object without being one:
+    // answered here, without the recorder's lookup.
+    if !TRACKED.may_hold(p as usize) {
+        return;
+    }
     if STATE.with(|s| s.in_recorder.get()) {
         // Recorder-internal memory (never tracked) freed under the recorder's locks.
         return;
@@ -891,6 +899,7 @@ fn on_free_slow(p: *mut u8) {
                 tls::in_recorder(|| {
                     if let Some(bytes) = sh.recorder.untrack_allocation_bytes(p as u64) {
                         FILTER.remove(p as usize);
+                        TRACKED.remove(p as usize);
                         peak::HEAP_ESTIMATE.untracked(bytes);
                     }
                 })

@@ -207,6 +207,7 @@ impl ProfilerGuard {
                     // reading the whole table faults in its untouched pages (about 1 ms, as
                     // long as a short process's symbolizing) for a table nobody reads again.
                     FILTER.clear_tracked();
+                    crate::alloc::tracked::TRACKED.clear();
                 }
                 let stuck = std::mem::take(&mut *self.deliveries.abandoned_names.lock());
                 if stuck.is_empty() {
