@@ -882,8 +882,8 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
 #[inline(never)]
 fn on_free_slow(p: *mut u8) {
     // Most frees the filter lets through share a page with a tracked object without being one:
-    // answered here, without the recorder's lookup.
-    if !TRACKED.may_hold(p as usize) {
+    // answered by the word's mark for their 256 bytes, else by the set, without the recorder.
+    if !FILTER.maybe_tracked(p as usize) || !TRACKED.may_hold(p as usize) {
         return;
     }
     if STATE.with(|s| s.in_recorder.get()) {
