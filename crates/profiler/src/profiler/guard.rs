@@ -120,13 +120,6 @@ pub struct ProfilerStats {
     /// The CPU engine in use: `"perf"` (perf task-clock events), `"timer"` (POSIX CPU
     /// timers), or `""` when no CPU or wall profile runs.
     pub cpu_engine: &'static str,
-    /// With the perf engine: whether a sampling period that ends in the kernel is sampled (at
-    /// the thread's return to user space, on the system call's caller). Allowed to root,
-    /// `CAP_PERFMON` or at `perf_event_paranoid` 1 or less; else events are user space only,
-    /// such periods are not sampled, and code that spends its CPU in system calls reads low
-    /// (its periods' CPU goes to the thread's other samples). False with timers, which sample
-    /// kernel time where it is spent.
-    pub perf_samples_kernel: bool,
     /// Encoded profiles waiting in the exporters' queues, in bytes (a profile waiting for two
     /// exporters counts twice); more than a few profiles' worth means an exporter falls behind.
     pub export_queue_bytes: u64,
@@ -297,9 +290,6 @@ impl ProfilerGuard {
             last_profile_bytes: l(&s.last_profile_bytes),
             export_queue_bytes: ferroprof_export::queued_bytes(),
             perf_events: crate::sampler::perf_events(),
-            perf_samples_kernel: self.shared.settings.profiles.needs_sampler()
-                && self.shared.settings.cpu_engine_perf
-                && crate::sampler::perf_counts_kernel(),
             cpu_engine: match (
                 self.shared.settings.profiles.needs_sampler(),
                 self.shared.settings.cpu_engine_perf,

@@ -539,12 +539,6 @@ impl ProfilerBuilder {
                     }
                 },
             };
-        if cpu_engine_perf && !sampler::perf_counts_kernel() {
-            log::info!(
-                "ferroprof: perf events count user space only here (perf_event_paranoid 2, no \
-                 CAP_PERFMON): CPU spent in system calls goes to each thread's other samples"
-            );
-        }
         let output_dir = match (&self.output_dir, self.exporters.is_empty()) {
             (Some(d), _) => Some(d.clone()),
             (None, true) => Some(PathBuf::from(DEFAULT_OUTPUT_DIR)),

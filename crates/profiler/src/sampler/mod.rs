@@ -68,9 +68,7 @@ pub(crate) use capture::{
 };
 use clock::*;
 use engine::{CpuEngine, Engine};
-pub(crate) use perf::{
-    counts_kernel as perf_counts_kernel, open_events as perf_events, probe as probe_perf,
-};
+pub(crate) use perf::{open_events as perf_events, probe as probe_perf};
 use record::*;
 use tasks::*;
 use thread::ThreadInfo;

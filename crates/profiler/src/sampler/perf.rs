@@ -7,7 +7,7 @@
 //! The signal carries the event's file descriptor, not a token: a table indexed by descriptor
 //! gives the handler the thread entry's token (atomics only).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::engine::CpuEngine;
 
@@ -71,22 +71,14 @@ pub(super) struct PerfEvent {
     pid: u32,
 }
 
-/// Set when only user-space events may be opened (`perf_event_paranoid` 2 without
-/// `CAP_PERFMON`). A user-space-only event skips every period that ends in the kernel: the
-/// thread's CPU clock still counts that period, and the sampler books it onto other captures
-/// (see `visit`), so code that spends its time in system calls reads low and its neighbours
-/// high. An event that counts the kernel too signals the thread as it returns to user space,
-/// where the stack read is the system call's caller: the period lands where it was spent.
-static EXCLUDE_KERNEL: AtomicBool = AtomicBool::new(true);
-
-/// Opens a task-clock event on thread `tid` with period `period_ns`, disabled, whose overflows
-/// in the kernel count when `kernel`; the descriptor or the kernel's error.
-fn open_with(tid: i32, period_ns: u64, kernel: bool) -> std::io::Result<libc::c_int> {
+/// Opens a task-clock event on thread `tid` with period `period_ns`, disabled; the descriptor
+/// or the kernel's error.
+fn open(tid: i32, period_ns: u64) -> std::io::Result<libc::c_int> {
     let attr = PerfEventAttr {
         kind: TYPE_SOFTWARE,
         config: COUNT_SW_TASK_CLOCK,
         sample_period: period_ns.max(1),
-        flags: FLAG_DISABLED | FLAG_EXCLUDE_HV | if kernel { 0 } else { FLAG_EXCLUDE_KERNEL },
+        flags: FLAG_DISABLED | FLAG_EXCLUDE_KERNEL | FLAG_EXCLUDE_HV,
         wakeup_events: 1,
         ..PerfEventAttr::default()
     };
@@ -94,30 +86,13 @@ fn open_with(tid: i32, period_ns: u64, kernel: bool) -> std::io::Result<libc::c_
     crate::perf_abi::open(&attr, tid, -1)
 }
 
-/// Opens a task-clock event on thread `tid` as [`probe`] decided.
-fn open(tid: i32, period_ns: u64) -> std::io::Result<libc::c_int> {
-    open_with(tid, period_ns, !EXCLUDE_KERNEL.load(Ordering::Relaxed))
-}
-
 /// Whether this process may open a perf task-clock event on its own threads: an error names
-/// why not (`perf_event_paranoid`, a seccomp filter, no perf support). Decides whether the
-/// events count the kernel too (allowed) or user space only.
+/// why not (`perf_event_paranoid`, a seccomp filter, no perf support).
 pub(crate) fn probe() -> std::io::Result<()> {
-    let tid = crate::threads::current_tid();
-    let (fd, kernel) = match open_with(tid, 10_000_000, true) {
-        Ok(fd) => (fd, true),
-        Err(_) => (open_with(tid, 10_000_000, false)?, false),
-    };
-    EXCLUDE_KERNEL.store(!kernel, Ordering::Relaxed);
+    let fd = open(crate::threads::current_tid(), 10_000_000)?;
     // SAFETY: our own descriptor, just opened.
     unsafe { libc::close(fd) };
     Ok(())
-}
-
-/// Whether the perf engine's periods that end in the kernel are sampled (see
-/// [`EXCLUDE_KERNEL`]); meaningful once [`probe`] ran.
-pub(crate) fn counts_kernel() -> bool {
-    !EXCLUDE_KERNEL.load(Ordering::Relaxed)
 }
 
 impl CpuEngine for PerfEngine {
