@@ -132,6 +132,66 @@ fn perf_events_book_cpu_where_the_clock_says() {
     }
 }
 
+/// Perf events never interrupt a system call: two threads alternate user work with short
+/// `nanosleep`s and `poll`s (never restarted after a handler, whatever `SA_RESTART` says) at
+/// 1000 Hz, and none returns `EINTR`. An event that also counted kernel time would signal a
+/// thread whose period ended inside such a call before it went to sleep: 34 `EINTR`s in 4 s
+/// of this workload, where user-space events drop those overflows.
+#[test]
+fn perf_events_never_interrupt_a_system_call() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if !perf_allowed() {
+        return;
+    }
+    let c = Collect::default();
+    let guard = start(CpuEngine::Perf, 1000, &c).expect("perf engine starts");
+    let workers: Vec<_> = (0..2)
+        .map(|i| {
+            std::thread::Builder::new()
+                .name(format!("engine-calls-{i}"))
+                .spawn(|| {
+                    let (mut calls, mut eintr) = (0u64, 0u64);
+                    let t0 = std::time::Instant::now();
+                    while t0.elapsed() < Duration::from_secs(4) {
+                        black_box(engine_a(2000));
+                        let req = libc::timespec {
+                            tv_sec: 0,
+                            tv_nsec: 1_000,
+                        };
+                        let mut rem = libc::timespec {
+                            tv_sec: 0,
+                            tv_nsec: 0,
+                        };
+                        // SAFETY: valid timespecs.
+                        if unsafe { libc::nanosleep(&req, &mut rem) } != 0 {
+                            eintr += 1;
+                        }
+                        let mut pfd = libc::pollfd {
+                            fd: -1,
+                            events: 0,
+                            revents: 0,
+                        };
+                        // SAFETY: one valid pollfd (a negative fd is ignored).
+                        if unsafe { libc::poll(&mut pfd, 1, 0) } < 0 {
+                            eintr += 1;
+                        }
+                        calls += 2;
+                    }
+                    (calls, eintr)
+                })
+                .unwrap()
+        })
+        .collect();
+    let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let stats = guard.stats();
+    guard.stop().expect("stops");
+    println!("calls and EINTRs per thread: {results:?}");
+    assert!(stats.cpu_timer_samples > 0, "no capture: {stats:?}");
+    for (calls, eintr) in results {
+        assert_eq!(eintr, 0, "{eintr} EINTRs in {calls} calls");
+    }
+}
+
 /// A thread whose rounds each use about one sampling period of CPU, half in `engine_a` and half
 /// in `engine_b`. The events' period is fixed: were the rounds exactly one period long, every
 /// sample would fall at the same point of a round. Real rounds vary by more than the handler's
