@@ -77,13 +77,28 @@ const ROUTES: [Route; 6] = [
 static CPU_NS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 static SERVED: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 
+/// Multiply-rotate steps between two reads of the thread's CPU clock in [`burn`]: about 25 µs
+/// of user-space work per read (`FERROPROF_ROUTE_SPIN` changes it). Each read is a system call;
+/// at 200 steps a fifth of a handler's CPU was in the kernel, which the perf engine's
+/// user-space events do not sample (see docs/architecture.md).
+fn spin_per_check() -> u32 {
+    static SPIN: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        std::env::var("FERROPROF_ROUTE_SPIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(20_000)
+    })
+}
+
 /// Spins until this thread has spent `us` more microseconds of CPU; the CPU spent.
 #[inline(never)]
 fn burn(us: u64) -> u64 {
     let t0 = thread_cpu_ns();
     let mut x = t0 | 1;
+    let spin = spin_per_check();
     while thread_cpu_ns() - t0 < us * 1_000 {
-        for _ in 0..200 {
+        for _ in 0..spin {
             x = std::hint::black_box(x.rotate_left(5).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         }
     }
