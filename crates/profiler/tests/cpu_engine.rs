@@ -208,13 +208,15 @@ fn perf_periods_do_not_alias_with_periodic_work() {
         .name("engine-periodic".into())
         .spawn(|| {
             let t0 = thread_cpu();
-            // Rounds of 1 ms of CPU (the period at 1000 Hz): 500 µs in each function.
+            // Rounds of 1 ms of CPU (the period at 1000 Hz): 500 µs in each function, in steps
+            // long against the clock read between them (a system call: the user-space events
+            // do not sample it, and its periods' CPU goes to other samples in whole periods).
             while thread_cpu() - t0 < Duration::from_millis(2000) {
                 burn_for(Duration::from_micros(500), || {
-                    black_box(engine_a(200));
+                    black_box(engine_a(5000));
                 });
                 burn_for(Duration::from_micros(500), || {
-                    black_box(engine_b(200));
+                    black_box(engine_b(5000));
                 });
             }
         })
