@@ -39,6 +39,19 @@ fn burn_for(cpu: Duration, f: impl Fn()) -> Duration {
     thread_cpu() - t0
 }
 
+/// Runs `work` on two threads named `{prefix}-0` and `{prefix}-1`; their results in order.
+fn on_two_threads<R: Send + 'static>(prefix: &str, work: fn() -> R) -> Vec<R> {
+    let workers: Vec<_> = (0..2)
+        .map(|i| {
+            std::thread::Builder::new()
+                .name(format!("{prefix}-{i}"))
+                .spawn(work)
+                .unwrap()
+        })
+        .collect();
+    workers.into_iter().map(|w| w.join().unwrap()).collect()
+}
+
 fn start(
     engine: CpuEngine,
     hz: u32,
@@ -80,27 +93,19 @@ fn perf_events_book_cpu_where_the_clock_says() {
     }
     let c = Collect::default();
     let guard = start(CpuEngine::Perf, 1000, &c).expect("perf engine starts");
-    let workers: Vec<_> = (0..2)
-        .map(|i| {
-            std::thread::Builder::new()
-                .name(format!("engine-{i}"))
-                .spawn(|| {
-                    let (mut a, mut b) = (Duration::ZERO, Duration::ZERO);
-                    let t0 = thread_cpu();
-                    while a + b < Duration::from_millis(1500) {
-                        a += burn_for(Duration::from_micros(3000), || {
-                            black_box(engine_a(2000));
-                        });
-                        b += burn_for(Duration::from_micros(1000), || {
-                            black_box(engine_b(2000));
-                        });
-                    }
-                    (a, b, thread_cpu() - t0)
-                })
-                .unwrap()
-        })
-        .collect();
-    let truths: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let truths = on_two_threads("engine", || {
+        let (mut a, mut b) = (Duration::ZERO, Duration::ZERO);
+        let t0 = thread_cpu();
+        while a + b < Duration::from_millis(1500) {
+            a += burn_for(Duration::from_micros(3000), || {
+                black_box(engine_a(2000));
+            });
+            b += burn_for(Duration::from_micros(1000), || {
+                black_box(engine_b(2000));
+            });
+        }
+        (a, b, thread_cpu() - t0)
+    });
     let stats = guard.stats();
     guard.stop().expect("stops");
     assert_eq!(stats.cpu_engine, "perf");
@@ -145,44 +150,36 @@ fn perf_events_never_interrupt_a_system_call() {
     }
     let c = Collect::default();
     let guard = start(CpuEngine::Perf, 1000, &c).expect("perf engine starts");
-    let workers: Vec<_> = (0..2)
-        .map(|i| {
-            std::thread::Builder::new()
-                .name(format!("engine-calls-{i}"))
-                .spawn(|| {
-                    let (mut calls, mut eintr) = (0u64, 0u64);
-                    let t0 = std::time::Instant::now();
-                    while t0.elapsed() < Duration::from_secs(4) {
-                        black_box(engine_a(2000));
-                        let req = libc::timespec {
-                            tv_sec: 0,
-                            tv_nsec: 1_000,
-                        };
-                        let mut rem = libc::timespec {
-                            tv_sec: 0,
-                            tv_nsec: 0,
-                        };
-                        // SAFETY: valid timespecs.
-                        if unsafe { libc::nanosleep(&req, &mut rem) } != 0 {
-                            eintr += 1;
-                        }
-                        let mut pfd = libc::pollfd {
-                            fd: -1,
-                            events: 0,
-                            revents: 0,
-                        };
-                        // SAFETY: one valid pollfd (a negative fd is ignored).
-                        if unsafe { libc::poll(&mut pfd, 1, 0) } < 0 {
-                            eintr += 1;
-                        }
-                        calls += 2;
-                    }
-                    (calls, eintr)
-                })
-                .unwrap()
-        })
-        .collect();
-    let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let results = on_two_threads("engine-calls", || {
+        let (mut calls, mut eintr) = (0u64, 0u64);
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < Duration::from_secs(4) {
+            black_box(engine_a(2000));
+            let req = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 1_000,
+            };
+            let mut rem = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: valid timespecs.
+            if unsafe { libc::nanosleep(&req, &mut rem) } != 0 {
+                eintr += 1;
+            }
+            let mut pfd = libc::pollfd {
+                fd: -1,
+                events: 0,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd (a negative fd is ignored).
+            if unsafe { libc::poll(&mut pfd, 1, 0) } < 0 {
+                eintr += 1;
+            }
+            calls += 2;
+        }
+        (calls, eintr)
+    });
     let stats = guard.stats();
     guard.stop().expect("stops");
     println!("calls and EINTRs per thread: {results:?}");

@@ -414,7 +414,7 @@ pub fn __raw_allocated(p: *mut u8, size: usize) {
 #[doc(hidden)]
 #[inline(always)]
 pub fn __raw_freeing(p: *mut u8) {
-    if FILTER.maybe(p as usize) {
+    if FILTER.maybe(p as usize) && FILTER.maybe_tracked(p as usize) {
         on_free_slow(p);
     }
 }
@@ -881,9 +881,9 @@ fn allocator_ranges() -> Box<[(u64, u64)]> {
 #[cold]
 #[inline(never)]
 fn on_free_slow(p: *mut u8) {
-    // Most frees the filter lets through share a page with a tracked object without being one:
-    // answered by the word's mark for their 256 bytes, else by the set, without the recorder.
-    if !FILTER.maybe_tracked(p as usize) || !TRACKED.may_hold(p as usize) {
+    // Callers asked the filter's mark for the free's 256 bytes. A free past it may still only
+    // share those 256 bytes with a tracked object: the set answers, not the recorder.
+    if !TRACKED.may_hold(p as usize) {
         return;
     }
     if STATE.with(|s| s.in_recorder.get()) {

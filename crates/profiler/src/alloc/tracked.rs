@@ -46,7 +46,8 @@ impl TrackedSet {
     fn bucket(&self, addr: usize) -> &Bucket {
         // Blocks are 16-byte aligned: the low bits carry nothing. Fibonacci hashing spreads
         // neighbouring blocks over buckets.
-        let h = ((addr >> 4) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - 11);
+        let h = ((addr >> 4) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            >> (64 - BUCKETS.trailing_zeros());
         &self.buckets[h as usize]
     }
 
