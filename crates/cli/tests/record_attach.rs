@@ -161,8 +161,19 @@ fn threads_and_sleeper(bin: &Path, dir_name: &str, worker_name: &str, sleep_leaf
                 panic!("thread {tid}: no stack through an outer_N, among {some:?}")
             });
         let which = outer.iter().find(|f| f.contains("outer_")).unwrap().clone();
+        // A thread's last instants run libc's exit path after its function returned (thread
+        // destructors, `__libc_thread_freeres`): CPU truly spent there, on a stack with none of
+        // the program's functions, and a sliver of the thread's.
+        let mut exiting_ns = 0;
         for s in &mine {
             let st = p.stack_names(s);
+            let program = st
+                .iter()
+                .any(|f| f.contains("outer_") || is(f, "middle") || is(f, "spin_leaf"));
+            if !program && st.iter().any(|f| f.contains("start_thread")) {
+                exiting_ns += s.value[cpu];
+                continue;
+            }
             let leaf_pos = st.iter().position(|f| is(f, "spin_leaf"));
             // Leaf first: spin_leaf (or what it calls: the vDSO's clock), middle, this
             // thread's outer_N, then the thread's start in libc.
@@ -176,6 +187,10 @@ fn threads_and_sleeper(bin: &Path, dir_name: &str, worker_name: &str, sleep_leaf
                 "thread {tid}: no root under {which}: {st:?}"
             );
         }
+        assert!(
+            exiting_ns <= ns / 100,
+            "thread {tid}: {exiting_ns} ns on its exit path in libc"
+        );
         let name = mine
             .iter()
             .filter_map(|s| p.label_str(s, "thread name"))
