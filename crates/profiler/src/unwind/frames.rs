@@ -151,7 +151,14 @@ pub(super) struct Sink<'b, 'a> {
     pub(super) seen: usize,
     /// Steps the walk may still take.
     pub(super) steps: usize,
+    /// Skipped frames (below the walk's `skip_to_sp`) that the compact rules did not know, the
+    /// first few: the caller learns them, as it learns the frames it keeps.
+    pub(super) unknown_skipped: [u64; UNKNOWN_SKIPPED],
+    pub(super) n_unknown_skipped: usize,
 }
+
+/// Skipped frames a walk remembers for learning: a sampled allocation skips its own handful.
+pub(super) const UNKNOWN_SKIPPED: usize = 8;
 
 impl<'b, 'a> Sink<'b, 'a> {
     pub(super) fn new(buf: &'b mut FrameBuf<'a>) -> Self {
@@ -161,6 +168,8 @@ impl<'b, 'a> Sink<'b, 'a> {
             sps: &mut [],
             seen: 0,
             steps,
+            unknown_skipped: [0; UNKNOWN_SKIPPED],
+            n_unknown_skipped: 0,
         }
     }
 
@@ -210,6 +219,21 @@ impl<'b, 'a> Sink<'b, 'a> {
             return;
         };
         self.buf.set(at, addr);
+    }
+
+    /// Notes a skipped frame the compact rules did not know (the first few).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) fn note_unknown_skipped(&mut self, addr: u64) {
+        if let Some(slot) = self.unknown_skipped.get_mut(self.n_unknown_skipped) {
+            *slot = addr;
+            self.n_unknown_skipped += 1;
+        }
+    }
+
+    /// The skipped frames noted by [`Self::note_unknown_skipped`].
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) fn unknown_skipped(&self) -> &[u64] {
+        &self.unknown_skipped[..self.n_unknown_skipped]
     }
 
     /// Takes back the last frame pushed (the walk will write it again).

@@ -229,6 +229,13 @@ fn unwind_counted(
         own_cache,
         read_stack,
     );
+    // A walk that skips frames is a sampled allocation's, outside any signal handler: the
+    // frames of its own path, which it never keeps, get rules here, or each sample would walk
+    // them through framehop again.
+    #[cfg(target_arch = "x86_64")]
+    if !sink.unknown_skipped().is_empty() {
+        snap.rules.learn(sink.unknown_skipped());
+    }
     (sink.finish(!walked.out_of_steps), walked.fast_frames)
 }
 
@@ -294,12 +301,17 @@ fn walk(
             break;
         }
         let lookup = frame.address_for_lookup();
-        if uregs.sp() >= skip_to_sp {
+        let kept = uregs.sp() >= skip_to_sp;
+        if kept {
             sink.push_at(lookup, uregs.sp());
         }
         #[cfg(target_arch = "x86_64")]
         if fast {
-            if let Some(rule) = rules::rule(&snap.rule_entries, lookup) {
+            let known = rules::rule(&snap.rule_entries, lookup);
+            if known.is_none() && !kept {
+                sink.note_unknown_skipped(lookup);
+            }
+            if let Some(rule) = known {
                 match rules::step(rule, &mut uregs, &mut read_stack) {
                     Step::Next(ret) => {
                         fast_frames += 1;
@@ -1015,6 +1027,68 @@ mod tests {
             "only {} of {} frames took the fast path",
             fast_after.1,
             fast_after.0.len()
+        );
+    }
+
+    /// [`recurse`]'s shape with a stack pointer taken `keep_from` levels above the walk: the
+    /// levels below it are what a sampled allocation skips (its own path). `skip` off walks
+    /// them all.
+    #[inline(never)]
+    fn recurse_skipping(
+        depth: u32,
+        keep_from: u32,
+        sp: u64,
+        skip: bool,
+        fast: bool,
+        out: &mut [u64],
+    ) -> (usize, usize) {
+        let sp = if depth == keep_from { current_sp() } else { sp };
+        if depth == 0 {
+            let r = unwind_counted(
+                current_regs(),
+                crate::tls::current_stack_bounds(),
+                if skip { sp } else { 0 },
+                &mut out.into(),
+                fast,
+                0,
+                None,
+            );
+            // What the allocation path does with the frames it keeps.
+            if skip {
+                learn(&out[..r.0]);
+            }
+            r
+        } else {
+            let r = recurse_skipping(depth - 1, keep_from, sp, skip, fast, out);
+            let r = std::hint::black_box(r);
+            (r.0, std::hint::black_box(r.1))
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn frames_a_walk_skips_are_learned_too() {
+        init_pool();
+        refresh(true);
+        // One call site for every walk (see `compact_rules_unwind_exactly_like_framehop`):
+        // framehop alone without skipping, then twice skipping, as sampled allocations do.
+        let mut out = [0u64; MAX_FRAMES];
+        let mut walks = Vec::new();
+        for round in 0..3 {
+            let walked = round > 0;
+            walks.push(recurse_skipping(12, 6, 0, walked, walked, &mut out));
+        }
+        let (all, kept, (again, fast)) = (walks[0].0, walks[1].0, walks[2]);
+        assert!(
+            kept + 4 <= all,
+            "kept {kept} of {all}: the walk skipped too little"
+        );
+        // The second skipping walk knows every frame it passes, the skipped ones included: none
+        // goes through framehop (each sampled allocation used to, for its own path's frames).
+        assert_eq!(again, kept);
+        assert_eq!(
+            fast, all,
+            "{fast} of {all} frames took the fast path ({kept} kept)"
         );
     }
 
