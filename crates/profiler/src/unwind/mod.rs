@@ -70,8 +70,10 @@ pub(crate) use spare::*;
 /// stack pointer is below `skip_to_sp` are left out (the profiler's own frames on an allocation
 /// stack, deeper than the function the allocator entry is inlined into; 0 keeps everything).
 ///
-/// Async-signal-safe: no allocation, no lock, no waiting; memory reads stay within the stack
-/// mapping containing `regs.sp`.
+/// Async-signal-safe with `skip_to_sp` 0: no allocation, no lock, no waiting; memory reads stay
+/// within the stack mapping containing `regs.sp`. A walk that skips (the allocation path, never
+/// a signal handler) also learns the rules of skipped frames unknown to the fast path, which
+/// parses unwind tables.
 ///
 /// `stale`: how many entries of `out` still hold an earlier stack of the same thread (a
 /// reused capture slot). Their rules are prefetched before the walk: a thread's stacks repeat
