@@ -613,7 +613,7 @@ struct Job {
 }
 
 impl Job {
-    /// Walks, learns and records. Never inlined: its frame (the frame buffer, the recorder's
+    /// Walks (learning new frames) and records. Never inlined: its frame (the frame buffer, the recorder's
     /// locals) belongs on the spare stack, not in `sample`'s frame on the thread's stack.
     #[inline(never)]
     fn run(self, spare: Option<&mut unwind::Spare>) {
@@ -628,8 +628,7 @@ impl Job {
                 &local[..n]
             }
         };
-        // Teaches the unwinder's fast path these frames (a few probes once they are known).
-        unwind::learn(addrs);
+        // The walk taught the unwinder's fast path the frames it did not know (it skips).
         let addrs = &addrs[allocator_frames(addrs)..];
         state::with_active(|sh| record(sh, &self, addrs));
     }

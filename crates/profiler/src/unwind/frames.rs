@@ -152,9 +152,12 @@ pub(super) struct Sink<'b, 'a> {
     /// Steps the walk may still take.
     pub(super) steps: usize,
     /// Skipped frames (below the walk's `skip_to_sp`) that the compact rules did not know, the
-    /// first few: the caller learns them, as it learns the frames it keeps.
+    /// first few: a walk that skips learns them with the frames it keeps.
     pub(super) unknown_skipped: [u64; UNKNOWN_SKIPPED],
     pub(super) n_unknown_skipped: usize,
+    /// Frames, kept or skipped, that the compact rules did not know: none, and there is nothing
+    /// to learn.
+    pub(super) unknown: usize,
 }
 
 /// Skipped frames a walk remembers for learning: a sampled allocation skips its own handful.
@@ -170,6 +173,7 @@ impl<'b, 'a> Sink<'b, 'a> {
             steps,
             unknown_skipped: [0; UNKNOWN_SKIPPED],
             n_unknown_skipped: 0,
+            unknown: 0,
         }
     }
 
@@ -221,9 +225,13 @@ impl<'b, 'a> Sink<'b, 'a> {
         self.buf.set(at, addr);
     }
 
-    /// Notes a skipped frame the compact rules did not know (the first few).
+    /// Notes a frame the compact rules did not know; a skipped one is kept (the first few).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(super) fn note_unknown_skipped(&mut self, addr: u64) {
+    pub(super) fn note_unknown(&mut self, addr: u64, skipped: bool) {
+        self.unknown += 1;
+        if !skipped {
+            return;
+        }
         if let Some(slot) = self.unknown_skipped.get_mut(self.n_unknown_skipped) {
             *slot = addr;
             self.n_unknown_skipped += 1;

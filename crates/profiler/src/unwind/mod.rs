@@ -72,8 +72,8 @@ pub(crate) use spare::*;
 ///
 /// Async-signal-safe with `skip_to_sp` 0: no allocation, no lock, no waiting; memory reads stay
 /// within the stack mapping containing `regs.sp`. A walk that skips (the allocation path, never
-/// a signal handler) also learns the rules of skipped frames unknown to the fast path, which
-/// parses unwind tables.
+/// a signal handler) also learns the rules of the frames it found unknown to the fast path, kept
+/// or skipped, which parses unwind tables.
 ///
 /// `stale`: how many entries of `out` still hold an earlier stack of the same thread (a
 /// reused capture slot). Their rules are prefetched before the walk: a thread's stacks repeat
@@ -231,12 +231,16 @@ fn unwind_counted(
         own_cache,
         read_stack,
     );
-    // A walk that skips frames is a sampled allocation's, outside any signal handler: the
-    // frames of its own path, which it never keeps, get rules here, or each sample would walk
-    // them through framehop again.
     #[cfg(target_arch = "x86_64")]
-    if !sink.unknown_skipped().is_empty() {
+    if skip_to_sp != 0 && sink.unknown > 0 {
+        // A walk that skips frames is a sampled allocation's, outside any signal handler: it
+        // learns what it did not know, the frames of its own path that it leaves off included
+        // (else each sample would walk those through framehop again). Once all are known, a
+        // sample skips the learning's probes too.
         snap.rules.learn(sink.unknown_skipped());
+        let n = sink.finish(!walked.out_of_steps);
+        snap.rules.learn(&out.head[..n.min(out.head.len())]);
+        return (n, walked.fast_frames);
     }
     (sink.finish(!walked.out_of_steps), walked.fast_frames)
 }
@@ -310,8 +314,8 @@ fn walk(
         #[cfg(target_arch = "x86_64")]
         if fast {
             let known = rules::rule(&snap.rule_entries, lookup);
-            if known.is_none() && !kept {
-                sink.note_unknown_skipped(lookup);
+            if known.is_none() {
+                sink.note_unknown(lookup, !kept);
             }
             if let Some(rule) = known {
                 match rules::step(rule, &mut uregs, &mut read_stack) {
@@ -1034,7 +1038,7 @@ mod tests {
 
     /// [`recurse`]'s shape with a stack pointer taken `keep_from` levels above the walk: the
     /// levels below it are what a sampled allocation skips (its own path). `skip` off walks
-    /// them all.
+    /// them all (and learns nothing).
     #[inline(never)]
     fn recurse_skipping(
         depth: u32,
@@ -1046,7 +1050,7 @@ mod tests {
     ) -> (usize, usize) {
         let sp = if depth == keep_from { current_sp() } else { sp };
         if depth == 0 {
-            let r = unwind_counted(
+            unwind_counted(
                 current_regs(),
                 crate::tls::current_stack_bounds(),
                 if skip { sp } else { 0 },
@@ -1054,12 +1058,7 @@ mod tests {
                 fast,
                 0,
                 None,
-            );
-            // What the allocation path does with the frames it keeps.
-            if skip {
-                learn(&out[..r.0]);
-            }
-            r
+            )
         } else {
             let r = recurse_skipping(depth - 1, keep_from, sp, skip, fast, out);
             let r = std::hint::black_box(r);
@@ -1069,7 +1068,7 @@ mod tests {
 
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn frames_a_walk_skips_are_learned_too() {
+    fn a_skipping_walk_learns_every_frame_it_did_not_know() {
         init_pool();
         refresh(true);
         // One call site for every walk (see `compact_rules_unwind_exactly_like_framehop`):
@@ -1085,13 +1084,20 @@ mod tests {
             kept + 4 <= all,
             "kept {kept} of {all}: the walk skipped too little"
         );
-        // The second skipping walk knows every frame it passes, the skipped ones included: none
-        // goes through framehop (each sampled allocation used to, for its own path's frames).
+        // The second skipping walk knows every frame it passes, kept or skipped: none goes
+        // through framehop (each sampled allocation used to, for its own path's frames).
         assert_eq!(again, kept);
         assert_eq!(
             fast, all,
             "{fast} of {all} frames took the fast path ({kept} kept)"
         );
+        // A walk that skips nothing (a signal handler's) learns nothing: this call site's
+        // frame stays unknown walk after walk.
+        for _ in 0..2 {
+            let (n, fast) = recurse_skipping(12, 6, 0, false, true, &mut out);
+            assert_eq!(n, all);
+            assert!(fast < n, "a walk without skipping learned its frames");
+        }
     }
 
     /// Pushes `depth` frames 1..=depth into a buffer of `len` (split after `head`) and
