@@ -3,7 +3,7 @@
 //! and whether the process is ending. Nothing here knows of profiles or of the running
 //! profiler; everything is async-signal-safe but [`register_own_thread`].
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicBool, AtomicI32, AtomicU64, Ordering};
 
 use crate::tls::STATE;
 
@@ -173,7 +173,19 @@ pub(crate) fn current_thread_name(buf: &mut [u8; 16]) -> &str {
             } else {
                 0
             };
+            // Checked once here rather than at every read: a name that is not UTF-8 reads as
+            // empty.
+            let len = if std::str::from_utf8(&fresh[..len]).is_ok() {
+                len
+            } else {
+                0
+            };
+            // Length 0 while the name changes: a signal handler on this thread reading it in
+            // between sees a prefix that was checked, never new bytes under an old length.
+            s.name_len.set(0);
+            compiler_fence(Ordering::SeqCst);
             s.name.set(fresh);
+            compiler_fence(Ordering::SeqCst);
             s.name_len.set(len as u8);
             s.name_age.set(0);
         } else {
@@ -182,7 +194,11 @@ pub(crate) fn current_thread_name(buf: &mut [u8; 16]) -> &str {
         *buf = s.name.get();
         s.name_len.get() as usize
     });
-    std::str::from_utf8(&buf[..len.min(15)]).unwrap_or("")
+    let name = &buf[..len.min(15)];
+    // SAFETY: `name` is the prefix, of the length stored with it, of a cached name that its
+    // refresh found to be UTF-8 (a length of 0 otherwise, and while it changes), copied
+    // unchanged.
+    unsafe { std::str::from_utf8_unchecked(name) }
 }
 
 /// Forgets the cached name (a forked child's thread may be renamed).
