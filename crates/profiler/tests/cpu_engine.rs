@@ -155,16 +155,7 @@ fn perf_events_never_interrupt_a_system_call() {
         let t0 = std::time::Instant::now();
         while t0.elapsed() < Duration::from_secs(4) {
             black_box(engine_a(2000));
-            let req = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 1_000,
-            };
-            let mut rem = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            };
-            // SAFETY: valid timespecs.
-            if unsafe { libc::nanosleep(&req, &mut rem) } != 0 {
+            if nanosleep_failed(1_000) {
                 eintr += 1;
             }
             let mut pfd = libc::pollfd {

@@ -305,16 +305,7 @@ fn eintr_thread(stop: Arc<AtomicBool>, work_units: u64) -> Eintr {
         if unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), 1, 2) } < 0 {
             e.epoll += 1;
         }
-        let req = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 2_000_000,
-        };
-        let mut rem = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: valid timespecs.
-        if unsafe { libc::nanosleep(&req, &mut rem) } != 0 {
+        if nanosleep_failed(2_000_000) {
             e.nanosleep += 1;
         }
         let timeout = libc::timespec {

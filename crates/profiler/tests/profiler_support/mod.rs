@@ -115,3 +115,18 @@ pub fn temp_dir(tag: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Sleeps `ns` nanoseconds with one `nanosleep` call; whether it failed (an `EINTR`, here: the
+/// tests that call it count interrupted system calls).
+pub fn nanosleep_failed(ns: i64) -> bool {
+    let req = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: ns,
+    };
+    let mut rem = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid timespecs.
+    unsafe { libc::nanosleep(&req, &mut rem) != 0 }
+}
