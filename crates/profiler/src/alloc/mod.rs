@@ -613,8 +613,9 @@ struct Job {
 }
 
 impl Job {
-    /// Walks (learning new frames) and records. Never inlined: its frame (the frame buffer, the recorder's
-    /// locals) belongs on the spare stack, not in `sample`'s frame on the thread's stack.
+    /// Walks (which learns new frames) and records. Never inlined: its frame (the frame
+    /// buffer, the recorder's locals) belongs on the spare stack, not in `sample`'s frame on
+    /// the thread's stack.
     #[inline(never)]
     fn run(self, spare: Option<&mut unwind::Spare>) {
         let bounds = tls::current_stack_bounds();
@@ -628,7 +629,6 @@ impl Job {
                 &local[..n]
             }
         };
-        // The walk taught the unwinder's fast path the frames it did not know (it skips).
         let addrs = &addrs[allocator_frames(addrs)..];
         state::with_active(|sh| record(sh, &self, addrs));
     }

@@ -231,18 +231,22 @@ fn unwind_counted(
         own_cache,
         read_stack,
     );
+    // A walk that skips frames is a sampled allocation's, outside any signal handler: it
+    // learns what it did not know, the frames of its own path that it leaves off included
+    // (else each sample would walk those through framehop again). Once all are known, a
+    // sample skips the learning's probes too.
     #[cfg(target_arch = "x86_64")]
-    if skip_to_sp != 0 && sink.unknown > 0 {
-        // A walk that skips frames is a sampled allocation's, outside any signal handler: it
-        // learns what it did not know, the frames of its own path that it leaves off included
-        // (else each sample would walk those through framehop again). Once all are known, a
-        // sample skips the learning's probes too.
+    let learn = skip_to_sp != 0 && sink.unknown > 0;
+    #[cfg(target_arch = "x86_64")]
+    if learn {
         snap.rules.learn(sink.unknown_skipped());
-        let n = sink.finish(!walked.out_of_steps);
-        snap.rules.learn(&out.head[..n.min(out.head.len())]);
-        return (n, walked.fast_frames);
     }
-    (sink.finish(!walked.out_of_steps), walked.fast_frames)
+    let n = sink.finish(!walked.out_of_steps);
+    #[cfg(target_arch = "x86_64")]
+    if learn {
+        snap.rules.learn(&out.head[..n.min(out.head.len())]);
+    }
+    (n, walked.fast_frames)
 }
 
 /// Where a walk stopped on a frame it could not unwind: the frame, and the stack and frame
