@@ -987,13 +987,15 @@ fn sleep_to_boundary(step_ns: u64) {
 #[inline(never)]
 fn gt_phase_a() {
     sleep_to_boundary(5_000_000);
-    std::hint::black_box(());
+    // A body of its own: release builds fold identical functions into one symbol, which would
+    // name both sites `gt_phase_a`.
+    std::hint::black_box(b'a');
 }
 
 #[inline(never)]
 fn gt_phase_b() {
     sleep_to_boundary(5_000_000);
-    std::hint::black_box(());
+    std::hint::black_box(b'b');
 }
 
 /// A thread that wakes on the clock's 5 ms boundaries, alternating two sites, half the time
