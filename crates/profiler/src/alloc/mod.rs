@@ -74,6 +74,7 @@ pub(crate) mod totals;
 pub(crate) mod tracked;
 
 use std::alloc::{GlobalAlloc, Layout};
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
@@ -643,10 +644,6 @@ fn in_place_room(sp: u64) -> bool {
 }
 
 fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
-    let (p, size, weight) = (job.p, job.size, job.weight);
-    // The allocation profile and the live heap are separate choices: `heap` alone samples too.
-    let (alloc_on, heap_on) = (sh.alloc_enabled(), sh.heap_enabled());
-    let frames: Vec<Frame<'static>> = addrs.iter().map(|&a| Frame::Address(a)).collect();
     let tid = crate::threads::current_tid();
     let mut name_buf = [0u8; 16];
     let name = crate::threads::current_thread_name(&mut name_buf);
@@ -659,6 +656,23 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
         .first_chunk_mut::<{ crate::labels::WORDS }>()
         .map_or(0, |w| ctx.fill(w));
     let labels = &labels[..n];
+    with_address_frames(addrs, |frames| {
+        tls::in_recorder(|| record_frames(sh, job, addrs, frames, labels, &ctx))
+    });
+}
+
+/// [`record`] with the stack as the recorders take it.
+fn record_frames(
+    sh: &Shared,
+    job: &Job,
+    addrs: &[u64],
+    frames: &[Frame<'static>],
+    labels: &[Label<'_>],
+    ctx: &crate::labels::Ctx,
+) {
+    let (p, size, weight) = (job.p, job.size, job.weight);
+    // The allocation profile and the live heap are separate choices: `heap` alone samples too.
+    let (alloc_on, heap_on) = (sh.alloc_enabled(), sh.heap_enabled());
     let values = SampleValues {
         alloc_samples: weight,
         alloc_samples_unscaled: 1,
@@ -667,46 +681,64 @@ fn record(sh: &Shared, job: &Job, addrs: &[u64]) {
     let extra = ExtraValues {
         alloc_space: job.space,
     };
-    tls::in_recorder(|| {
-        // Never inside the recorder while a fork is under way (see `fork`).
-        crate::forkgate::outside_fork(|| {
-            if alloc_on
-                && sh
-                    .recorder
-                    .record_sample_with(&frames, &values, &extra, labels, 0)
-                    .is_err()
+    // Never inside the recorder while a fork is under way (see `fork`).
+    crate::forkgate::outside_fork(|| {
+        if alloc_on
+            && sh
+                .recorder
+                .record_sample_with(frames, &values, &extra, labels, 0)
+                .is_err()
+        {
+            sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        sh.stats.alloc_samples.add(1);
+        if heap_on {
+            // The heap profile's allocation columns (since the start).
+            sh.alloc_totals.add(addrs, [weight, 1, job.space]);
+            let w = weight.clamp(1, u32::MAX as i64) as u32;
+            // The live object keeps its request's local root span id: its heap sample
+            // carries it, and the request's endpoint once the request names it.
+            let root = ctx.local_root_span_id();
+            match sh
+                .recorder
+                .track_allocation_in(p as u64, w, size as u64, None, frames, root)
             {
-                sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
-            }
-            sh.stats.alloc_samples.add(1);
-            if heap_on {
-                // The heap profile's allocation columns (since the start).
-                sh.alloc_totals.add(addrs, [weight, 1, job.space]);
-                let w = weight.clamp(1, u32::MAX as i64) as u32;
-                // The live object keeps its request's local root span id: its heap sample
-                // carries it, and the request's endpoint once the request names it.
-                let root = ctx.local_root_span_id();
-                match sh
-                    .recorder
-                    .track_allocation_in(p as u64, w, size as u64, None, &frames, root)
-                {
-                    Ok(bytes) => {
-                        FILTER.insert(p as usize);
-                        TRACKED.insert(p as usize);
-                        peak::HEAP_ESTIMATE.tracked(bytes);
-                    }
-                    Err(_) => {
-                        sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
-                    }
+                Ok(bytes) => {
+                    FILTER.insert(p as usize);
+                    TRACKED.insert(p as usize);
+                    peak::HEAP_ESTIMATE.tracked(bytes);
+                }
+                Err(_) => {
+                    sh.stats.record_errors.fetch_add(1, Ordering::Relaxed);
                 }
             }
-        });
-        // Outside the fork gate: taking the taps lock in there could wait for a thread that
-        // holds it and waits at the gate.
-        sh.for_each_tap(TapKind::Alloc, |r| {
-            let _ = r.record_sample_with(&frames, &values, &extra, labels, 0);
-        });
+        }
     });
+    // Outside the fork gate: taking the taps lock in there could wait for a thread that
+    // holds it and waits at the gate.
+    sh.for_each_tap(TapKind::Alloc, |r| {
+        let _ = r.record_sample_with(frames, &values, &extra, labels, 0);
+    });
+}
+
+/// Calls `f` with `addrs` as address frames, on the stack at the usual depths: a sample
+/// allocates nothing for them (a block in keep mode and its free cost about as much as the
+/// heap recorder's lookup).
+fn with_address_frames<R>(addrs: &[u64], f: impl FnOnce(&[Frame<'static>]) -> R) -> R {
+    const ON_STACK: usize = 64;
+    if addrs.len() > ON_STACK {
+        let frames: Vec<Frame<'static>> = addrs.iter().map(|&a| Frame::Address(a)).collect();
+        return f(&frames);
+    }
+    let mut buf = [const { MaybeUninit::<Frame<'static>>::uninit() }; ON_STACK];
+    for (b, &a) in buf.iter_mut().zip(addrs) {
+        b.write(Frame::Address(a));
+    }
+    // SAFETY: the first `addrs.len()` elements (at most ON_STACK) were written just above, and
+    // `MaybeUninit<Frame>` has the layout of `Frame`.
+    let frames =
+        unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<Frame<'static>>(), addrs.len()) };
+    f(frames)
 }
 
 /// Address ranges `[start, end)` of the allocator-path functions (see [`crate::frame_names::is_allocator_path`]),
@@ -1033,5 +1065,15 @@ mod tests {
             let mean = sum / n as f64;
             assert!((mean - 1000.0).abs() < 20.0, "{mean}");
         });
+    }
+
+    #[test]
+    fn address_frames_match_the_addresses_on_and_off_the_stack() {
+        for n in [0usize, 1, 63, 64, 65, MAX_FRAMES] {
+            let addrs: Vec<u64> = (0..n as u64).map(|i| 0x1000 + i * 8).collect();
+            let got = with_address_frames(&addrs, |frames| frames.to_vec());
+            let want: Vec<Frame<'static>> = addrs.iter().map(|&a| Frame::Address(a)).collect();
+            assert_eq!(got, want, "{n} frames");
+        }
     }
 }
