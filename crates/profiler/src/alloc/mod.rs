@@ -229,7 +229,7 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         // SAFETY: forwarded contract.
         let p = unsafe { self.inner_alloc(layout, zeroed) };
         if !p.is_null() {
-            on_alloc_slow(p, layout.size(), entry_sp);
+            on_alloc_slow(p, layout.size(), entry_sp, unwind::current_regs());
         }
         p
     }
@@ -301,7 +301,7 @@ impl<A: GlobalAlloc> SamplingAllocator<A> {
         // SAFETY: forwarded contract.
         let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
         if !p.is_null() && crosses_sampling_point(new_size) {
-            on_alloc_slow(p, new_size, unwind::current_sp());
+            on_alloc_slow(p, new_size, unwind::current_sp(), unwind::current_regs());
         }
         p
     }
@@ -405,7 +405,7 @@ pub fn __raw_allocated(p: *mut u8, size: usize) {
         return;
     }
     if crosses_sampling_point(size) {
-        on_alloc_slow(p, size, unwind::current_sp());
+        on_alloc_slow(p, size, unwind::current_sp(), unwind::current_regs());
     }
 }
 
@@ -465,14 +465,24 @@ fn crosses_sampling_point(size: usize) -> bool {
 /// sampling a thread within this many of its bytes).
 const OFF_RECHECK_BYTES: i64 = 32 * 1024;
 
+/// An allocation past the countdown's test. `regs` are taken in the allocator's own frame (the
+/// slow path's entry or the interposed `malloc`), where a sample's walk starts: it unwinds
+/// none of the sampling path's frames below (four fewer per sample, a quarter of the walk).
 #[cold]
 #[inline(never)]
-fn on_alloc_slow(p: *mut u8, size: usize, entry_sp: u64) {
+fn on_alloc_slow(p: *mut u8, size: usize, entry_sp: u64, regs: unwind::StartRegs) {
     let interval = INTERVAL.load(Ordering::Relaxed);
-    STATE.with(|s| alloc_slow(s, p, size, interval, entry_sp));
+    STATE.with(|s| alloc_slow(s, p, size, interval, entry_sp, regs));
 }
 
-fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp: u64) {
+fn alloc_slow(
+    s: &ThreadState,
+    p: *mut u8,
+    size: usize,
+    interval: u64,
+    entry_sp: u64,
+    regs: unwind::StartRegs,
+) {
     // Looked at first: a store on every sample would pull the line from other cores each time.
     if !SEEN.load(Ordering::Relaxed) {
         SEEN.store(true, Ordering::Relaxed);
@@ -505,7 +515,7 @@ fn alloc_slow(s: &ThreadState, p: *mut u8, size: usize, interval: u64, entry_sp:
     let weight = stochastic_round(s, w);
     // `as` saturates: an absurd size cannot wrap to a negative estimate.
     let space = (size as f64 * w).round() as i64;
-    tls::with_guard(|| keep::with(|| sample(p, size, weight, space, entry_sp)));
+    tls::with_guard(|| keep::with(|| sample(p, size, weight, space, entry_sp, regs)));
 }
 
 /// `1 / (1 - exp(-size / interval))`: the inverse of the probability that an allocation of
@@ -572,8 +582,14 @@ fn draw_countdown(s: &ThreadState, interval: u64) -> i64 {
 /// which a thread with a small stack may not have. This thread's stack only holds the frames
 /// down to here and the switch; a thread short of that skips the sample (counted).
 #[inline(never)]
-fn sample(p: *mut u8, size: usize, weight: i64, space: i64, entry_sp: u64) {
-    let regs = unwind::current_regs();
+fn sample(
+    p: *mut u8,
+    size: usize,
+    weight: i64,
+    space: i64,
+    entry_sp: u64,
+    regs: unwind::StartRegs,
+) {
     // Known once the thread's first sample learned them (on the spare stack, below).
     let room =
         tls::known_stack_bounds().and_then(|b| unwind::headroom(unwind::current_sp(), Some(b)));
@@ -843,7 +859,7 @@ fn is_c_allocation_entry(name: &str) -> bool {
 /// from their ELF symbol tables. Empty for a stripped binary (the symbolizer's cut remains).
 fn allocator_ranges() -> Box<[(u64, u64)]> {
     use object::{Object, ObjectSymbol};
-    let ours = on_alloc_slow as fn(*mut u8, usize, u64) as usize as u64;
+    let ours = on_alloc_slow as fn(*mut u8, usize, u64, unwind::StartRegs) as usize as u64;
     let mut out = Vec::new();
     let filter = Prefilter::new();
     let objects = crate::modules::loaded_objects();
