@@ -22,7 +22,7 @@ fn fixture(static_link: bool) -> &'static Path {
     static STATIC: OnceLock<PathBuf> = OnceLock::new();
     let cell = if static_link { &STATIC } else { &DYNAMIC };
     cell.get_or_init(|| {
-        let dir = work_dir(if static_link { "cc-static" } else { "cc" });
+        let dir = kept_dir(if static_link { "cc-static" } else { "cc" });
         let out = dir.join("record_fixture");
         let mut flags = vec!["-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-ldl"];
         if static_link {
@@ -230,7 +230,7 @@ fn record_exec(mode: &str) -> (String, Vec<PathBuf>) {
 /// Runs the fixture in `mode` at 64 KiB (cpu and heap); returns `record`'s stdout and the
 /// profiles (pid, path), each listed in that output.
 fn record_cpu_heap(mode: &str) -> (String, Vec<(i32, PathBuf)>) {
-    let dir = work_dir(mode);
+    let dir = kept_dir(mode);
     let out = record(
         &[
             "--profiles",

@@ -12,7 +12,7 @@ mod common;
 use common::*;
 
 fn fixture(name: &str, flags: &[&str]) -> PathBuf {
-    let out = work_dir(&format!("cc-{name}")).join(name);
+    let out = kept_dir(&format!("cc-{name}")).join(name);
     gcc(&format!("{name}.c"), &out, flags);
     out
 }
@@ -100,7 +100,7 @@ fn rust_target() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/attach_target_rs.rs");
-        let out = work_dir("rustc").join("attach_target_rs");
+        let out = kept_dir("rustc").join("attach_target_rs");
         let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
         let o = Command::new(rustc)
             .args([
@@ -549,7 +549,7 @@ fn another_users_process_is_refused_in_one_line() {
     let out_dir = dir.join("out");
     std::fs::create_dir_all(&out_dir).unwrap();
     use std::os::unix::fs::PermissionsExt;
-    for p in [&dir, &out_dir] {
+    for p in [&*dir, out_dir.as_path()] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
     }
     let mut cmd = Command::new("setpriv");

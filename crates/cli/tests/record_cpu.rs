@@ -14,7 +14,7 @@ use common::*;
 fn short_spin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let out = work_dir("cc").join("short_spin");
+        let out = kept_dir("cc").join("short_spin");
         gcc("short_spin.c", &out, &["-O1", "-g"]);
         out
     })

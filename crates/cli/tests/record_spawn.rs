@@ -16,7 +16,7 @@ use common::*;
 fn fixture() -> &'static Path {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
     EXE.get_or_init(|| {
-        let out = work_dir("cc").join("spawn_fixture");
+        let out = kept_dir("cc").join("spawn_fixture");
         gcc(
             "spawn_fixture.c",
             &out,
@@ -99,7 +99,7 @@ fn exit_from_a_signal_handler_ends_the_program_at_once() {
 fn rust_fixture() -> &'static Path {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
     EXE.get_or_init(|| {
-        let out = work_dir("rustc").join("spawn_env_clear");
+        let out = kept_dir("rustc").join("spawn_env_clear");
         rustc("spawn_env_clear.rs", &out, &["--edition", "2021"]);
         out
     })

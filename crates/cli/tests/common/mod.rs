@@ -33,8 +33,10 @@ pub fn preload() -> &'static Path {
     })
 }
 
-/// An empty scratch directory of this test binary's, named `name`.
-pub fn work_dir(name: &str) -> PathBuf {
+/// An empty scratch directory of this test binary's, named `name`: removed when the test
+/// passes, left in place (for its files) when it fails. Some hold a copy of the CLI (100 MB in
+/// a debug build), so leaving every one behind fills the disk run after run.
+pub fn work_dir(name: &str) -> WorkDir {
     let d = std::env::temp_dir().join(format!(
         "ferroprof-{}-{}-{name}",
         env!("CARGO_CRATE_NAME"),
@@ -42,7 +44,46 @@ pub fn work_dir(name: &str) -> PathBuf {
     ));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    WorkDir(d)
+}
+
+/// A scratch directory like [`work_dir`]'s that stays after the test: for what a test binary
+/// builds once and its tests share (fixtures), and for helpers that return paths into it.
+pub fn kept_dir(name: &str) -> PathBuf {
+    let d = work_dir(name);
+    let path = d.0.clone();
+    std::mem::forget(d);
+    path
+}
+
+/// See [`work_dir`].
+pub struct WorkDir(PathBuf);
+
+impl std::ops::Deref for WorkDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for WorkDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for WorkDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 pub fn text(b: &[u8]) -> String {
