@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+mod clock;
 mod perf;
 mod procfs;
 mod unwind;
@@ -212,8 +213,11 @@ pub fn attach(
     // By thread; `None`: no event could be opened on it.
     let mut events: HashMap<i32, Option<perf::ThreadEvent>> = HashMap::new();
     let mut names: HashMap<i32, String> = HashMap::new();
-    // Per thread, the CPU time booked so far (its samples' periods and carries).
+    // Per thread, the CPU time booked so far (its samples' weights and carries).
     let mut booked: HashMap<i32, u64> = HashMap::new();
+    // Per thread with an event, its task clock against its runtime (see `clock`).
+    let mut clocks: HashMap<i32, clock::ThreadClock> = HashMap::new();
+    let mut next_clocks = Instant::now();
     // Threads met during the run (the summary's count).
     let mut seen = 0usize;
     let mut on_attached = Some(on_attached);
@@ -272,6 +276,7 @@ pub fn attach(
                 match opened {
                     Ok(event) => {
                         events.insert(tid, Some(event));
+                        clocks.insert(tid, clock::ThreadClock::new(pid, tid));
                     }
                     Err(perf::OpenError::Gone) => {}
                     Err(perf::OpenError::Refused(source)) if events.is_empty() => {
@@ -312,6 +317,18 @@ pub fn attach(
                 }
             }
         }
+        if now >= next_clocks {
+            // The share of each thread's task clock that was its CPU, for the weights of the
+            // samples drained next (it moves slowly: a look every 100 ms is enough).
+            next_clocks = now + Duration::from_millis(100);
+            for (&tid, ev) in events.iter() {
+                if let (Some(count), Some(c)) =
+                    (ev.as_ref().and_then(|e| e.count()), clocks.get_mut(&tid))
+                {
+                    c.read(pid, tid, count);
+                }
+            }
+        }
         // Drain every ring.
         for event in events.values_mut().flatten() {
             summary.lost += event.drain(|s| {
@@ -342,15 +359,16 @@ pub fn attach(
                     Label::num(THREAD_ID_LABEL, i64::from(s.tid)),
                     Label::str(THREAD_NAME_LABEL, &name),
                 ];
+                let weight = clocks.get(&s.tid).map_or(s.period, |c| c.weight(s.period));
                 let values = SampleValues {
-                    cpu_time_ns: i64::try_from(s.period).unwrap_or(i64::MAX),
+                    cpu_time_ns: i64::try_from(weight).unwrap_or(i64::MAX),
                     cpu_or_wall_samples: 1,
                     ..Default::default()
                 };
                 if recorder.record_sample(&frames, &values, &labels, 0).is_ok() {
                     summary.samples += 1;
                 }
-                *booked.entry(s.tid).or_default() += s.period;
+                *booked.entry(s.tid).or_default() += weight;
             });
         }
         if now >= next_wall && !ended {
@@ -416,12 +434,19 @@ pub fn attach(
                 continue;
             };
             let final_ = done || ended || !live.contains(&tid);
-            let keep = if final_ { 0 } else { period_ns };
-            let b = booked.entry(tid).or_default();
-            if !(final_ || period_due) || count <= *b + keep {
+            if !(final_ || period_due) {
                 continue;
             }
-            let carry = count - *b - keep;
+            let cpu = match clocks.get_mut(&tid) {
+                Some(c) => c.read(pid, tid, count),
+                None => count,
+            };
+            let keep = if final_ { 0 } else { period_ns };
+            let b = booked.entry(tid).or_default();
+            if cpu <= *b + keep {
+                continue;
+            }
+            let carry = cpu - *b - keep;
             *b += carry;
             let name = names
                 .entry(tid)
@@ -448,6 +473,7 @@ pub fn attach(
             // starts and ends threads holds only the live ones'.
             events.retain(|tid, _| live.contains(tid));
             booked.retain(|tid, _| live.contains(tid));
+            clocks.retain(|tid, _| live.contains(tid));
             last_stack.retain(|tid, _| live.contains(tid));
             last_cpu_stack.retain(|tid, _| live.contains(tid));
             names.retain(|tid, _| live.contains(tid));
