@@ -515,7 +515,15 @@ fn alloc_slow(
     let weight = stochastic_round(s, w);
     // `as` saturates: an absurd size cannot wrap to a negative estimate.
     let space = (size as f64 * w).round() as i64;
-    tls::with_guard(|| keep::with(|| sample(p, size, weight, space, entry_sp, regs)));
+    let job = Job {
+        p,
+        size,
+        weight,
+        space,
+        entry_sp,
+        regs,
+    };
+    tls::with_guard(|| keep::with(|| sample(job)));
 }
 
 /// `1 / (1 - exp(-size / interval))`: the inverse of the probability that an allocation of
@@ -582,25 +590,10 @@ fn draw_countdown(s: &ThreadState, interval: u64) -> i64 {
 /// which a thread with a small stack may not have. This thread's stack only holds the frames
 /// down to here and the switch; a thread short of that skips the sample (counted).
 #[inline(never)]
-fn sample(
-    p: *mut u8,
-    size: usize,
-    weight: i64,
-    space: i64,
-    entry_sp: u64,
-    regs: unwind::StartRegs,
-) {
+fn sample(job: Job) {
     // Known once the thread's first sample learned them (on the spare stack, below).
     let room =
         tls::known_stack_bounds().and_then(|b| unwind::headroom(unwind::current_sp(), Some(b)));
-    let job = Job {
-        p,
-        size,
-        weight,
-        space,
-        entry_sp,
-        regs,
-    };
     // The headroom first: borrowing a spare stack takes frames of its own (over a KiB in a
     // debug build), which a thread this short of stack does not have.
     if room.is_some_and(|r| r < unwind::ALLOC_STACK_NEED) {
@@ -613,12 +606,12 @@ fn sample(
         }
         // Every spare stack is taken: in place, for threads with room for it.
         (Some(r), None) if r >= unwind::IN_PLACE_STACK_NEED => job.run(None),
-        (None, None) if in_place_room(entry_sp) => job.run(None),
+        (None, None) if in_place_room(job.entry_sp) => job.run(None),
         _ => unwind::count_skipped_low_stack(),
     }
 }
 
-/// What [`sample`] hands to the spare stack.
+/// A sampled allocation, as [`sample`] hands it to the spare stack.
 struct Job {
     p: *mut u8,
     size: usize,
