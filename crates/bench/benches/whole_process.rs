@@ -348,28 +348,31 @@ fn main() {
         d_pprof.push(pct("pprof"));
         d_diff.push(pct("ferroprof") - pct("pprof"));
     }
-    let base_w = cpu.median("none_wall");
-    let base_c = cpu.median("none_cpu");
-    report.push_str(&format!(
+    if rounds == 0 {
+        report.push_str("### CPU profiling at 100 Hz\n\nNot run (FERROPROF_BENCH_ROUNDS=0).\n\n");
+    } else {
+        let base_w = cpu.median("none_wall");
+        let base_c = cpu.median("none_cpu");
+        report.push_str(&format!(
         "### CPU profiling at 100 Hz (2 busy threads, ~47-frame stacks, median of {rounds})\n\n\
          | profiler | wall ms | wall overhead | CPU ms | CPU overhead |\n|---|---|---|---|---|\n"
     ));
-    for (mode, label) in [
-        ("none", "none"),
-        ("ferroprof", "ferroprof"),
-        ("pprof", "pprof-rs"),
-    ] {
-        let w = cpu.median(&format!("{mode}_wall"));
-        let c = cpu.median(&format!("{mode}_cpu"));
+        for (mode, label) in [
+            ("none", "none"),
+            ("ferroprof", "ferroprof"),
+            ("pprof", "pprof-rs"),
+        ] {
+            let w = cpu.median(&format!("{mode}_wall"));
+            let c = cpu.median(&format!("{mode}_cpu"));
+            report.push_str(&format!(
+                "| {label} | {:.1} | {:+.2}% | {:.1} | {:+.2}% |\n",
+                w / 1e6,
+                (w / base_w - 1.0) * 100.0,
+                c / 1e6,
+                (c / base_c - 1.0) * 100.0
+            ));
+        }
         report.push_str(&format!(
-            "| {label} | {:.1} | {:+.2}% | {:.1} | {:+.2}% |\n",
-            w / 1e6,
-            (w / base_w - 1.0) * 100.0,
-            c / 1e6,
-            (c / base_c - 1.0) * 100.0
-        ));
-    }
-    report.push_str(&format!(
         "\nPaired per round (each run against the same round's unprofiled run; the three run in a \
          shuffled order), medians: ferroprof {:+.2}% CPU, pprof-rs {:+.2}% CPU, ferroprof minus \
          pprof-rs {:+.2} points (mean {:+.2} +- {:.2}; ferroprof lower in {} of {rounds} \
@@ -381,23 +384,23 @@ fn main() {
         mean_ci95(&d_diff).1,
         d_diff.iter().filter(|&&d| d < 0.0).count()
     ));
-    report.push_str(&format!(
-        "In-process profiler CPU, measured alike for both (signal handlers timed with the \
+        report.push_str(&format!(
+            "In-process profiler CPU, measured alike for both (signal handlers timed with the \
          monotonic clock; ferroprof adds its sampler thread's CPU clock): ferroprof {:.3}% of the \
          workload's CPU, pprof-rs {:.3}%; pprof-rs handler median {:.1} us per signal.\n",
-        median(&mut own_share.clone()),
-        median(&mut pprof_share),
-        median(&mut pprof_handler) / 1e3
-    ));
-    let samples_m = median(&mut samples_cpu);
-    let latency = ferroprof_bench::memory_latency_ns();
-    report.push_str(&format!(
+            median(&mut own_share.clone()),
+            median(&mut pprof_share),
+            median(&mut pprof_handler) / 1e3
+        ));
+        let samples_m = median(&mut samples_cpu);
+        let latency = ferroprof_bench::memory_latency_ns();
+        report.push_str(&format!(
         "\nHost memory latency right after the CPU rounds (dependent random loads over 64 MiB): \
          {latency:.0} ns. A handler interrupts a thread that ran other code for 10 ms, finds its \
          memory cold and walks the stack as a chain of dependent loads, so its cost follows this \
          figure.\n"
     ));
-    report.push_str(&format!(
+        report.push_str(&format!(
         "\nferroprof signal handler: {:.0} ns per sample (run medians of the per-run mean; of \
          the per-run median: {:.0} ns) at a median {:.0} frames; \
          {samples_m:.0} samples (ticks) per run; profiler CPU per sample ((sampler thread CPU + \
@@ -413,6 +416,7 @@ fn main() {
         (cpu.median("ferroprof_cpu") - base_c) / samples_m.max(1.0) / 1e3,
         median(&mut stop_ms)
     ));
+    }
 
     // RSS right after start, and after a second of sampling.
     let mut rss = Series(BTreeMap::new());
