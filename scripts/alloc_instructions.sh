@@ -25,11 +25,14 @@
 # The difference column is against the row's base allocator (System or jemalloc). Then the
 # instructions inside memset (callgrind_annotate --inclusive=no, self cost) for System and
 # ferroprof(System) at 512 KiB, split by caller (calloc or elsewhere), so a calloc that zeroes
-# twice, or a buffer zeroed per sample, shows.
+# twice, or a buffer zeroed per sample, shows. Last, the cache lines one sample misses
+# (scripts/cache_lines.py over the System rows, run with callgrind's cache simulation): the
+# instruction count leaves out what makes a sample dear, the cold lines it touches and the
+# workload's lines it evicts, and unlike a timed run this count does not move with the load.
 # CPU and wall profiling are off in these programs (start_alloc_profiler): with the profiling
 # timers' signals callgrind 3.19 stops on an assertion (see scripts/malloc_cost.sh).
-# Needs: valgrind (callgrind, callgrind_annotate), cargo; builds the examples in release.
-# Takes some 20 seconds once built at the default 300,000 ops (callgrind runs ~50x slower).
+# Needs: valgrind (callgrind, callgrind_annotate), cargo, python3; builds the examples in release.
+# Takes some 40 seconds once built at the default 300,000 ops (callgrind runs ~50x slower).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,7 +40,7 @@ OPS=300000
 while [ $# -gt 0 ]; do
     case "$1" in
         --ops) OPS=$2; shift ;;
-        *) sed -n '2,32p' "$0"; exit 2 ;;
+        *) sed -n '2,35p' "$0"; exit 2 ;;
     esac
     shift
 done
@@ -58,7 +61,7 @@ count() {
     local name=$1 example=$2
     shift 2
     echo "callgrind: $name" >&2
-    env "$@" valgrind --tool=callgrind --toggle-collect='ferroprof_bench::alloc_thread*' \
+    env "$@" valgrind --tool=callgrind --toggle-collect='ferroprof_bench::alloc_thread*' $CACHE_SIM \
         --callgrind-out-file="$WORK/$name.out" "$EXAMPLES/$example" "$OPS" \
         >"$WORK/$name.result" 2>"$WORK/$name.err" || {
         cat "$WORK/$name.err" >&2
@@ -92,9 +95,14 @@ memset_callers() {
 
 samples() { sed -n 's/.*samples=\([0-9]*\).*/\1/p' "$WORK/$1.result"; }
 
+# The System rows also simulate the caches (instruction counts are the same with it): a
+# first level of 32 KiB and a last level of 512 KiB, 8-way, 64-byte lines, like this kind of
+# machine's L1d and L2, for the cache lines a sample misses (see cache_lines.py).
+CACHE_SIM="--cache-sim=yes --D1=32768,8,64 --LL=524288,8,64"
 system=$(count system alloc_system)
 fp_system=$(count fp_system alloc_ferroprof)
 fp_system_pb=$(count fp_system_pb alloc_ferroprof FERROPROF_BENCH_INTERVAL=$SEMI_INFINITE)
+CACHE_SIM=""
 jemalloc=$(count jemalloc alloc_jemalloc)
 fp_jemalloc=$(count fp_jemalloc alloc_jemalloc_ferroprof)
 
@@ -144,3 +152,10 @@ for v in system fp_system; do
     printf '| %s | %s | %s | %s | %s | %s |\n' "$label" "$(millions "$total")" "$(per "$total")" \
         "$(per "$calloc")" "$(per "$((total - calloc))")" "${other:-none}"
 done
+echo
+echo "Cache lines one sample misses (callgrind's cache simulation; ferroprof(System) 512 KiB"
+echo "against 1 PB, divided by its samples; a miss in code that also runs without the profiler is"
+echo "a line of the workload's the sample evicted):"
+echo
+python3 "$ROOT/scripts/cache_lines.py" "$WORK/system.out" "$WORK/fp_system_pb.out" \
+    "$WORK/fp_system.out" "$(samples fp_system)"
