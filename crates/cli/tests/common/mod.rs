@@ -37,6 +37,17 @@ pub fn preload() -> &'static Path {
 /// passes, left in place (for its files) when it fails. Some hold a copy of the CLI (100 MB in
 /// a debug build), so leaving every one behind fills the disk run after run.
 pub fn work_dir(name: &str) -> WorkDir {
+    WorkDir(fresh_dir(name))
+}
+
+/// A scratch directory like [`work_dir`]'s that stays after the test: for what a test binary
+/// builds once and its tests share (fixtures), and for helpers that return paths into it.
+pub fn kept_dir(name: &str) -> PathBuf {
+    fresh_dir(name)
+}
+
+/// `name` under the temporary directory, this test binary's and process's, emptied.
+fn fresh_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!(
         "ferroprof-{}-{}-{name}",
         env!("CARGO_CRATE_NAME"),
@@ -44,16 +55,7 @@ pub fn work_dir(name: &str) -> WorkDir {
     ));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    WorkDir(d)
-}
-
-/// A scratch directory like [`work_dir`]'s that stays after the test: for what a test binary
-/// builds once and its tests share (fixtures), and for helpers that return paths into it.
-pub fn kept_dir(name: &str) -> PathBuf {
-    let d = work_dir(name);
-    let path = d.0.clone();
-    std::mem::forget(d);
-    path
+    d
 }
 
 /// See [`work_dir`].
