@@ -354,9 +354,9 @@ fn main() {
         let base_w = cpu.median("none_wall");
         let base_c = cpu.median("none_cpu");
         report.push_str(&format!(
-        "### CPU profiling at 100 Hz (2 busy threads, ~47-frame stacks, median of {rounds})\n\n\
-         | profiler | wall ms | wall overhead | CPU ms | CPU overhead |\n|---|---|---|---|---|\n"
-    ));
+            "### CPU profiling at 100 Hz (2 busy threads, ~47-frame stacks, median of {rounds})\n\n\
+             | profiler | wall ms | wall overhead | CPU ms | CPU overhead |\n|---|---|---|---|---|\n"
+        ));
         for (mode, label) in [
             ("none", "none"),
             ("ferroprof", "ferroprof"),
@@ -373,17 +373,17 @@ fn main() {
             ));
         }
         report.push_str(&format!(
-        "\nPaired per round (each run against the same round's unprofiled run; the three run in a \
-         shuffled order), medians: ferroprof {:+.2}% CPU, pprof-rs {:+.2}% CPU, ferroprof minus \
-         pprof-rs {:+.2} points (mean {:+.2} +- {:.2}; ferroprof lower in {} of {rounds} \
-         rounds).\n",
-        median(&mut d_ferro),
-        median(&mut d_pprof),
-        median(&mut d_diff.clone()),
-        mean_ci95(&d_diff).0,
-        mean_ci95(&d_diff).1,
-        d_diff.iter().filter(|&&d| d < 0.0).count()
-    ));
+            "\nPaired per round (each run against the same round's unprofiled run; the three run in a \
+             shuffled order), medians: ferroprof {:+.2}% CPU, pprof-rs {:+.2}% CPU, ferroprof minus \
+             pprof-rs {:+.2} points (mean {:+.2} +- {:.2}; ferroprof lower in {} of {rounds} \
+             rounds).\n",
+            median(&mut d_ferro),
+            median(&mut d_pprof),
+            median(&mut d_diff.clone()),
+            mean_ci95(&d_diff).0,
+            mean_ci95(&d_diff).1,
+            d_diff.iter().filter(|&&d| d < 0.0).count()
+        ));
         report.push_str(&format!(
             "In-process profiler CPU, measured alike for both (signal handlers timed with the \
          monotonic clock; ferroprof adds its sampler thread's CPU clock): ferroprof {:.3}% of the \
@@ -395,27 +395,27 @@ fn main() {
         let samples_m = median(&mut samples_cpu);
         let latency = ferroprof_bench::memory_latency_ns();
         report.push_str(&format!(
-        "\nHost memory latency right after the CPU rounds (dependent random loads over 64 MiB): \
-         {latency:.0} ns. A handler interrupts a thread that ran other code for 10 ms, finds its \
-         memory cold and walks the stack as a chain of dependent loads, so its cost follows this \
-         figure.\n"
-    ));
+            "\nHost memory latency right after the CPU rounds (dependent random loads over 64 MiB): \
+             {latency:.0} ns. A handler interrupts a thread that ran other code for 10 ms, finds its \
+             memory cold and walks the stack as a chain of dependent loads, so its cost follows this \
+             figure.\n"
+        ));
         report.push_str(&format!(
-        "\nferroprof signal handler: {:.0} ns per sample (run medians of the per-run mean; of \
-         the per-run median: {:.0} ns) at a median {:.0} frames; \
-         {samples_m:.0} samples (ticks) per run; profiler CPU per sample ((sampler thread CPU + \
-         handler time) / samples): {:.1} us; the profiler's own CPU (sampler thread + handlers, kernel signal \
-         delivery excluded) = {:.2}% of the workload's CPU; whole-process CPU overhead / samples \
-         (includes kernel signal delivery and noise): {:.1} us; final serialization with \
-         symbolization at stop: {:.1} ms\n\n",
-        median(&mut handler),
-        median(&mut handler_median),
-        median(&mut frames),
-        median(&mut sampler_cost) / 1e3,
-        median(&mut own_share),
-        (cpu.median("ferroprof_cpu") - base_c) / samples_m.max(1.0) / 1e3,
-        median(&mut stop_ms)
-    ));
+            "\nferroprof signal handler: {:.0} ns per sample (run medians of the per-run mean; of \
+             the per-run median: {:.0} ns) at a median {:.0} frames; \
+             {samples_m:.0} samples (ticks) per run; profiler CPU per sample ((sampler thread CPU + \
+             handler time) / samples): {:.1} us; the profiler's own CPU (sampler thread + handlers, kernel signal \
+             delivery excluded) = {:.2}% of the workload's CPU; whole-process CPU overhead / samples \
+             (includes kernel signal delivery and noise): {:.1} us; final serialization with \
+             symbolization at stop: {:.1} ms\n\n",
+            median(&mut handler),
+            median(&mut handler_median),
+            median(&mut frames),
+            median(&mut sampler_cost) / 1e3,
+            median(&mut own_share),
+            (cpu.median("ferroprof_cpu") - base_c) / samples_m.max(1.0) / 1e3,
+            median(&mut stop_ms)
+        ));
     }
 
     // RSS right after start, and after a second of sampling.
