@@ -25,10 +25,10 @@
 # The difference column is against the row's base allocator (System or jemalloc). Then the
 # instructions inside memset (callgrind_annotate --inclusive=no, self cost) for System and
 # ferroprof(System) at 512 KiB, split by caller (calloc or elsewhere), so a calloc that zeroes
-# twice, or a buffer zeroed per sample, shows. Last, the cache lines one sample misses
-# (scripts/cache_lines.py over the System rows, run with callgrind's cache simulation): the
-# instruction count leaves out what makes a sample dear, the cold lines it touches and the
-# workload's lines it evicts, and unlike a timed run this count does not move with the load.
+# twice, or a buffer zeroed per sample, shows. Last, the cache lines one sample misses in the
+# profiler's code (scripts/cache_lines.py over the System rows, run with callgrind's cache
+# simulation): the instruction count leaves out what makes a sample dear, the cold lines it
+# touches, and unlike a timed run this count does not move with the load.
 # CPU and wall profiling are off in these programs (start_alloc_profiler): with the profiling
 # timers' signals callgrind 3.19 stops on an assertion (see scripts/malloc_cost.sh).
 # Needs: valgrind (callgrind, callgrind_annotate), cargo, python3; builds the examples in release.
@@ -153,9 +153,8 @@ for v in system fp_system; do
         "$(per "$calloc")" "$(per "$((total - calloc))")" "${other:-none}"
 done
 echo
-echo "Cache lines one sample misses (callgrind's cache simulation; ferroprof(System) 512 KiB"
-echo "against 1 PB, divided by its samples; a miss in code that also runs without the profiler is"
-echo "a line of the workload's the sample evicted):"
+echo "Cache lines one sample misses in the profiler's code (callgrind's cache simulation;"
+echo "ferroprof(System) 512 KiB against 1 PB, divided by its samples):"
 echo
 python3 "$ROOT/scripts/cache_lines.py" "$WORK/system.out" "$WORK/fp_system_pb.out" \
     "$WORK/fp_system.out" "$(samples fp_system)"
