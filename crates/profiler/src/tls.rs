@@ -146,8 +146,16 @@ pub(crate) fn current_stack_bounds() -> Option<(usize, usize)> {
 
 /// Stack bounds known for this thread, without computing them (async-signal-safe).
 pub(crate) fn known_stack_bounds() -> Option<(usize, usize)> {
-    let (lo, hi) = STATE.with(|s| (s.stack_lo.get(), s.stack_hi.get()));
-    (hi != 0).then_some((lo, hi))
+    STATE.with(ThreadState::known_stack_bounds)
+}
+
+impl ThreadState {
+    /// [`known_stack_bounds`] for a caller that holds the state already (one frame fewer in
+    /// a debug build, where every frame counts on a short stack).
+    pub(crate) fn known_stack_bounds(&self) -> Option<(usize, usize)> {
+        let (lo, hi) = (self.stack_lo.get(), self.stack_hi.get());
+        (hi != 0).then_some((lo, hi))
+    }
 }
 
 fn query_stack_bounds() -> Option<(usize, usize)> {

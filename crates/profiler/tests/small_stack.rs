@@ -195,14 +195,19 @@ fn small_stack_child() {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(if cfg!(debug_assertions) { 3072 } else { 768 });
-            let mut h = floor;
-            while h >= min {
+            // The last depth is `min` itself, whatever `floor` this machine's signal frame
+            // gives (stepping by 128 from it used to stop anywhere up to 127 bytes above).
+            let mut h = floor.max(min);
+            loop {
                 at_headroom(h, lo, &mut || {
                     for _ in 0..200 {
                         acc ^= work(1, true);
                     }
                 });
-                h -= 128;
+                if h == min {
+                    break;
+                }
+                h = h.saturating_sub(128).max(min);
             }
             println!("top_headroom={top}");
             acc

@@ -511,6 +511,20 @@ fn alloc_slow(
         }
     }
     s.countdown.set(draw_countdown(s, interval));
+    // The headroom check comes here, not in `sample`: the guard, keep mode and `sample`'s own
+    // frames in between take about a KiB of the thread's stack in a debug build, and a thread
+    // short of stack overflowed on the way to a later check (`tests/small_stack.rs`). Known
+    // once the thread's first sample learned the bounds (on a spare stack, see `sample`).
+    let room = s
+        .known_stack_bounds()
+        .and_then(|b| unwind::headroom(unwind::current_sp(), Some(b)))
+        .map(|r| r.saturating_sub(SAMPLE_FRAMES));
+    // The headroom first: borrowing a spare stack takes frames of its own (over a KiB in a
+    // debug build), which a thread this short of stack does not have.
+    if room.is_some_and(|r| r < unwind::ALLOC_STACK_NEED) {
+        unwind::count_skipped_low_stack();
+        return;
+    }
     let w = sample_weight(size as u64, interval);
     let weight = stochastic_round(s, w);
     // `as` saturates: an absurd size cannot wrap to a negative estimate.
@@ -523,8 +537,13 @@ fn alloc_slow(
         entry_sp,
         regs,
     };
-    tls::with_guard(|| keep::with(|| sample(job)));
+    tls::with_guard(|| keep::with(|| sample(job, room)));
 }
+
+/// Stack the frames from [`alloc_slow`]'s headroom check down to [`sample`]'s body may take
+/// (the guard, keep mode, their closures and `sample`'s frame): 912 bytes measured in a debug
+/// build (`tests/small_stack.rs`), a few dozen in a release one, where they are inlined.
+const SAMPLE_FRAMES: u64 = if cfg!(debug_assertions) { 1280 } else { 256 };
 
 /// `1 / (1 - exp(-size / interval))`: the inverse of the probability that an allocation of
 /// `size` bytes contains a sampling point.
@@ -590,16 +609,8 @@ fn draw_countdown(s: &ThreadState, interval: u64) -> i64 {
 /// which a thread with a small stack may not have. This thread's stack only holds the frames
 /// down to here and the switch; a thread short of that skips the sample (counted).
 #[inline(never)]
-fn sample(job: Job) {
-    // Known once the thread's first sample learned them (on the spare stack, below).
-    let room =
-        tls::known_stack_bounds().and_then(|b| unwind::headroom(unwind::current_sp(), Some(b)));
-    // The headroom first: borrowing a spare stack takes frames of its own (over a KiB in a
-    // debug build), which a thread this short of stack does not have.
-    if room.is_some_and(|r| r < unwind::ALLOC_STACK_NEED) {
-        unwind::count_skipped_low_stack();
-        return;
-    }
+fn sample(job: Job, room: Option<u64>) {
+    // `room`: the thread's headroom here, checked by `alloc_slow` (`None`: bounds not known).
     match (room, unwind::Spare::borrow()) {
         (_, Some(mut spare)) => {
             spare.run(|s| job.run(Some(s)));
