@@ -96,8 +96,8 @@ memset_callers() {
 samples() { sed -n 's/.*samples=\([0-9]*\).*/\1/p' "$WORK/$1.result"; }
 
 # The System rows also simulate the caches (instruction counts are the same with it): a
-# first level of 32 KiB and a last level of 512 KiB, 8-way, 64-byte lines, like this kind of
-# machine's L1d and L2, for the cache lines a sample misses (see cache_lines.py).
+# first level of 32 KiB and a last level of 512 KiB, 8-way, 64-byte lines (an AMD EPYC core's
+# L1d and L2), for the cache lines a sample misses (see cache_lines.py).
 CACHE_SIM="--cache-sim=yes --D1=32768,8,64 --LL=524288,8,64"
 system=$(count system alloc_system)
 fp_system=$(count fp_system alloc_ferroprof)
