@@ -1190,7 +1190,20 @@ mod tests {
     /// in one batch and one at a time, and through addr2line's context over the whole object;
     /// asserts all read the same, and returns (addresses compared, with lines, with inlined
     /// frames, resolved through the index read from `.debug_aranges`).
+    /// Inlined even in a debug build (the always-inliner runs at every optimization level).
+    #[inline(always)]
+    fn an_inlined_leaf(x: u64) -> u64 {
+        std::hint::black_box(x).wrapping_mul(3) ^ 0x5a
+    }
+
+    /// A call site of an inlined function: [`compare_with_addr2line`] probes inside it.
+    #[inline(never)]
+    fn calls_an_inlined_leaf(x: u64) -> u64 {
+        an_inlined_leaf(x).wrapping_add(1)
+    }
+
     fn compare_with_addr2line(obj: &LoadedObject) -> [usize; 4] {
+        std::hint::black_box(calls_an_inlined_leaf(std::hint::black_box(1)));
         // Four loads: the full index (and addr2line) inflate compressed sections whole, the
         // batch side anew with only the parts its units need, the `.debug_aranges` side anew
         // with only its units' (as far as the stream goes to reach them).
@@ -1215,6 +1228,21 @@ mod tests {
             .take(1500)
             .flat_map(|(k, &at)| [at, at + 1 + (k as u64 % 13)])
             .collect();
+        // Symbol starts and the bytes after them seldom fall in inlined code, and a debug build
+        // inlines little: which symbols the step above picks moves with every change to the
+        // binary, and some picks held no inlined frame at all. An address inside the inlined
+        // call of `calls_an_inlined_leaf`, found by asking the reference, always does.
+        let inlined = named
+            .iter()
+            .find(|s| s.1.contains("calls_an_inlined_leaf"))
+            .and_then(|&(at, _)| {
+                (at..at + 512).find(|&p| reference_frames(&ctx, &mut d, p).len() > 1)
+            });
+        assert!(
+            inlined.is_some(),
+            "no inlined frame in calls_an_inlined_leaf"
+        );
+        probes.extend(inlined);
         probes.sort_unstable();
         probes.dedup();
         let batch = d.resolve_all(&probes, Some(&index));
