@@ -513,14 +513,12 @@ fn alloc_slow(
     s.countdown.set(draw_countdown(s, interval));
     // The headroom check comes here, not in `sample`: the guard, keep mode and `sample`'s own
     // frames in between take about a KiB of the thread's stack in a debug build, and a thread
-    // short of stack overflowed on the way to a later check (`tests/small_stack.rs`). Known
-    // once the thread's first sample learned the bounds (on a spare stack, see `sample`).
+    // short of stack overflowed on the way to a later check (`tests/small_stack.rs`). The
+    // bounds are known once the thread's first sample learned them (on a spare stack).
     let room = s
         .known_stack_bounds()
         .and_then(|b| unwind::headroom(unwind::current_sp(), Some(b)))
         .map(|r| r.saturating_sub(SAMPLE_FRAMES));
-    // The headroom first: borrowing a spare stack takes frames of its own (over a KiB in a
-    // debug build), which a thread this short of stack does not have.
     if room.is_some_and(|r| r < unwind::ALLOC_STACK_NEED) {
         unwind::count_skipped_low_stack();
         return;

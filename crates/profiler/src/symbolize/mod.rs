@@ -1186,10 +1186,6 @@ mod tests {
             })
     }
 
-    /// Resolves addresses of `obj` (symbols and points inside them) by walking their units, all
-    /// in one batch and one at a time, and through addr2line's context over the whole object;
-    /// asserts all read the same, and returns (addresses compared, with lines, with inlined
-    /// frames, resolved through the index read from `.debug_aranges`).
     /// Inlined even in a debug build (the always-inliner runs at every optimization level).
     #[inline(always)]
     fn an_inlined_leaf(x: u64) -> u64 {
@@ -1202,6 +1198,10 @@ mod tests {
         an_inlined_leaf(x).wrapping_add(1)
     }
 
+    /// Resolves addresses of `obj` (symbols and points inside them) by walking their units, all
+    /// in one batch and one at a time, and through addr2line's context over the whole object;
+    /// asserts all read the same, and returns (addresses compared, with lines, with inlined
+    /// frames, resolved through the index read from `.debug_aranges`).
     fn compare_with_addr2line(obj: &LoadedObject) -> [usize; 4] {
         std::hint::black_box(calls_an_inlined_leaf(std::hint::black_box(1)));
         // Four loads: the full index (and addr2line) inflate compressed sections whole, the
